@@ -1,0 +1,286 @@
+"""ModelConfig: the GLM-5.3-Flash (`glm5_next`) text-tower configuration, read from `config.json`.
+
+Accepts the release style (nested `text_config`, `linear_attn_config`, `layer_types` with
+`deepseek_sparse_attention`, `mlp_layer_types`/`first_k_dense_replace`, `hc_*`, MTP fields,
+`quantization_config`) and the flat text-only style. Values the engine does not implement raise
+`UnsupportedConfigError` naming the field, instead of silently computing something else.
+Derived values are properties; nothing is written back.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+KDA = "kda"
+DSA = "dsa"
+DENSE = "dense"
+MOE = "moe"
+
+_ATTN_TYPES = {
+    "linear_attention": KDA,
+    "deepseek_sparse_attention": DSA,
+    "indexed_attention": DSA,
+    "full_attention": DSA,
+}
+_MLP_TYPES = {"dense": DENSE, "sparse": MOE, "moe": MOE}
+
+
+class UnsupportedConfigError(ValueError):
+    """A config value this engine cannot serve faithfully."""
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    moe_intermediate_size: int
+    num_hidden_layers: int
+    layer_types: tuple[str, ...]  # KDA | DSA per trunk layer
+    mlp_layer_types: tuple[str, ...]  # DENSE | MOE per trunk layer
+    num_attention_heads: int
+    q_lora_rank: int
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    v_head_dim: int
+    index_n_heads: int
+    index_head_dim: int
+    index_topk: int
+    index_kpool: int
+    linear_num_heads: int
+    linear_head_dim: int
+    linear_conv_kernel: int
+    linear_lower_bound: float | None  # None: softplus gate instead of the bounded sigmoid gate
+    n_routed_experts: int
+    num_experts_per_tok: int
+    n_shared_experts: int
+    routed_scaling_factor: float
+    norm_topk_prob: bool
+    swiglu_limit: float
+    hc_mult: int
+    hc_eps: float
+    hc_sinkhorn_iters: int
+    rms_norm_eps: float
+    max_position_embeddings: int
+    num_nextn_predict_layers: int
+    dtype: str = "bfloat16"
+    eos_token_ids: tuple[int, ...] = ()
+    pad_token_id: int | None = None
+    has_vision: bool = False
+    fp8_block_size: tuple[int, int] | None = None  # official FP8 release: (128, 128) block scales
+    raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
+
+    # ----- derived -----
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim
+
+    @property
+    def softmax_scale(self) -> float:
+        return self.qk_head_dim**-0.5
+
+    @property
+    def kda_layers(self) -> tuple[int, ...]:
+        return tuple(i for i, t in enumerate(self.layer_types) if t == KDA)
+
+    @property
+    def dsa_layers(self) -> tuple[int, ...]:
+        return tuple(i for i, t in enumerate(self.layer_types) if t == DSA)
+
+    @property
+    def linear_dim(self) -> int:
+        """Width of each of the KDA q, k, v projections (heads x head_dim)."""
+        return self.linear_num_heads * self.linear_head_dim
+
+    @property
+    def index_pool_budget(self) -> int:
+        """Number of complete pools the indexer keeps per query (index_topk / index_kpool)."""
+        return self.index_topk // self.index_kpool
+
+    @property
+    def has_mtp(self) -> bool:
+        return self.num_nextn_predict_layers > 0
+
+    @property
+    def mtp_layer_id(self) -> int:
+        """Checkpoint layer index of the MTP layer (it sits on top of the trunk)."""
+        return self.num_hidden_layers
+
+    # ----- construction -----
+    @classmethod
+    def from_hf(cls, config: dict[str, Any]) -> ModelConfig:
+        """Build from a `config.json` dict (release nested style or flat text-only style)."""
+        if not isinstance(config, dict):
+            raise TypeError(f"config must be a dict, got {type(config).__name__}")
+        text = config.get("text_config")
+        if text is None:
+            text = config  # flat style: text fields at the top level
+        elif not isinstance(text, dict):
+            raise UnsupportedConfigError("text_config must be an object")
+        merged = {**text}
+        for key in ("eos_token_id", "pad_token_id", "quantization_config", "dtype", "torch_dtype"):
+            if key not in merged and key in config:
+                merged[key] = config[key]
+        has_vision = config.get("vision_config") is not None
+        return cls._from_text(merged, raw=config, has_vision=has_vision)
+
+    @classmethod
+    def _from_text(cls, t: dict[str, Any], raw: dict[str, Any], has_vision: bool) -> ModelConfig:
+        def get(key: str, default: Any) -> Any:
+            value = t.get(key, default)
+            return default if value is None else value
+
+        _require(get("qk_rope_head_dim", 0) == 0, "qk_rope_head_dim", t.get("qk_rope_head_dim"),
+                 "GLM-5.3-Flash attention is NoPE; a rope dimension > 0 is not supported")
+        n_heads = int(get("num_attention_heads", 64))
+        _require(get("num_key_value_heads", n_heads) == n_heads, "num_key_value_heads",
+                 t.get("num_key_value_heads"), "must equal num_attention_heads (MLA)")
+        _require(get("scoring_func", "sigmoid") == "sigmoid", "scoring_func", t.get("scoring_func"),
+                 "only sigmoid routing is implemented")
+        _require(get("topk_method", "noaux_tc") == "noaux_tc", "topk_method", t.get("topk_method"),
+                 "only noaux_tc routing is implemented")
+        _require(get("n_group", 1) == 1 and get("topk_group", 1) == 1, "n_group/topk_group",
+                 (t.get("n_group"), t.get("topk_group")), "grouped routing is not implemented")
+        _require(get("hidden_act", "silu") == "silu", "hidden_act", t.get("hidden_act"),
+                 "only silu is implemented")
+        _require(get("index_kpool_always_select_tail", True) is True,
+                 "index_kpool_always_select_tail", t.get("index_kpool_always_select_tail"),
+                 "the open pool is always attended")
+        _require(get("index_kpool_compress", True) is True, "index_kpool_compress",
+                 t.get("index_kpool_compress"), "only softmax-weighted pooling is implemented")
+        _require(get("mhc", True) is True, "mhc", t.get("mhc"),
+                 "only the mHC residual is implemented")
+        _require(get("attention_bias", False) is False, "attention_bias", t.get("attention_bias"),
+                 "attention projections have no bias")
+        _require(get("mla_use_nope", True) is True, "mla_use_nope", t.get("mla_use_nope"),
+                 "attention is NoPE")
+
+        num_layers = int(get("num_hidden_layers", 45))
+        layer_types = _layer_types(t, num_layers)
+        mlp_types = _mlp_layer_types(t, num_layers)
+        indexer_types = t.get("indexer_types")
+        if indexer_types is not None and any(x != "full" for x in indexer_types):
+            raise UnsupportedConfigError(
+                f"indexer_types={indexer_types!r}: only 'full' (every DSA layer runs its indexer)")
+        if t.get("index_topk_freq", 1) not in (None, 1) or t.get("index_topk_pattern") is not None:
+            raise UnsupportedConfigError("shared-indexer schedules (index_topk_freq/pattern)")
+
+        linear = t.get("linear_attn_config") or {}
+        lower_bound = linear.get("gate_lower_bound", t.get("linear_lower_bound", -5.0))
+        if lower_bound is None and linear.get("safe_gate", True) and "linear_attn_config" in t:
+            lower_bound = -5.0  # same default rule as the reference implementation
+
+        index_topk = int(get("index_topk", 2048))
+        index_kpool = int(get("index_kpool", 4))
+        _require(index_kpool >= 1 and index_topk % index_kpool == 0, "index_topk/index_kpool",
+                 (index_topk, index_kpool), "index_topk must be a positive multiple of index_kpool")
+        n_experts = int(get("n_routed_experts", get("num_local_experts", 288)))
+        top_k = int(get("num_experts_per_tok", 8))
+        _require(0 < top_k <= n_experts, "num_experts_per_tok", top_k,
+                 "must be in 1..n_routed_experts")
+
+        eos = t.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+        dtype = str(t.get("dtype") or t.get("torch_dtype") or "bfloat16")
+        _require(dtype in ("bfloat16", "float16", "float32"), "dtype", dtype,
+                 "expected bfloat16, float16 or float32")
+
+        return cls(
+            vocab_size=int(get("vocab_size", 154880)),
+            hidden_size=int(get("hidden_size", 4096)),
+            intermediate_size=int(get("intermediate_size", 12288)),
+            moe_intermediate_size=int(get("moe_intermediate_size", 2048)),
+            num_hidden_layers=num_layers,
+            layer_types=layer_types,
+            mlp_layer_types=mlp_types,
+            num_attention_heads=n_heads,
+            q_lora_rank=int(get("q_lora_rank", 1536)),
+            kv_lora_rank=int(get("kv_lora_rank", 512)),
+            qk_nope_head_dim=int(get("qk_nope_head_dim", 256)),
+            v_head_dim=int(get("v_head_dim", 256)),
+            index_n_heads=int(get("index_n_heads", 32)),
+            index_head_dim=int(get("index_head_dim", 128)),
+            index_topk=index_topk,
+            index_kpool=index_kpool,
+            linear_num_heads=int(linear.get("num_heads", get("linear_num_heads", 64))),
+            linear_head_dim=int(linear.get("head_dim", get("linear_head_dim", 128))),
+            linear_conv_kernel=int(
+                linear.get("short_conv_kernel_size", get("linear_conv_kernel_dim", 4))),
+            linear_lower_bound=None if lower_bound is None else float(lower_bound),
+            n_routed_experts=n_experts,
+            num_experts_per_tok=top_k,
+            n_shared_experts=int(get("n_shared_experts", 1)),
+            routed_scaling_factor=float(get("routed_scaling_factor", 2.5)),
+            norm_topk_prob=bool(get("norm_topk_prob", True)),
+            swiglu_limit=float(get("swiglu_limit", 10.0)),
+            hc_mult=int(get("hc_mult", 4)),
+            hc_eps=float(get("hc_eps", 1e-6)),
+            hc_sinkhorn_iters=int(get("hc_sinkhorn_iters", 20)),
+            rms_norm_eps=float(get("rms_norm_eps", 1e-5)),
+            max_position_embeddings=int(get("max_position_embeddings", 1048576)),
+            num_nextn_predict_layers=int(get("num_nextn_predict_layers", 0)),
+            dtype=dtype,
+            eos_token_ids=eos_ids,
+            pad_token_id=t.get("pad_token_id"),
+            has_vision=has_vision,
+            fp8_block_size=_fp8_block_size(t.get("quantization_config")),
+            raw=raw,
+        )
+
+
+def _require(ok: bool, name: str, value: Any, why: str) -> None:
+    if not ok:
+        raise UnsupportedConfigError(f"unsupported config value {name}={value!r}: {why}")
+
+
+def _layer_types(t: dict[str, Any], num_layers: int) -> tuple[str, ...]:
+    names = t.get("layer_types")
+    if names is None:  # release default: DSA iff i % 4 == 3
+        return tuple(DSA if i % 4 == 3 else KDA for i in range(num_layers))
+    if len(names) != num_layers:
+        raise UnsupportedConfigError(
+            f"layer_types has {len(names)} entries for num_hidden_layers={num_layers}")
+    unknown = sorted({n for n in names if n not in _ATTN_TYPES})
+    if unknown:
+        raise UnsupportedConfigError(f"unknown layer_types {unknown}; known: {sorted(_ATTN_TYPES)}")
+    return tuple(_ATTN_TYPES[n] for n in names)
+
+
+def _mlp_layer_types(t: dict[str, Any], num_layers: int) -> tuple[str, ...]:
+    names = t.get("mlp_layer_types")
+    if names is None:
+        first_dense = t.get("first_k_dense_replace")
+        first_dense = min(3, num_layers) if first_dense is None else int(first_dense)
+        return tuple(DENSE if i < first_dense else MOE for i in range(num_layers))
+    if len(names) != num_layers:
+        raise UnsupportedConfigError(
+            f"mlp_layer_types has {len(names)} entries for num_hidden_layers={num_layers}")
+    unknown = sorted({n for n in names if n not in _MLP_TYPES})
+    if unknown:
+        raise UnsupportedConfigError(f"unknown mlp_layer_types {unknown}; known: dense, sparse")
+    first_dense = t.get("first_k_dense_replace")
+    if first_dense is not None:
+        expected = tuple(DENSE if i < first_dense else MOE for i in range(num_layers))
+        if tuple(_MLP_TYPES[n] for n in names) != expected:
+            raise UnsupportedConfigError(
+                f"mlp_layer_types disagrees with first_k_dense_replace={first_dense}")
+    return tuple(_MLP_TYPES[n] for n in names)
+
+
+def _fp8_block_size(quant: dict[str, Any] | None) -> tuple[int, int] | None:
+    if not quant:
+        return None
+    method = quant.get("quant_method")
+    if method != "fp8":
+        raise UnsupportedConfigError(f"quantization_config.quant_method={method!r}: only fp8")
+    fmt = quant.get("fmt", "e4m3")
+    if fmt != "e4m3":
+        raise UnsupportedConfigError(f"quantization_config.fmt={fmt!r}: only e4m3")
+    if quant.get("activation_scheme", "dynamic") != "dynamic":
+        raise UnsupportedConfigError("quantization_config.activation_scheme: only dynamic")
+    block = quant.get("weight_block_size")
+    if not block or len(block) != 2:
+        raise UnsupportedConfigError(
+            f"quantization_config.weight_block_size={block!r}: block-scaled fp8 needs [rows, cols]")
+    return int(block[0]), int(block[1])

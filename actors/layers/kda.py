@@ -1,0 +1,59 @@
+"""KDA (Kimi Delta Attention) layer with separate q/k/v short convs and the bounded decay gate.
+
+Owns only the projections; the conv, gate, recurrence and gated norm are kernel calls over the
+flat varlen batch, reading and writing this layer's state slots.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from glm53.kernels import ops
+
+from ..caches import KDAState
+from ..config import ModelConfig
+from ..forward_batch import ForwardBatch
+from .linear import Linear
+from .norm import RMSNorm
+
+
+class KDAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        d, width, rank = cfg.hidden_size, cfg.linear_dim, cfg.linear_head_dim
+        self.num_heads, self.head_dim = cfg.linear_num_heads, cfg.linear_head_dim
+        self.q_proj = Linear(d, width)
+        self.k_proj = Linear(d, width)
+        self.v_proj = Linear(d, width)
+        # q|k|v depthwise conv taps stacked along channels (checkpoint: q/k/v_conv1d [C, 1, K]);
+        # fp32 like the reference implementation.
+        self.conv_weight = nn.Parameter(
+            torch.empty(3 * width, cfg.linear_conv_kernel, dtype=torch.float32))
+        self.f_a_proj = Linear(d, rank)
+        self.f_b_proj = Linear(rank, width)
+        self.dt_bias = nn.Parameter(torch.empty(width, dtype=torch.float32))
+        self.A_log = nn.Parameter(torch.empty(self.num_heads, dtype=torch.float32))
+        self.b_proj = Linear(d, self.num_heads)
+        self.g_a_proj = Linear(d, rank)
+        self.g_b_proj = Linear(rank, width)
+        self.o_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)  # weight only: gated norm below
+        self.o_proj = Linear(width, d)
+        self.lower_bound = cfg.linear_lower_bound
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, state: KDAState) -> torch.Tensor:
+        """x: [T, D] (normed block input) -> [T, D]."""
+        n_tok = x.shape[0]
+        heads = (n_tok, self.num_heads, self.head_dim)
+        mixed = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
+        mixed = ops.causal_conv1d(mixed, self.conv_weight, state.conv, batch.cu_seqlens,
+                                  batch.state_ids, batch.has_initial_state)
+        q, k, v = (t.reshape(heads) for t in mixed.chunk(3, dim=-1))
+        g = ops.kda_gate(self.f_b_proj(self.f_a_proj(x)), self.dt_bias, self.A_log,
+                         self.lower_bound)
+        beta = torch.sigmoid(self.b_proj(x).float())
+        o = ops.kda_attention(q, k, v, g, beta, state.recurrent, batch.cu_seqlens,
+                              batch.state_ids, batch.has_initial_state)
+        gate = self.g_b_proj(self.g_a_proj(x)).reshape(heads)
+        o = ops.gated_rms_norm(o, gate, self.o_norm.weight, self.o_norm.eps)
+        return self.o_proj(o.reshape(n_tok, -1))

@@ -1,0 +1,29 @@
+"""mHC site: the projection that mixes the residual streams around one block (attn or FFN)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from glm53.kernels import ops
+
+from ..config import ModelConfig
+
+
+class HyperConnection(nn.Module):
+    """Parameters `fn` [(2+n)n, n*D], `base` [(2+n)n], `scale` [3], all fp32."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        n = cfg.hc_mult
+        self.fn = nn.Parameter(torch.empty((2 + n) * n, n * cfg.hidden_size, dtype=torch.float32))
+        self.base = nn.Parameter(torch.empty((2 + n) * n, dtype=torch.float32))
+        self.scale = nn.Parameter(torch.empty(3, dtype=torch.float32))
+        self.rms_eps = cfg.rms_norm_eps
+        self.hc_eps = cfg.hc_eps
+        self.iters = cfg.hc_sinkhorn_iters
+
+    def forward(self, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """streams [T, n, D] -> (post [T, n], comb [T, n, n], block input [T, D])."""
+        return ops.hc_pre(streams, self.fn, self.base, self.scale, self.rms_eps, self.hc_eps,
+                          self.iters)

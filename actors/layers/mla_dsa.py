@@ -1,0 +1,82 @@
+"""KPool-DSA layer: NoPE MLA whose queries attend a sparse token set chosen by the KPool indexer.
+
+Only the 512-wide latent `c` is cached per token; attention runs in the absorbed form
+(q_h W_UK[h] against c, then W_UV[h]), i.e. multi-head attention over one shared key=value.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from glm53.kernels import ops
+
+from ..caches import DSAState
+from ..config import ModelConfig
+from ..forward_batch import ForwardBatch
+from .linear import Linear
+from .norm import RMSNorm
+
+
+class KPoolIndexer(nn.Module):
+    """Scores 4-token pools of softmax-pooled keys and returns each query's attended tokens."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        d, hd = cfg.hidden_size, cfg.index_head_dim
+        self.n_heads, self.head_dim = cfg.index_n_heads, hd
+        self.wq_b = Linear(cfg.q_lora_rank, self.n_heads * hd)
+        self.wk = Linear(d, hd)
+        self.k_norm = nn.LayerNorm(hd, eps=1e-6)
+        self.weights_proj = Linear(d, self.n_heads)
+        self.index_kpool_compress_gate = nn.Parameter(torch.empty(hd, d))
+        self.index_kpool_compress_ape = nn.Parameter(
+            torch.empty(cfg.index_kpool, hd, dtype=torch.float32))
+        self.pool_budget, self.kpool = cfg.index_pool_budget, cfg.index_kpool
+
+    def forward(self, x: torch.Tensor, q_resid: torch.Tensor, batch: ForwardBatch,
+                state: DSAState) -> torch.Tensor:
+        """x: [T, D]; q_resid: [T, q_lora_rank]. Returns token positions [T, W] (-1 = unused)."""
+        q = self.wq_b(q_resid).view(-1, self.n_heads, self.head_dim)
+        k = self.k_norm(self.wk(x))
+        pool_logits = F.linear(x, self.index_kpool_compress_gate)
+        # fp32 head weights: bf16 error can flip near-tie pool rankings (vLLM does the same)
+        w = F.linear(x.float(), self.weights_proj.weight.float()) * self.n_heads**-0.5
+        ops.indexer_update(k, pool_logits, self.index_kpool_compress_ape, state.open_rows,
+                           state.pool_keys, batch.positions, batch.slot_mapping, batch.cu_seqlens,
+                           batch.state_ids)
+        return ops.indexer_topk(q, w, state.pool_keys, batch.block_tables, batch.query_seq,
+                                batch.positions, self.pool_budget, self.kpool)
+
+
+class DSAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        d, h = cfg.hidden_size, cfg.num_attention_heads
+        self.num_heads, self.qk_dim, self.v_dim = h, cfg.qk_head_dim, cfg.v_head_dim
+        self.kv_rank = cfg.kv_lora_rank
+        self.q_a_proj = Linear(d, cfg.q_lora_rank)
+        self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps)
+        self.q_b_proj = Linear(cfg.q_lora_rank, h * self.qk_dim)
+        self.kv_a_proj_with_mqa = Linear(d, cfg.kv_lora_rank)
+        self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, cfg.rms_norm_eps)
+        self.kv_b_proj = Linear(cfg.kv_lora_rank, h * (self.qk_dim + self.v_dim))
+        self.o_proj = Linear(h * self.v_dim, d)
+        self.indexer = KPoolIndexer(cfg)
+        self.scale = cfg.softmax_scale
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, state: DSAState) -> torch.Tensor:
+        """x: [T, D] (normed block input) -> [T, D]."""
+        q_resid = self.q_a_layernorm(self.q_a_proj(x))
+        q = self.q_b_proj(q_resid).view(-1, self.num_heads, self.qk_dim)
+        latent = self.kv_a_layernorm(self.kv_a_proj_with_mqa(x))
+        ops.store_rows(latent, state.latent, batch.slot_mapping)
+        tokens = self.indexer(x, q_resid, batch, state)
+        w_kv = self.kv_b_proj.weight.view(self.num_heads, self.qk_dim + self.v_dim, self.kv_rank)
+        w_uk, w_uv = w_kv[:, : self.qk_dim], w_kv[:, self.qk_dim:]
+        q_latent = torch.einsum("thd,hdc->thc", q, w_uk)
+        u = ops.sparse_mla_attention(q_latent, state.latent, batch.block_tables, batch.query_seq,
+                                     tokens, self.scale)
+        out = torch.einsum("thc,hvc->thv", u, w_uv)
+        return self.o_proj(out.reshape(out.shape[0], -1))

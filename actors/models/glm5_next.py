@@ -1,0 +1,116 @@
+"""GLM-5.3-Flash text model (`Glm5NextForConditionalGeneration`, language tower) and its MTP layer.
+
+The trunk is a stack of mHC decoder layers (KDA or KPool-DSA attention; dense or MoE FFN) over
+`hc_mult` residual streams, run on a flat varlen batch with explicit caches. `forward` returns
+the final-normed hidden states; `compute_logits` applies the untied lm_head to chosen rows.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from glm53.kernels import ops
+
+from ..caches import DSAState, KDAState, ModelCaches
+from ..config import DENSE, KDA, ModelConfig
+from ..forward_batch import ForwardBatch
+from ..layers.kda import KDAttention
+from ..layers.linear import Embedding, Linear
+from ..layers.mhc import HyperConnection
+from ..layers.mla_dsa import DSAttention
+from ..layers.moe import MLP, MoE
+from ..layers.norm import RMSNorm
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_id: int) -> None:
+        super().__init__()
+        d = cfg.hidden_size
+        self.is_kda = cfg.layer_types[layer_id] == KDA
+        self.self_attn = KDAttention(cfg) if self.is_kda else DSAttention(cfg)
+        self.mlp = (MLP(d, cfg.intermediate_size, cfg.swiglu_limit)
+                    if cfg.mlp_layer_types[layer_id] == DENSE else MoE(cfg))
+        self.input_layernorm = RMSNorm(d, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(d, cfg.rms_norm_eps)
+        self.attn_hc = HyperConnection(cfg)
+        self.ffn_hc = HyperConnection(cfg)
+
+    def forward(self, streams: torch.Tensor, batch: ForwardBatch,
+                state: KDAState | DSAState) -> torch.Tensor:
+        """streams: [T, n, D] -> [T, n, D]."""
+        post, comb, x = self.attn_hc(streams)
+        y = self.self_attn(self.input_layernorm(x), batch, state)
+        streams = ops.hc_post(streams, y, post, comb)
+        post, comb, x = self.ffn_hc(streams)
+        y = self.mlp(self.post_attention_layernorm(x))
+        return ops.hc_post(streams, y, post, comb)
+
+
+class MTPLayer(nn.Module):
+    """Multi-token-prediction layer (checkpoint layer index = num_hidden_layers).
+
+    A plain pre-norm residual block (no mHC) with its own DSA attention and MoE, fed by
+    eh_proj([enorm(embed(next token)); hnorm(previous hidden)]). Shares embed_tokens and lm_head
+    with the trunk.
+    """
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        d, eps = cfg.hidden_size, cfg.rms_norm_eps
+        self.enorm = RMSNorm(d, eps)
+        self.hnorm = RMSNorm(d, eps)
+        self.eh_proj = Linear(2 * d, d)
+        self.input_layernorm = RMSNorm(d, eps)
+        self.self_attn = DSAttention(cfg)
+        self.post_attention_layernorm = RMSNorm(d, eps)
+        self.mlp = MoE(cfg)
+        self.shared_head_norm = RMSNorm(d, eps)
+
+    def forward(self, prev_hidden: torch.Tensor, next_embeds: torch.Tensor,
+                batch: ForwardBatch, state: DSAState) -> torch.Tensor:
+        """prev_hidden: [T, D] hidden after the final norm at position t (or the previous MTP
+        output); next_embeds: [T, D] embedding of token t+1. Returns the MTP hidden [T, D]."""
+        # the embedding input is zeroed at sequence position 0 (as in the reference runtime)
+        e = next_embeds.masked_fill((batch.positions == 0).unsqueeze(-1), 0.0)
+        f = self.eh_proj(torch.cat([self.enorm(e), self.hnorm(prev_hidden)], dim=-1))
+        a = f + self.self_attn(self.input_layernorm(f), batch, state)
+        return self.shared_head_norm(a + self.mlp(self.post_attention_layernorm(a)))
+
+
+class Glm5NextForCausalLM(nn.Module):
+    """Language tower of GLM-5.3-Flash; `with_mtp` adds the MTP layer."""
+
+    def __init__(self, cfg: ModelConfig, with_mtp: bool = False) -> None:
+        super().__init__()
+        if with_mtp and not cfg.has_mtp:
+            raise ValueError("the config declares no MTP layer (num_nextn_predict_layers == 0)")
+        self.config = cfg
+        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size)
+        self.mtp = MTPLayer(cfg) if with_mtp else None
+
+    @torch.inference_mode()
+    def forward(self, token_ids: torch.Tensor, batch: ForwardBatch,
+                caches: ModelCaches) -> torch.Tensor:
+        """token_ids: [T] -> final-normed hidden states [T, D]."""
+        x = self.embed_tokens(token_ids)
+        streams = x.unsqueeze(1).expand(-1, self.config.hc_mult, -1).contiguous()
+        for layer, state in zip(self.layers, caches.layers, strict=True):
+            streams = layer(streams, batch, state)
+        return self.norm(streams.mean(dim=1))
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden: [R, D] -> logits [R, vocab] in fp32."""
+        return self.lm_head(hidden).float()
+
+    @torch.inference_mode()
+    def forward_mtp(self, prev_hidden: torch.Tensor, next_token_ids: torch.Tensor,
+                    batch: ForwardBatch, caches: ModelCaches) -> torch.Tensor:
+        """One MTP draft pass: prev_hidden [T, D], next_token_ids [T] -> MTP hidden [T, D]."""
+        if self.mtp is None or caches.mtp is None:
+            raise RuntimeError("model or caches were built without the MTP layer")
+        return self.mtp(prev_hidden, self.embed_tokens(next_token_ids), batch, caches.mtp)

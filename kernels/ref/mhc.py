@@ -1,0 +1,56 @@
+"""Reference mHC (manifold-constrained hyper-connections) for the 4 residual streams.
+
+`hc_pre` computes one site's coefficients (pre / post / Sinkhorn-normalised comb) and the collapsed
+block input; `hc_post` expands a block output back into the streams. Coefficients are per token.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def hc_pre(
+    streams: torch.Tensor,
+    fn: torch.Tensor,
+    base: torch.Tensor,
+    scale: torch.Tensor,
+    rms_eps: float,
+    hc_eps: float,
+    sinkhorn_iters: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One mHC site.
+
+    streams: [T, n, D]; fn: [(2+n)*n, n*D]; base: [(2+n)*n]; scale: [3].
+    Returns post [T, n] fp32, comb [T, n, n] fp32 (comb[i, j]: stream i -> output stream j),
+    collapsed [T, D] in streams' dtype.
+    """
+    n = streams.shape[1]
+    flat = streams.reshape(streams.shape[0], -1).float()
+    flat = flat * torch.rsqrt(flat.square().mean(-1, keepdim=True) + rms_eps)
+    mixed = flat @ fn.float().t()
+    pre_w, post_w, comb_w = mixed.split([n, n, n * n], dim=-1)
+    pre_b, post_b, comb_b = base.float().split([n, n, n * n])
+    s = scale.float()
+    pre = torch.sigmoid(pre_w * s[0] + pre_b) + hc_eps
+    post = 2.0 * torch.sigmoid(post_w * s[1] + post_b)
+    comb = torch.softmax(comb_w.view(-1, n, n) * s[2] + comb_b.view(n, n), dim=-1) + hc_eps
+    # Sinkhorn-Knopp towards a doubly-stochastic matrix: a column pass, then (row, column) pairs.
+    comb = comb / (comb.sum(dim=-2, keepdim=True) + hc_eps)
+    for _ in range(sinkhorn_iters - 1):
+        comb = comb / (comb.sum(dim=-1, keepdim=True) + hc_eps)
+        comb = comb / (comb.sum(dim=-2, keepdim=True) + hc_eps)
+    collapsed = (pre.unsqueeze(-1) * streams).sum(dim=1).to(streams.dtype)
+    return post, comb, collapsed
+
+
+def hc_post(
+    streams: torch.Tensor, block_out: torch.Tensor, post: torch.Tensor, comb: torch.Tensor
+) -> torch.Tensor:
+    """Expand a block output into the streams: X'[j] = post[j] * y + sum_i comb[i, j] * X[i].
+
+    streams: [T, n, D]; block_out: [T, D]; post: [T, n]; comb: [T, n, n]. Returns [T, n, D].
+    """
+    dtype = streams.dtype
+    return post.to(dtype).unsqueeze(-1) * block_out.unsqueeze(-2) + torch.matmul(
+        comb.to(dtype).transpose(-1, -2), streams
+    )

@@ -1,0 +1,145 @@
+"""Reference KPool-DSA ops over a paged latent cache: indexer pooling, top-k selection, and
+sparse latent (absorbed MLA) attention.
+
+Paged layout shared by all DSA ops: token `p` of sequence `i` lives in block
+`block_tables[i, p // block_size]` at offset `p % block_size`; its flat slot is
+`block * block_size + offset`. The pooled indexer key of pool `j` (tokens kpool*j ..
+kpool*j + kpool-1) lives in the same block at offset `(kpool*j % block_size) // kpool`, so a
+token's pool slot is `slot // kpool` (block_size is a multiple of kpool).
+The open (incomplete) pool's raw rows live per state slot in `open_rows[slot, p % kpool]`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def store_rows(rows: torch.Tensor, cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Write per-token rows into a paged cache. rows: [T, W]; cache: [B, bs, W]; slots: [T]."""
+    cache.view(-1, cache.shape[-1])[slot_mapping.long()] = rows.to(cache.dtype)
+
+
+def pool_compress(keys: torch.Tensor, gates: torch.Tensor, ape: torch.Tensor) -> torch.Tensor:
+    """Softmax-weighted pooling of kpool token keys, separately per channel.
+
+    keys, gates: [P, kpool, d]; ape: [kpool, d]. Returns [P, d] in keys' dtype.
+    """
+    weights = torch.softmax(gates.float() + ape.float(), dim=1).to(keys.dtype)
+    return (weights * keys).sum(dim=1)
+
+
+def indexer_update(
+    keys: torch.Tensor,
+    gates: torch.Tensor,
+    ape: torch.Tensor,
+    open_rows: torch.Tensor,
+    pool_cache: torch.Tensor,
+    positions: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    state_ids: torch.Tensor,
+) -> None:
+    """Record this step's indexer keys: complete pools go to the paged pool cache, the rest of
+    the open pool stays in its state slot.
+
+    keys, gates: [T, d] (LayerNorm'd index keys, raw pooling logits); open_rows: [S, kpool, 2d];
+    pool_cache: [B, bs/kpool, d]; positions, slot_mapping: [T]. A sequence's tokens in one step
+    are consecutive positions.
+    """
+    kpool = open_rows.shape[1]
+    d = keys.shape[-1]
+    rows = torch.cat([keys, gates.to(keys.dtype)], dim=-1)
+    bounds = cu_seqlens.tolist()
+    for i, (start, end) in enumerate(zip(bounds[:-1], bounds[1:], strict=True)):
+        if end == start:
+            continue
+        slot = int(state_ids[i])
+        first = int(positions[start])
+        carried = open_rows[slot, : first % kpool].to(rows.dtype)  # earlier tokens of the open pool
+        seq_rows = torch.cat([carried, rows[start:end]], dim=0)
+        n_full = seq_rows.shape[0] // kpool
+        if n_full:
+            full = seq_rows[: n_full * kpool].view(n_full, kpool, 2 * d)
+            pooled = pool_compress(full[..., :d], full[..., d:], ape)
+            # the token closing pool j is the last of its kpool rows
+            closing = start - carried.shape[0] + kpool * torch.arange(1, n_full + 1) - 1
+            pool_slots = slot_mapping[closing].long() // kpool
+            pool_cache.view(-1, d)[pool_slots] = pooled.to(pool_cache.dtype)
+        tail = seq_rows[n_full * kpool:]
+        open_rows[slot, : tail.shape[0]] = tail.to(open_rows.dtype)
+
+
+def _gather_pools(pool_cache: torch.Tensor, block_row: torch.Tensor, n_pools: int) -> torch.Tensor:
+    pools_per_block = pool_cache.shape[1]
+    idx = torch.arange(n_pools)
+    blocks = block_row[idx // pools_per_block].long()
+    return pool_cache[blocks, idx % pools_per_block]
+
+
+def indexer_topk(
+    q: torch.Tensor,
+    head_weights: torch.Tensor,
+    pool_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_seq: torch.Tensor,
+    positions: torch.Tensor,
+    pool_budget: int,
+    kpool: int,
+) -> torch.Tensor:
+    """Select, per query token, the tokens its sparse attention reads.
+
+    q: [T, Hi, d]; head_weights: [T, Hi] (already scaled by Hi^-0.5); query_seq: [T] batch row
+    of each query; positions: [T]. Score of complete pool j for query t:
+    sum_h w_h * relu(q_h . K_j / sqrt(d)), over pools whose last token is visible
+    (kpool*j + kpool-1 <= t). Returns token positions [T, pool_budget*kpool + kpool-1]:
+    the top `pool_budget` pools expanded to their kpool tokens, then the tokens of the open pool
+    holding t (t+1 mod kpool of them), -1 padded.
+    """
+    n_tok = q.shape[0]
+    width = pool_budget * kpool + kpool - 1
+    out = torch.full((n_tok, width), -1, dtype=torch.long)
+    scale = q.shape[-1] ** -0.5
+    offsets = torch.arange(kpool)
+    for seq in query_seq.unique().tolist():
+        rows = (query_seq == seq).nonzero().squeeze(1)
+        pos = positions[rows].long()
+        n_pools = int(pos.max() + 1) // kpool
+        if n_pools:
+            keys = _gather_pools(pool_cache, block_tables[seq], n_pools).float()  # [P, d]
+            scores = torch.relu(torch.einsum("thd,pd->thp", q[rows].float(), keys) * scale)
+            index = torch.einsum("th,thp->tp", head_weights[rows].float(), scores)
+            visible = (torch.arange(n_pools) * kpool + kpool - 1).unsqueeze(0) <= pos.unsqueeze(1)
+            index = index.masked_fill(~visible, float("-inf"))
+            k = min(pool_budget, n_pools)
+            top = index.topk(k, dim=-1)
+            tokens = (top.indices.unsqueeze(-1) * kpool + offsets).flatten(1)
+            valid = torch.isfinite(top.values).repeat_interleave(kpool, dim=1)
+            out[rows, : k * kpool] = tokens.masked_fill(~valid, -1)
+        tail_start = (pos + 1) // kpool * kpool
+        tail = tail_start.unsqueeze(1) + offsets[: kpool - 1]
+        out[rows, pool_budget * kpool:] = tail.masked_fill(tail > pos.unsqueeze(1), -1)
+    return out
+
+
+def sparse_mla_attention(
+    q_latent: torch.Tensor,
+    latent_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_seq: torch.Tensor,
+    token_indices: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Absorbed MLA over selected latent rows: every head attends the same 512-wide key=value.
+
+    q_latent: [T, H, Lc] (W_UK-absorbed queries); latent_cache: [B, bs, Lc];
+    token_indices: [T, W] positions in the query's sequence, -1 = unused. Returns [T, H, Lc]
+    (softmax-weighted latents, fp32 math) in q_latent's dtype.
+    """
+    block_size = latent_cache.shape[1]
+    idx = token_indices.clamp(min=0)
+    blocks = block_tables[query_seq.long().unsqueeze(1), idx // block_size].long()
+    rows = latent_cache[blocks, idx % block_size].float()  # [T, W, Lc]
+    scores = torch.einsum("thc,twc->thw", q_latent.float(), rows) * scale
+    scores = scores.masked_fill((token_indices < 0).unsqueeze(1), float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    return torch.einsum("thw,twc->thc", probs, rows).to(q_latent.dtype)
