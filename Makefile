@@ -1,0 +1,64 @@
+# Developer entry points: setup, test, serve, lint, clean.
+# Everything runs from the project venv in .venv; `make setup` is idempotent and re-installs
+# only when pyproject.toml changes (stamp file .venv/.installed).
+
+SHELL := /bin/bash
+.DEFAULT_GOAL := setup
+
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+UV := $(VENV)/bin/uv
+STAMP := $(VENV)/.installed
+
+# CPU-only torch wheel pinned exactly: with an exact pin and the local wheel folder, uv prefers
+# the local 2.13.0+cpu build; without them it resolves the multi-GB CUDA build from PyPI.
+CPU_TORCH ?= torch==2.13.0
+# uv reads neither pip.conf nor PIP_FIND_LINKS, so pass each folder explicitly (may be empty).
+FIND_LINKS := $(foreach d,$(PIP_FIND_LINKS),--find-links "$(d)")
+
+# Keep Ray on loopback, without token auth or telemetry (see design/environment.md §3).
+RAY_ENV := RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 RAY_AUTH_MODE=disabled RAY_USAGE_STATS_ENABLED=0
+# Triton kernels run in the interpreter on CPU torch tensors.
+TEST_ENV := $(RAY_ENV) TRITON_INTERPRET=1
+
+PYTEST_MARKERS ?= not gpu and not slow
+PYTEST_ARGS ?=
+PROMPT ?= Hello from glm53
+MODEL ?=
+
+.PHONY: setup test serve lint clean distclean
+
+setup: $(STAMP)
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+
+$(STAMP): pyproject.toml | $(PY)
+	@[ -x $(UV) ] || $(PY) -m pip install -q --disable-pip-version-check uv
+	@if command -v nvidia-smi >/dev/null 2>&1; then \
+		echo "setup: CUDA machine, letting torch resolve"; \
+		$(UV) pip install --python $(PY) -e '.[dev]'; \
+	else \
+		echo "setup: no nvidia-smi, installing CPU torch"; \
+		$(UV) pip install --python $(PY) $(FIND_LINKS) $(CPU_TORCH) -e '.[dev,triton]'; \
+	fi
+	@touch $@
+
+test: setup
+	$(TEST_ENV) $(PY) -m pytest -q -m "$(PYTEST_MARKERS)" $(PYTEST_ARGS)
+
+serve: setup
+	$(RAY_ENV) $(VENV)/bin/glm53 generate $(if $(MODEL),--model "$(MODEL)",) \
+		--prompt "$(PROMPT)" --max-tokens 32
+
+lint: setup
+	$(VENV)/bin/ruff check .
+
+clean:
+	rm -rf build dist *.egg-info .pytest_cache .ruff_cache .ci/logs
+	find . -path ./$(VENV) -prune -o -type d -name __pycache__ -exec rm -rf {} +
+
+# Also drops the venv; the next `make setup` rebuilds it.
+distclean: clean
+	rm -rf $(VENV)

@@ -1,0 +1,54 @@
+"""The embedded tiny checkpoint: a random GLM-5.3-Flash of toy size with the GLM-style tokenizer.
+
+`make_tiny` writes one (weights + config + tokenizer, release layout); `embedded_tiny_model`
+builds the default one once into the cache directory and reuses it (what `make serve` serves
+when no model is given).
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from pathlib import Path
+
+from glm53.actors.tiny import release_config, tiny_text_config, write_tiny_checkpoint
+from glm53.raycluster import envs
+
+from .tiny_tokenizer import write_tiny_tokenizer
+
+# Bump when the tiny model's layout or values change, so stale cached copies are rebuilt.
+EMBEDDED_TINY_VERSION = 1
+
+
+def make_tiny(out_dir: str | Path, seed: int = 0, layers: int = 5, mtp: bool = False,
+              **text_overrides) -> Path:
+    """Write a complete tiny checkpoint directory and return its path."""
+    if layers < 4:
+        raise ValueError("a tiny model needs >= 4 layers so that it has a DSA layer (index 3)")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    ids = write_tiny_tokenizer(out)
+    text = tiny_text_config(layers, mtp=mtp, **text_overrides)
+    if text["vocab_size"] < ids.vocab_size:
+        raise ValueError(f"vocab_size {text['vocab_size']} < tokenizer size {ids.vocab_size}")
+    config = release_config(text, eos_token_ids=ids.eos_token_ids, pad_token_id=ids.pad_token_id)
+    return write_tiny_checkpoint(out, config, seed=seed)
+
+
+def embedded_tiny_model() -> Path:
+    """Path of the embedded tiny checkpoint, built on first use (atomically)."""
+    target = envs.cache_dir() / f"tiny-v{EMBEDDED_TINY_VERSION}"
+    if (target / "config.json").exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=".tiny-", dir=target.parent))
+    try:
+        make_tiny(staging, seed=0, mtp=True)
+        try:
+            staging.rename(target)
+        except OSError:  # another process won the race; use its copy
+            if not (target / "config.json").exists():
+                raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return target
