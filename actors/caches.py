@@ -76,3 +76,61 @@ class ModelCaches:
         mtp = (_dsa_state(cfg, num_blocks, block_size, num_slots, dtype, device)
                if with_mtp else None)
         return cls(layers=tuple(layers), mtp=mtp, block_size=block_size)
+
+
+@dataclass(frozen=True)
+class CachePlan:
+    """How many paged blocks and state slots a worker allocates, and what they cost."""
+
+    num_blocks: int  # including the null block 0
+    block_size: int
+    num_slots: int
+    bytes_per_block: int
+    bytes_per_slot: int
+
+    @property
+    def num_tokens(self) -> int:
+        """Token capacity of the usable blocks (the null block holds nothing)."""
+        return (self.num_blocks - 1) * self.block_size
+
+    @property
+    def total_bytes(self) -> int:
+        return self.num_blocks * self.bytes_per_block + self.num_slots * self.bytes_per_slot
+
+    def describe(self, max_model_len: int) -> str:
+        return (f"KV cache: {self.num_blocks - 1} blocks x {self.block_size} tokens = "
+                f"{self.num_tokens} tokens ({self.num_tokens // max_model_len} sequences of "
+                f"max_model_len {max_model_len}); {self.num_slots} KDA state slots; "
+                f"{self.total_bytes / 2**20:.1f} MiB")
+
+
+def cache_bytes(cfg: ModelConfig, block_size: int, dtype: torch.dtype,
+                with_mtp: bool) -> tuple[int, int]:
+    """(bytes per paged block, bytes per state slot) over all layers."""
+    item = torch.empty(0, dtype=dtype).element_size()
+    n_dsa = len(cfg.dsa_layers) + int(with_mtp)
+    per_block = n_dsa * item * block_size * (
+        cfg.kv_lora_rank + cfg.index_head_dim // cfg.index_kpool)
+    kda_slot = (3 * cfg.linear_dim * (cfg.linear_conv_kernel - 1) * item
+                + cfg.linear_num_heads * cfg.linear_head_dim**2 * 4)
+    open_pool = cfg.index_kpool * 2 * cfg.index_head_dim * item
+    per_slot = len(cfg.kda_layers) * kda_slot + n_dsa * open_pool
+    return per_block, per_slot
+
+
+def plan_cache(cfg: ModelConfig, block_size: int, num_slots: int, dtype: torch.dtype,
+               with_mtp: bool, *, num_blocks: int | None = None,
+               budget_bytes: int | None = None) -> CachePlan:
+    """Size the caches from an explicit block count or a byte budget (slots are paid first)."""
+    if block_size % cfg.index_kpool:
+        raise ValueError(f"block_size {block_size} must be a multiple of index_kpool "
+                         f"{cfg.index_kpool}")
+    per_block, per_slot = cache_bytes(cfg, block_size, dtype, with_mtp)
+    if (num_blocks is None) == (budget_bytes is None):
+        raise ValueError("give exactly one of num_blocks or budget_bytes")
+    if num_blocks is None:
+        num_blocks = (budget_bytes - num_slots * per_slot) // per_block
+    if num_blocks < 2:
+        raise ValueError(f"cache budget too small: {num_blocks} blocks (need >= 2: one is the "
+                         f"null block); a block costs {per_block} B, a state slot {per_slot} B")
+    return CachePlan(num_blocks, block_size, num_slots, per_block, per_slot)

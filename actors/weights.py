@@ -54,7 +54,7 @@ def _layer_local(rest: str, cfg: ModelConfig) -> tuple[str, tuple, tuple | None]
     if m := _EXPERT.fullmatch(rest):
         e, kind, i = int(m.group(1)), m.group(2), cfg.moe_intermediate_size
         if e >= cfg.n_routed_experts:
-            raise CheckpointError(f"expert index {e} >= n_routed_experts")
+            raise CheckpointError(f"expert index {e} >= n_routed_experts={cfg.n_routed_experts}")
         if kind == "down":
             return "mlp.w2", (e,), None
         return "mlp.w13", (e, slice(0, i) if kind == "gate" else slice(i, 2 * i)), None
@@ -80,12 +80,16 @@ def checkpoint_targets(name: str, cfg: ModelConfig, with_mtp: bool) -> Target | 
     if layer == cfg.mtp_layer_id and cfg.has_mtp:
         if not with_mtp:
             return None
-        param, index, shape = _layer_local(rest, cfg)
-        return Target(f"mtp.{param}", index, shape)
-    if layer >= cfg.num_hidden_layers:
+        prefix = "mtp."
+    elif layer >= cfg.num_hidden_layers:
         raise CheckpointError(f"unexpected tensor {name!r}: layer {layer} is not in the model")
-    param, index, shape = _layer_local(rest, cfg)
-    return Target(f"layers.{layer}.{param}", index, shape)
+    else:
+        prefix = f"layers.{layer}."
+    try:
+        param, index, shape = _layer_local(rest, cfg)
+    except CheckpointError as exc:
+        raise CheckpointError(f"unexpected tensor {name!r}: {exc}") from None
+    return Target(prefix + param, index, shape)
 
 
 def export_checkpoint(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -124,14 +128,20 @@ def export_checkpoint(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {k: v.contiguous() for k, v in out.items()}
 
 
-def dequantize_fp8_blocks(weight: torch.Tensor, scale_inv: torch.Tensor) -> torch.Tensor:
-    """Block-FP8 -> fp32: w[r, c] * scale_inv[r // br, c // bc]; block size from the shapes.
+def dequantize_fp8_blocks(weight: torch.Tensor, scale_inv: torch.Tensor,
+                          block_size: tuple[int, int] | None = None) -> torch.Tensor:
+    """Block-FP8 -> fp32: w[r, c] * scale_inv[r // br, c // bc].
 
-    weight: [R, C] e4m3; scale_inv: [ceil(R/br), ceil(C/bc)] fp32.
+    weight: [R, C] e4m3; scale_inv: [ceil(R/br), ceil(C/bc)] fp32. Without `block_size` the
+    block is inferred from the shapes, which is only exact when every dim divides evenly
+    (e.g. 64 columns in 48-wide blocks give 2 scale columns, which read back as 32-wide).
     """
     rows, cols = weight.shape
-    br = -(-rows // scale_inv.shape[0])
-    bc = -(-cols // scale_inv.shape[1])
+    if block_size is not None:
+        br, bc = block_size
+    else:
+        br = -(-rows // scale_inv.shape[0])
+        bc = -(-cols // scale_inv.shape[1])
     scale = scale_inv.float().repeat_interleave(br, 0)[:rows].repeat_interleave(bc, 1)[:, :cols]
     return weight.float() * scale
 
@@ -156,10 +166,11 @@ class CheckpointReader:
         self.fp8_block_size = fp8_block_size
         scales = {n[: -len(SCALE_SUFFIX)] + ".weight" for n in weight_map if
                   n.endswith(SCALE_SUFFIX)}
-        orphan = sorted(s for s in scales if s not in weight_map)
+        orphan = sorted(s[: -len(".weight")] + SCALE_SUFFIX for s in scales
+                        if s not in weight_map)
         if orphan:
-            raise CheckpointError(f"unexpected tensor {orphan[0]!r}{SCALE_SUFFIX[7:]}: block "
-                                  "scale without its weight")
+            raise CheckpointError(f"unexpected tensor {orphan[0]!r}: block scale without its "
+                                  "weight")
         self._scaled = scales
 
     @property
@@ -183,7 +194,7 @@ class CheckpointReader:
                 if tuple(scale.shape) != want:
                     raise CheckpointError(f"{name}{SCALE_SUFFIX[7:]}: scale shape "
                                           f"{tuple(scale.shape)}, expected {want}")
-            return dequantize_fp8_blocks(t, scale)
+            return dequantize_fp8_blocks(t, scale, self.fp8_block_size)
         return t
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:

@@ -49,8 +49,10 @@ def _parser() -> argparse.ArgumentParser:
 def _generate(args: argparse.Namespace) -> int:
     import torch
 
-    from glm53.actors.loader import DTYPES, load_model
+    from glm53.actors.config import UnsupportedConfigError
+    from glm53.actors.loader import DTYPES, load_model, read_config
     from glm53.actors.sequence_runner import generate
+    from glm53.actors.weights import CheckpointError
 
     from .tiny_model import embedded_tiny_model
     from .tokenizer import apply_chat_template, decode, load_tokenizer
@@ -60,15 +62,20 @@ def _generate(args: argparse.Namespace) -> int:
     if args.temperature < 0 or not 0 < args.top_p <= 1:
         raise SystemExit("--temperature must be >= 0 and --top-p in (0, 1]")
     model_dir = args.model or embedded_tiny_model()
-    tokenizer = load_tokenizer(model_dir)
-    if args.prompt_ids is not None:
-        prompt_ids = args.prompt_ids
-    elif args.chat:
-        prompt_ids = apply_chat_template(tokenizer, [{"role": "user", "content": args.prompt}])
-    else:
-        prompt_ids = tokenizer.encode(args.prompt, add_special_tokens=False)
-    dtype = DTYPES[args.dtype] if args.dtype else None
-    model = load_model(model_dir, dtype=dtype, progress=not args.json)
+    try:
+        read_config(model_dir)  # before the tokenizer: a clear error for a non-model directory
+        tokenizer = load_tokenizer(model_dir)
+        if args.prompt_ids is not None:
+            prompt_ids = args.prompt_ids
+        elif args.chat:
+            messages = [{"role": "user", "content": args.prompt}]
+            prompt_ids = apply_chat_template(tokenizer, messages)
+        else:
+            prompt_ids = tokenizer.encode(args.prompt, add_special_tokens=False)
+        dtype = DTYPES[args.dtype] if args.dtype else None
+        model = load_model(model_dir, dtype=dtype, progress=not args.json)
+    except (FileNotFoundError, CheckpointError, UnsupportedConfigError) as exc:
+        raise SystemExit(f"error: {exc}") from exc
     vocab = model.config.vocab_size
     if not prompt_ids or any(not 0 <= t < vocab for t in prompt_ids):
         raise SystemExit(f"prompt ids must be non-empty and in [0, {vocab})")

@@ -1,0 +1,203 @@
+"""The `glm53` command line, in-process: make-tiny and generate (ids, text, chat, errors)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+from safetensors.torch import load_file, save_file
+
+from glm53.actors.config import ModelConfig
+from glm53.deployments import tiny_model
+from glm53.deployments.cli import main
+from glm53.deployments.tokenizer import decode, load_tokenizer
+
+CKPT_FILES = ["config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
+              "tokenizer_config.json"]
+
+
+@pytest.fixture(autouse=True)
+def _cache_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """Keep the embedded tiny model (built on demand) out of the real cache."""
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("GLM53_CACHE_DIR", str(cache))
+    return cache
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("cli") / "tiny"
+    assert main(["make-tiny", str(out), "--seed", "3", "--layers", "4", "--mtp"]) == 0
+    return out
+
+
+@pytest.fixture(scope="module")
+def config(ckpt: Path) -> dict[str, Any]:
+    return json.loads((ckpt / "config.json").read_text())
+
+
+def generate(capsys: pytest.CaptureFixture[str], *args: str) -> dict[str, Any]:
+    capsys.readouterr()
+    assert main(["generate", *args, "--json"]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert len(lines) == 1, lines
+    return json.loads(lines[0])
+
+
+def check_output(result: dict[str, Any], model_dir: Path, max_tokens: int) -> list[int]:
+    cfg = ModelConfig.from_hf(json.loads((model_dir / "config.json").read_text()))
+    ids = result["token_ids"]
+    assert set(result) == {"token_ids", "text"}
+    assert all(isinstance(t, int) and 0 <= t < cfg.vocab_size for t in ids)
+    assert 1 <= len(ids) <= max_tokens
+    if len(ids) < max_tokens:  # stopped early only on an end-of-sequence id
+        assert ids[-1] in cfg.eos_token_ids
+    assert not any(t in cfg.eos_token_ids for t in ids[:-1])
+    assert result["text"] == decode(load_tokenizer(model_dir), ids)
+    return ids
+
+
+# ----- make-tiny -----
+
+def test_make_tiny_writes_a_release_layout_checkpoint(ckpt: Path,
+                                                      config: dict[str, Any]) -> None:
+    for name in CKPT_FILES:
+        assert (ckpt / name).is_file(), name
+    text = config["text_config"]
+    assert text["num_nextn_predict_layers"] == 1
+    assert text["num_hidden_layers"] == 4
+    generation = json.loads((ckpt / "generation_config.json").read_text())
+    assert generation["eos_token_id"] == config["eos_token_id"]
+    names = load_file(ckpt / "model.safetensors")
+    assert "model.language_model.layers.4.eh_proj.weight" in names  # MTP on top of 4 layers
+    assert "model.language_model.layers.3.self_attn.q_a_proj.weight" in names  # DSA layer 3
+
+
+def test_make_tiny_is_deterministic_in_the_seed(ckpt: Path, tmp_path: Path) -> None:
+    main(["make-tiny", str(tmp_path / "same"), "--seed", "3", "--layers", "4", "--mtp"])
+    main(["make-tiny", str(tmp_path / "other"), "--seed", "4", "--layers", "4", "--mtp"])
+    weights = (ckpt / "model.safetensors").read_bytes()
+    assert (tmp_path / "same" / "model.safetensors").read_bytes() == weights
+    assert (tmp_path / "other" / "model.safetensors").read_bytes() != weights
+
+
+# ----- generate -----
+
+def test_generate_from_prompt_ids_greedy(ckpt: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    args = ("--model", str(ckpt), "--prompt-ids", "1,2,3", "--max-tokens", "8")
+    first = generate(capsys, *args)
+    check_output(first, ckpt, 8)
+    assert generate(capsys, *args) == first
+
+
+def test_generate_sampling_is_seeded(ckpt: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    args = ("--model", str(ckpt), "--prompt-ids", "1,2,3", "--max-tokens", "8",
+            "--temperature", "1", "--top-p", "0.9", "--seed", "5")
+    first = generate(capsys, *args)
+    check_output(first, ckpt, 8)
+    assert generate(capsys, *args) == first
+
+
+@pytest.mark.parametrize("chat", [False, True])
+def test_generate_from_text_prompt(ckpt: Path, capsys: pytest.CaptureFixture[str],
+                                   chat: bool) -> None:
+    args = ["--model", str(ckpt), "--prompt", "hello", "--max-tokens", "4"]
+    check_output(generate(capsys, *args, *(["--chat"] if chat else [])), ckpt, 4)
+
+
+def test_generate_human_readable_output(ckpt: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    capsys.readouterr()
+    main(["generate", "--model", str(ckpt), "--prompt-ids", "5,6", "--max-tokens", "2"])
+    out = capsys.readouterr().out
+    assert "prompt ids: [5, 6]" in out
+    assert "generated ids: [" in out
+
+
+def test_generate_builds_the_embedded_model(capsys: pytest.CaptureFixture[str],
+                                            _cache_dir: Path) -> None:
+    target = _cache_dir / f"tiny-v{tiny_model.EMBEDDED_TINY_VERSION}"
+    assert not target.exists()
+    result = generate(capsys, "--prompt-ids", "1,2", "--max-tokens", "3")
+    assert (target / "config.json").is_file()
+    assert (target / "model.safetensors").is_file()
+    check_output(result, target, 3)
+    assert generate(capsys, "--prompt-ids", "1,2", "--max-tokens", "3") == result  # reused
+
+
+# ----- bad input -----
+
+@pytest.mark.parametrize("args, message", [
+    (["--prompt-ids", "1,x", "--max-tokens", "2"], "comma-separated"),
+    (["--prompt-ids", "", "--max-tokens", "2"], "empty"),
+    (["--prompt", "hi", "--prompt-ids", "1", "--max-tokens", "2"], "not allowed"),
+])
+def test_argument_errors(ckpt: Path, capsys: pytest.CaptureFixture[str], args: list[str],
+                         message: str) -> None:
+    with pytest.raises(SystemExit) as info:
+        main(["generate", "--model", str(ckpt), *args])
+    assert info.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def _exit_message(argv: list[str]) -> str:
+    with pytest.raises(SystemExit) as info:
+        main(argv)
+    assert isinstance(info.value.code, str)  # a message, exit status 1
+    return info.value.code
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--prompt-ids", "1", "--max-tokens", "0"], "--max-tokens"),
+    (["--prompt-ids", "1", "--max-tokens", "2", "--temperature", "-1"], "--temperature"),
+    (["--prompt-ids", "1", "--max-tokens", "2", "--top-p", "0"], "--top-p"),
+])
+def test_generation_parameter_errors(ckpt: Path, args: list[str], message: str) -> None:
+    assert message in _exit_message(["generate", "--model", str(ckpt), *args])
+
+
+def test_prompt_id_outside_vocab(ckpt: Path, config: dict[str, Any]) -> None:
+    vocab = config["text_config"]["vocab_size"]
+    argv = ["generate", "--model", str(ckpt), "--prompt-ids", f"1,{vocab}", "--max-tokens", "2"]
+    assert f"[0, {vocab})" in _exit_message(argv)
+    argv[4] = f"{vocab - 1}"  # the largest valid id is accepted
+    assert main(argv) == 0
+
+
+@pytest.mark.parametrize("exists", [True, False])
+def test_model_dir_without_config(tmp_path: Path, exists: bool) -> None:
+    model_dir = tmp_path / "empty"
+    if exists:
+        model_dir.mkdir()
+    message = _exit_message(["generate", "--model", str(model_dir), "--prompt-ids", "1",
+                             "--max-tokens", "2"])
+    assert message.startswith("error: ")
+    assert "config.json" in message
+
+
+def test_broken_checkpoint_is_a_clean_error(ckpt: Path, tmp_path: Path) -> None:
+    broken = tmp_path / "broken"
+    shutil.copytree(ckpt, broken)
+    tensors = load_file(broken / "model.safetensors")
+    name = "model.language_model.norm.weight"
+    del tensors[name]
+    save_file(tensors, broken / "model.safetensors")
+    message = _exit_message(["generate", "--model", str(broken), "--prompt-ids", "1",
+                             "--max-tokens", "2"])
+    assert message.startswith("error: ")
+    assert name in message
+
+
+def test_unsupported_config_is_a_clean_error(ckpt: Path, tmp_path: Path,
+                                             config: dict[str, Any]) -> None:
+    odd = tmp_path / "odd"
+    shutil.copytree(ckpt, odd)
+    bad = json.loads(json.dumps(config))
+    bad["text_config"]["qk_rope_head_dim"] = 64
+    (odd / "config.json").write_text(json.dumps(bad))
+    message = _exit_message(["generate", "--model", str(odd), "--prompt-ids", "1",
+                             "--max-tokens", "2"])
+    assert message.startswith("error: ")
+    assert "qk_rope_head_dim" in message
