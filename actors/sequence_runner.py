@@ -6,6 +6,7 @@ and the correctness tests; the engine's model runner replaces it on the serving 
 
 from __future__ import annotations
 
+import random
 from dataclasses import dataclass
 
 import torch
@@ -97,20 +98,27 @@ def generate(
     stop_ids: tuple[int, ...] = (),
     prefill_chunk: int | None = None,
 ) -> list[int]:
-    """Generate up to `max_tokens` ids after `prompt_ids` (temperature 0 = greedy)."""
+    """Generate up to `max_tokens` ids after `prompt_ids` (temperature 0 = greedy).
+
+    Output token i is drawn with noise keyed by (seed, i), as the engine's sampler does.
+    """
     if not prompt_ids:
         raise ValueError("the prompt must contain at least one token")
     runner = SequenceRunner(model, max_seqs=1, max_len=len(prompt_ids) + max_tokens)
     runner.add(0)
-    gen = torch.Generator(device=model.embed_tokens.weight.device)
-    gen.manual_seed(seed if seed is not None else torch.seed())
+    device = model.embed_tokens.weight.device
     chunk = prefill_chunk or len(prompt_ids)
     for start in range(0, len(prompt_ids), chunk):
         hidden, _ = runner.step({0: prompt_ids[start:start + chunk]})
     out: list[int] = []
-    params = (torch.tensor([temperature]), torch.tensor([top_p]), torch.tensor([0]))
+    temp = torch.tensor([temperature], device=device)
+    truncation = (torch.zeros(1, dtype=torch.long, device=device),  # top_k off
+                  torch.tensor([top_p], device=device), torch.zeros(1, device=device))  # min_p off
+    seeds = torch.tensor([seed if seed is not None else random.randrange(2**62)], device=device)
     while len(out) < max_tokens:
-        token = int(ops.sample(model.compute_logits(hidden[-1:]), *params, generator=gen)[0])
+        processed = ops.process_logits(model.compute_logits(hidden[-1:]), temp, *truncation)
+        position = torch.tensor([len(out)], device=device)
+        token = int(ops.sample(processed, temp, seeds, position)[0])
         out.append(token)
         if token in stop_ids or len(out) == max_tokens:
             break

@@ -7,10 +7,11 @@ from .ref.kda import causal_conv1d, gated_rms_norm, kda_attention, kda_gate
 from .ref.mhc import hc_post, hc_pre
 from .ref.moe import fused_moe, route_topk, swiglu
 from .ref.norm import rms_norm
-from .ref.sampling import sample
+from .ref.sampling import apply_penalties, process_logits, sample
 from .ref.sparse_mla import indexer_topk, indexer_update, sparse_mla_attention, store_rows
 
 __all__ = [
+    "apply_penalties",
     "causal_conv1d",
     "fused_moe",
     "gated_rms_norm",
@@ -20,6 +21,7 @@ __all__ = [
     "indexer_update",
     "kda_attention",
     "kda_gate",
+    "process_logits",
     "rms_norm",
     "route_topk",
     "sample",

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from glm53.kernels.ref import kda, mhc, moe, sampling, sparse_mla
+from glm53.kernels.ref import kda, mhc, moe, sparse_mla
 
 G = torch.Generator().manual_seed(0)
 
@@ -138,20 +138,3 @@ def test_fused_moe_matches_per_token_loop_and_splits_across_expert_ranks():
                  for s in (0, 3))
     assert torch.allclose(halves, out, atol=1e-6)
 
-
-def test_sampling_greedy_topk_topp_and_distribution():
-    logits = _randn(4, 11) * 2
-    argmax = logits.argmax(-1)
-    gen = torch.Generator().manual_seed(1)
-    temp = torch.tensor([0.0, 1.0, 1.0, 0.7])
-    out = sampling.sample(logits, temp, torch.tensor([1.0, 1.0, 1e-6, 1.0]),
-                          torch.tensor([0, 1, 0, 0]), gen)
-    assert out[:3].tolist() == argmax[:3].tolist()  # greedy, top-k 1, tiny top-p
-    rows = logits[:1].expand(20000, -1)
-    draws = sampling.sample(rows, torch.ones(20000), torch.ones(20000),
-                            torch.zeros(20000, dtype=torch.long), gen)
-    freq = torch.bincount(draws, minlength=11).float() / 20000
-    assert (freq - torch.softmax(logits[0], -1)).abs().max() < 0.015
-    top3 = sampling.sample(rows, torch.ones(20000), torch.ones(20000),
-                           torch.full((20000,), 3), gen)
-    assert set(top3.tolist()) == set(logits[0].topk(3).indices.tolist())

@@ -1,0 +1,63 @@
+"""ModelRunner: StepInput (host arrays) -> tensors -> model over the paged caches -> logits rows
+-> sampler -> StepOutput. Owns the model, its caches and the sampler of one worker."""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import torch
+
+from .caches import CachePlan, ModelCaches, plan_cache
+from .forward_batch import ForwardBatch
+from .loader import DTYPES, load_model
+from .sampler import Sampler, gather_logprobs
+from .step import StepInput, StepOutput
+
+logger = logging.getLogger(__name__)
+
+
+class ModelRunner:
+    def __init__(self, model_dir: str, *, device: str = "cpu", dtype: str | None = None,
+                 block_size: int = 16, num_slots: int = 16, num_blocks: int | None = None,
+                 cache_bytes: int | None = None, gpu_memory_utilization: float = 0.9,
+                 with_mtp: bool = False, progress: bool = False) -> None:
+        self.device = torch.device(device)
+        self.model = load_model(model_dir, with_mtp=with_mtp,
+                                dtype=DTYPES[dtype] if dtype else None, device=self.device,
+                                progress=progress)
+        self.config = self.model.config
+        cache_dtype = self.model.embed_tokens.weight.dtype
+        if num_blocks is None and cache_bytes is None:
+            cache_bytes = self._free_memory_budget(gpu_memory_utilization)
+        self.plan: CachePlan = plan_cache(self.config, block_size, num_slots, cache_dtype,
+                                          with_mtp, num_blocks=num_blocks,
+                                          budget_bytes=cache_bytes)
+        self.caches = ModelCaches.allocate(self.config, self.plan.num_blocks, block_size,
+                                           num_slots, cache_dtype, self.device, with_mtp)
+        self.sampler = Sampler()
+
+    def _free_memory_budget(self, utilization: float) -> int:
+        if self.device.type != "cuda":
+            raise ValueError("on CPU give the cache size explicitly (num_blocks or cache_bytes)")
+        free, total = torch.cuda.mem_get_info(self.device)
+        # what the process may still take under the utilisation cap, after the weights
+        return int(utilization * total) - (total - free)
+
+    @torch.inference_mode()
+    def execute(self, step: StepInput) -> StepOutput:
+        batch = ForwardBatch.from_arrays(step.positions, step.cu_seqlens, step.block_tables,
+                                         step.slot_mapping, step.state_ids, self.device)
+        tokens = torch.as_tensor(step.token_ids, device=self.device)
+        hidden = self.model(tokens, batch, self.caches)
+        n_sample = len(step.sample_rows)
+        rows = np.concatenate([step.sample_rows, step.prompt_logprob_rows])
+        logits = self.model.compute_logits(hidden[torch.as_tensor(rows, device=self.device)])
+        sampled, logprobs = self.sampler(logits[:n_sample], step.sampling)
+        prompt_logprobs = None
+        if len(step.prompt_logprob_rows):
+            prompt_logprobs = gather_logprobs(
+                torch.log_softmax(logits[n_sample:], dim=-1),
+                torch.as_tensor(step.prompt_logprob_targets, device=self.device),
+                int(step.prompt_logprob_k.max()))
+        return StepOutput(step.step_id, sampled.cpu().numpy(), logprobs, prompt_logprobs)

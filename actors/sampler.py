@@ -1,0 +1,133 @@
+"""The engine's sampler: logits rows + SamplingInputs -> sampled token ids and logprobs.
+
+Owns building `SamplingInputs` from per-request rows, moving them to the device in a few
+packed copies, picking the ops a batch needs from the host-side numpy values (never a device
+sync per row), and the logprobs of the sampled tokens.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from glm53.kernels import ops
+
+from .step import Logprobs, SamplingInputs, SamplingParams
+
+# (params, seed, position of the output token being sampled, prompt ids, output ids so far,
+#  ids banned from this draw)
+SamplingRow = tuple[SamplingParams, int, int, Sequence[int], Sequence[int], Sequence[int]]
+
+
+def _int64(seed: int) -> int:
+    """Any Python int as the int64 with the same low 64 bits (seeds in int64 range unchanged)."""
+    return (seed + (1 << 63)) % (1 << 64) - (1 << 63)
+
+
+def _ragged(seqs: list[Sequence[int]]) -> tuple[np.ndarray, np.ndarray]:
+    """Concatenated int64 ids [sum] and their [len(seqs)+1] offsets."""
+    offsets = np.zeros(len(seqs) + 1, np.int64)
+    np.cumsum([len(s) for s in seqs], out=offsets[1:])
+    ids = [np.asarray(s, np.int64) for s in seqs]
+    return (np.concatenate(ids) if ids else np.zeros(0, np.int64)), offsets
+
+
+def build_sampling_inputs(rows: Sequence[SamplingRow]) -> SamplingInputs:
+    """One `SamplingInputs` row per (params, seed, position, prompt_ids, output_ids, banned).
+
+    The seed is the request's (the engine draws one for unseeded requests), wrapped to int64.
+    Penalty context is carried only for rows that use penalties; the others get empty ranges.
+    """
+    params = [r[0] for r in rows]
+    context = [(r[3], r[4]) if p.uses_penalties else ((), ()) for r, p in zip(rows, params,
+                                                                              strict=True)]
+    prompt_ids, prompt_offsets = _ragged([c[0] for c in context])
+    output_ids, output_offsets = _ragged([c[1] for c in context])
+    banned_ids, banned_offsets = _ragged([r[5] for r in rows])
+
+    def column(name: str, dtype: type) -> np.ndarray:
+        return np.array([getattr(p, name) for p in params], dtype)
+
+    return SamplingInputs(
+        temperature=column("temperature", np.float32),
+        top_p=column("top_p", np.float32),
+        top_k=column("top_k", np.int32),
+        min_p=column("min_p", np.float32),
+        presence_penalty=column("presence_penalty", np.float32),
+        frequency_penalty=column("frequency_penalty", np.float32),
+        repetition_penalty=column("repetition_penalty", np.float32),
+        seeds=np.array([_int64(r[1]) for r in rows], np.int64),
+        positions=np.array([r[2] for r in rows], np.int64),
+        num_logprobs=np.array([-1 if p.logprobs is None else p.logprobs for p in params],
+                              np.int32),
+        prompt_ids=prompt_ids,
+        prompt_offsets=prompt_offsets,
+        output_ids=output_ids,
+        output_offsets=output_offsets,
+        banned_ids=banned_ids,
+        banned_offsets=banned_offsets,
+    )
+
+
+def _device(arrays: list[np.ndarray], dtype: type, device: torch.device) -> list[torch.Tensor]:
+    """Copy same-length arrays to the device as one packed transfer; one tensor per array."""
+    packed = torch.from_numpy(np.stack(arrays).astype(dtype)).to(device)
+    return list(packed.unbind(0))
+
+
+def gather_logprobs(logprobs: torch.Tensor, ids: torch.Tensor, k: int) -> Logprobs:
+    """Numpy `Logprobs` of ids [R] under logprobs [R, V] (already log-softmaxed).
+
+    Rank = 1 + the number of tokens with a strictly greater logprob; top-k sorted best first
+    (tokens masked to -inf can fill it when fewer than k survive).
+    """
+    chosen = logprobs.gather(1, ids.unsqueeze(1))
+    ranks = 1 + (logprobs > chosen).sum(dim=-1)
+    top_lp, top_ids = logprobs.topk(min(k, logprobs.shape[1]), dim=-1)
+    return Logprobs(token_logprobs=chosen.squeeze(1).cpu().numpy(), ranks=ranks.cpu().numpy(),
+                    top_ids=top_ids.cpu().numpy(), top_logprobs=top_lp.cpu().numpy())
+
+
+class Sampler:
+    """Samples one token per logits row; stateless, so one instance serves every step."""
+
+    def __call__(
+        self, logits: torch.Tensor, inputs: SamplingInputs
+    ) -> tuple[torch.Tensor, Logprobs | None]:
+        """logits [R, V] -> ([R] int64 ids on logits' device, Logprobs or None).
+
+        Penalties run only if a row uses them, temperature/truncation and noise only if a row
+        is not greedy. Logprobs (numpy) come only if a row asks (num_logprobs >= 0), from
+        log_softmax of the processed logits (penalised only, for greedy rows), with K = the
+        largest request: rows asking fewer carry extra columns.
+        """
+        s, device = inputs, logits.device
+        logits = logits.float()
+        temperature, top_p, min_p, presence, frequency, repetition = _device(
+            [s.temperature, s.top_p, s.min_p, s.presence_penalty, s.frequency_penalty,
+             s.repetition_penalty], np.float32, device)
+        top_k, seeds, positions = _device([s.top_k, s.seeds, s.positions], np.int64, device)
+        if len(s.banned_ids):
+            rows = np.repeat(np.arange(len(s.banned_offsets) - 1), np.diff(s.banned_offsets))
+            index = torch.from_numpy(np.stack([rows, s.banned_ids])).to(device)
+            logits = logits.index_put((index[0], index[1]),
+                                      torch.tensor(float("-inf"), device=device))
+        if np.any((s.presence_penalty != 0) | (s.frequency_penalty != 0)
+                  | (s.repetition_penalty != 1)):
+            parts = [s.prompt_ids, s.prompt_offsets, s.output_ids, s.output_offsets]
+            ragged = torch.from_numpy(np.concatenate(parts).astype(np.int64)).to(device)
+            prompt_ids, prompt_offsets, output_ids, output_offsets = ragged.split(
+                [len(p) for p in parts])
+            logits = ops.apply_penalties(logits, presence, frequency, repetition, prompt_ids,
+                                         prompt_offsets, output_ids, output_offsets)
+        if np.all(s.temperature == 0):
+            processed, ids = logits, logits.argmax(dim=-1)
+        else:
+            processed = ops.process_logits(logits, temperature, top_k, top_p, min_p)
+            ids = ops.sample(processed, temperature, seeds, positions)
+        if not np.any(s.num_logprobs >= 0):
+            return ids, None
+        logprobs = torch.log_softmax(processed, dim=-1)
+        return ids, gather_logprobs(logprobs, ids, int(s.num_logprobs.max()))

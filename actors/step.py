@@ -1,0 +1,132 @@
+"""The data that crosses the actor boundary: SamplingParams, StepInput, StepOutput.
+
+Plain dataclasses of ints and numpy arrays (picklable, no tensors): the engine builds one
+StepInput per step, every rank receives the same one, rank 0 answers with a StepOutput.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Per-request sampling and stopping rules (OpenAI/vLLM semantics)."""
+
+    max_tokens: int = 16
+    temperature: float = 1.0  # 0 = greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = off
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+    min_tokens: int = 0
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    logprobs: int | None = None  # top-n logprobs of each sampled token (0 = sampled only)
+    prompt_logprobs: int | None = None  # same for every prompt token after the first
+
+    def __post_init__(self) -> None:
+        checks = [
+            (self.max_tokens >= 1, "max_tokens must be >= 1"),
+            (self.temperature >= 0, "temperature must be >= 0"),
+            (0 < self.top_p <= 1, "top_p must be in (0, 1]"),
+            (self.top_k >= 0, "top_k must be >= 0 (0 = off)"),
+            (0 <= self.min_p <= 1, "min_p must be in [0, 1]"),
+            (-2 <= self.presence_penalty <= 2, "presence_penalty must be in [-2, 2]"),
+            (-2 <= self.frequency_penalty <= 2, "frequency_penalty must be in [-2, 2]"),
+            (self.repetition_penalty > 0, "repetition_penalty must be > 0"),
+            (0 <= self.min_tokens <= self.max_tokens, "min_tokens must be in [0, max_tokens]"),
+            (self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs must be in [0, 20]"),
+            (self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= 20,
+             "prompt_logprobs must be in [0, 20]"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise ValueError(message)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    @property
+    def uses_penalties(self) -> bool:
+        return (self.presence_penalty != 0 or self.frequency_penalty != 0
+                or self.repetition_penalty != 1)
+
+
+@dataclass(frozen=True)
+class SamplingInputs:
+    """One row per logits row that samples a token (R rows), as numpy arrays.
+
+    Penalty context is ragged: row r's prompt ids are prompt_ids[prompt_offsets[r]:
+    prompt_offsets[r+1]] (likewise output ids); rows without penalties have empty ranges.
+    `seeds` and `positions` (index of the output token being sampled) make each draw a pure
+    function of the request, whatever else is in the batch.
+    """
+
+    temperature: np.ndarray  # [R] float32
+    top_p: np.ndarray  # [R] float32
+    top_k: np.ndarray  # [R] int32 (0 = off)
+    min_p: np.ndarray  # [R] float32
+    presence_penalty: np.ndarray  # [R] float32
+    frequency_penalty: np.ndarray  # [R] float32
+    repetition_penalty: np.ndarray  # [R] float32
+    seeds: np.ndarray  # [R] int64
+    positions: np.ndarray  # [R] int64
+    num_logprobs: np.ndarray  # [R] int32, -1 = none
+    prompt_ids: np.ndarray  # [sum] int64
+    prompt_offsets: np.ndarray  # [R+1] int64
+    output_ids: np.ndarray  # [sum] int64
+    output_offsets: np.ndarray  # [R+1] int64
+    # tokens that must not be sampled yet (eos / stop ids before min_tokens), ragged likewise
+    banned_ids: np.ndarray  # [sum] int64
+    banned_offsets: np.ndarray  # [R+1] int64
+
+
+@dataclass(frozen=True)
+class StepInput:
+    """Everything one forward step needs, for all ranks. T tokens, N sequences."""
+
+    step_id: int
+    request_ids: list[str]  # [N]
+    token_ids: np.ndarray  # [T] int64
+    positions: np.ndarray  # [T] int64
+    cu_seqlens: np.ndarray  # [N+1] int64
+    block_tables: np.ndarray  # [N, max_blocks] int32 (null block 0 pads)
+    slot_mapping: np.ndarray  # [T] int64
+    state_ids: np.ndarray  # [N] int64
+    sample_rows: np.ndarray  # [R] int64 token rows whose logits are sampled
+    sample_seqs: np.ndarray  # [R] int64 sequence index of each sampled row
+    sampling: SamplingInputs
+    # prompt logprobs: token rows whose next-token logprob is reported, and the target ids
+    prompt_logprob_rows: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    prompt_logprob_targets: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    prompt_logprob_seqs: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    prompt_logprob_k: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.token_ids.shape[0])
+
+
+@dataclass(frozen=True)
+class Logprobs:
+    """Logprobs of chosen tokens: [R] chosen logprob and rank, [R, K] top-K ids/logprobs."""
+
+    token_logprobs: np.ndarray
+    ranks: np.ndarray
+    top_ids: np.ndarray
+    top_logprobs: np.ndarray
+
+
+@dataclass(frozen=True)
+class StepOutput:
+    step_id: int
+    sampled: np.ndarray  # [R] int64, one per sample row (StepInput.sample_seqs order)
+    logprobs: Logprobs | None = None  # for sample rows (rows not asking have K = 0 / junk)
+    prompt_logprobs: Logprobs | None = None  # for StepInput.prompt_logprob_rows

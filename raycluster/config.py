@@ -1,0 +1,39 @@
+"""EngineConfig: what an engine serves and within which limits (frozen; validated on creation)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str  # checkpoint directory
+    dtype: str | None = None  # default: the checkpoint's
+    device: str = "cpu"
+    max_num_batched_tokens: int = 2048  # token budget of one step (prefill chunks + decodes)
+    max_num_seqs: int = 16  # running requests (= KDA state slots)
+    max_model_len: int | None = None  # default: min(model context, cache capacity)
+    block_size: int = 16  # tokens per paged block; a multiple of index_kpool
+    num_blocks: int | None = None  # explicit cache size ...
+    cache_bytes: int | None = None  # ... or a byte budget (CPU); neither: gpu_memory_utilization
+    gpu_memory_utilization: float = 0.9
+    with_mtp: bool = False
+    seed: int = 0  # seeds requests that bring none
+
+    def __post_init__(self) -> None:
+        checks = [
+            (self.max_num_batched_tokens >= 1, "max_num_batched_tokens must be >= 1"),
+            (self.max_num_seqs >= 1, "max_num_seqs must be >= 1"),
+            (self.max_model_len is None or self.max_model_len >= 2, "max_model_len must be >= 2"),
+            (self.block_size >= 1, "block_size must be >= 1"),
+            (self.num_blocks is None or self.num_blocks >= 2, "num_blocks must be >= 2"),
+            (self.cache_bytes is None or self.cache_bytes > 0, "cache_bytes must be > 0"),
+            (self.num_blocks is None or self.cache_bytes is None,
+             "give num_blocks or cache_bytes, not both"),
+            (0 < self.gpu_memory_utilization <= 1, "gpu_memory_utilization must be in (0, 1]"),
+            (self.dtype in (None, "float32", "bfloat16", "float16"),
+             "dtype must be float32, bfloat16 or float16"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise ValueError(message)

@@ -1,0 +1,236 @@
+"""The engine: requests in, token deltas out.
+
+`LLMEngine` is the synchronous core (add_request / abort / step). `AsyncEngine` runs its step
+loop in a worker thread and streams per-request deltas to asyncio consumers; requests and
+aborts from the event loop are queued and applied between steps, so the core stays
+single-threaded.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import random
+from collections import deque
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from glm53.actors.step import Logprobs, SamplingParams
+
+from .batch import build_step_input
+from .block_pool import BlockPool
+from .config import EngineConfig
+from .executor import Executor, InProcessExecutor
+from .request import FinishReason, Request
+from .scheduler import RequestRejectedError, Scheduler
+from .state_slots import StateSlotPool
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    rank: int
+    top: tuple[tuple[int, float], ...]  # (token id, logprob), best first
+
+
+@dataclass(frozen=True)
+class RequestOutput:
+    """A delta of one request: tokens generated since the last output."""
+
+    request_id: str
+    new_token_ids: list[int]
+    finish_reason: FinishReason | None = None
+    logprobs: list[TokenLogprob] | None = None
+    prompt_logprobs: list[TokenLogprob] | None = None  # for prompt tokens 1.. (first chunk on)
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+def _token_logprobs(lp: Logprobs, row: int, k: int) -> TokenLogprob:
+    top = tuple((int(i), float(v)) for i, v in
+                zip(lp.top_ids[row, :k], lp.top_logprobs[row, :k], strict=True))
+    return TokenLogprob(-1, float(lp.token_logprobs[row]), int(lp.ranks[row]), top)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, executor: Executor | None = None) -> None:
+        self.config = config
+        self.executor = executor or InProcessExecutor(config)
+        self.model_config = self.executor.model_config
+        plan = self.executor.cache_plan
+        limit = min(self.model_config.max_position_embeddings, plan.num_tokens)
+        self.max_model_len = config.max_model_len or limit
+        if self.max_model_len > limit:
+            raise ValueError(f"max_model_len {self.max_model_len} exceeds what the model and "
+                             f"cache allow ({limit} tokens)")
+        self.scheduler = Scheduler(
+            BlockPool(plan.num_blocks, plan.block_size, pool_tokens=self.model_config.index_kpool),
+            StateSlotPool(plan.num_slots), config.max_num_batched_tokens, config.max_num_seqs,
+            self.max_model_len)
+        self.eos_ids = self.model_config.eos_token_ids
+        self._rng = random.Random(config.seed)
+        self._ids = itertools.count()
+        self._step_ids = itertools.count()
+        logger.info(plan.describe(self.max_model_len))
+
+    def add_request(self, prompt_ids: list[int], params: SamplingParams,
+                    request_id: str | None = None) -> str:
+        """Queue a request; raises RequestRejectedError if it can never be served."""
+        vocab = self.model_config.vocab_size
+        if any(not 0 <= t < vocab for t in prompt_ids):
+            raise RequestRejectedError(f"prompt token ids must be in [0, {vocab})")
+        request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
+        seed = params.seed if params.seed is not None else self._rng.randrange(2**62)
+        self.scheduler.add(Request(request_id, list(prompt_ids), params, seed))
+        return request_id
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        request = self.scheduler.abort(request_id)
+        if request is None:
+            return None
+        return RequestOutput(request_id, [], FinishReason.ABORT,
+                             num_prompt_tokens=len(request.prompt_ids),
+                             num_output_tokens=len(request.output_ids))
+
+    @property
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished
+
+    def step(self) -> list[RequestOutput]:
+        scheduled = self.scheduler.schedule()
+        if not scheduled.scheduled:
+            return []
+        step = build_step_input(next(self._step_ids), scheduled, self.scheduler.blocks.block_size,
+                                self.eos_ids)
+        result = self.executor.execute(step)
+        items = scheduled.scheduled
+        prompt_lps = self._prompt_logprobs(step, result.prompt_logprobs, items)
+        progressed = self.scheduler.update(items, result.sampled.tolist(), self.eos_ids)
+        outputs: list[RequestOutput] = []
+        by_request = {items[int(s)].request.request_id: r
+                      for r, s in enumerate(step.sample_seqs)}
+        for request in progressed:
+            row = by_request[request.request_id]
+            token = request.output_ids[-1]
+            logprobs = None
+            if result.logprobs is not None and request.params.logprobs is not None:
+                lp = _token_logprobs(result.logprobs, row, request.params.logprobs)
+                logprobs = [TokenLogprob(token, lp.logprob, lp.rank, lp.top)]
+            outputs.append(RequestOutput(
+                request.request_id, [token], request.finish_reason, logprobs,
+                prompt_lps.pop(request.request_id, None), len(request.prompt_ids),
+                len(request.output_ids)))
+        for request_id, lps in prompt_lps.items():  # prompt chunks that sampled nothing yet
+            outputs.append(RequestOutput(request_id, [], None, None, lps))
+        return outputs
+
+    def _prompt_logprobs(self, step, lp: Logprobs | None, items) -> dict[str, list]:
+        if lp is None:
+            return {}
+        out: dict[str, list[TokenLogprob]] = {}
+        for row, (seq, target, k) in enumerate(zip(step.prompt_logprob_seqs,
+                                                   step.prompt_logprob_targets,
+                                                   step.prompt_logprob_k, strict=True)):
+            request = items[int(seq)].request
+            entry = _token_logprobs(lp, row, int(k))
+            out.setdefault(request.request_id, []).append(
+                TokenLogprob(int(target), entry.logprob, entry.rank, entry.top))
+        for request_id, entries in out.items():
+            request = next(i.request for i in items if i.request.request_id == request_id)
+            request.num_prompt_logprobs_done += len(entries)
+        return out
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams],
+                 ) -> list[list[int]]:
+        """Run prompts to completion concurrently (offline use); returns output ids in order."""
+        plist = params if isinstance(params, list) else [params] * len(prompts)
+        ids = [self.add_request(p, sp) for p, sp in zip(prompts, plist, strict=True)]
+        results: dict[str, list[int]] = {i: [] for i in ids}
+        while self.has_unfinished:
+            for out in self.step():
+                results[out.request_id].extend(out.new_token_ids)
+        return [results[i] for i in ids]
+
+    def shutdown(self) -> None:
+        self.executor.shutdown()
+
+
+class AsyncEngine:
+    """asyncio front of an LLMEngine: `generate` yields RequestOutput deltas of one request."""
+
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine
+        self._ops: deque = deque()
+        self._queues: dict[str, asyncio.Queue] = {}
+        self._loop_task: asyncio.Task | None = None
+
+    async def generate(self, prompt_ids: list[int], params: SamplingParams,
+                       request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+        request_id = request_id or f"req-{next(self.engine._ids)}"
+        queue: asyncio.Queue = asyncio.Queue()
+        loop = asyncio.get_running_loop()
+        self._queues[request_id] = queue
+        done = loop.create_future()
+        self._ops.append(("add", (prompt_ids, params, request_id), done))
+        self._ensure_loop(loop)
+        try:
+            await done  # raises the rejection, if any
+            while True:
+                out = await queue.get()
+                yield out
+                if out.finished:
+                    return
+        finally:
+            self._queues.pop(request_id, None)
+            if request_id in self.engine.scheduler.requests:  # consumer left early
+                self._ops.append(("abort", request_id, None))
+                self._ensure_loop(loop)
+
+    async def abort(self, request_id: str) -> None:
+        self._ops.append(("abort", request_id, None))
+        self._ensure_loop(asyncio.get_running_loop())
+
+    def _ensure_loop(self, loop: asyncio.AbstractEventLoop) -> None:
+        if self._loop_task is None or self._loop_task.done():
+            self._loop_task = loop.create_task(self._run(loop))
+
+    async def _run(self, loop: asyncio.AbstractEventLoop) -> None:
+        while self._ops or self.engine.has_unfinished:
+            outputs = await asyncio.to_thread(self._step_once, loop)
+            for out in outputs:
+                queue = self._queues.get(out.request_id)
+                if queue is not None:
+                    queue.put_nowait(out)
+
+    def _step_once(self, loop: asyncio.AbstractEventLoop) -> list[RequestOutput]:
+        outputs: list[RequestOutput] = []
+        while self._ops:
+            kind, payload, done = self._ops.popleft()
+            if kind == "add":
+                try:
+                    self.engine.add_request(*payload)
+                    loop.call_soon_threadsafe(_resolve, done, None)
+                except Exception as exc:  # noqa: BLE001 - handed to the caller
+                    loop.call_soon_threadsafe(_resolve, done, exc)
+            elif (aborted := self.engine.abort(payload)) is not None:
+                outputs.append(aborted)
+        return outputs + self.engine.step()
+
+
+def _resolve(future: asyncio.Future, exc: BaseException | None) -> None:
+    if future.done():
+        return
+    if exc is None:
+        future.set_result(None)
+    else:
+        future.set_exception(exc)
+
+

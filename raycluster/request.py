@@ -1,0 +1,65 @@
+"""Request: one generation's token ids, counters and resources (no tensors, no text).
+
+The scheduler's single rule works on counters: a request is "behind" by
+`num_tokens - num_computed_tokens` tokens (a prompt chunk, the last sampled token, later the
+draft tokens to verify), and each step moves it forward within the token budget.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from glm53.actors.step import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class FinishReason(enum.StrEnum):
+    STOP = "stop"  # eos or a stop token
+    LENGTH = "length"  # max_tokens or max_model_len
+    ABORT = "abort"
+
+
+@dataclass(eq=False)
+class Request:
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    seed: int  # the request's own seed, or one drawn by the engine
+    arrival_time: float = field(default_factory=time.monotonic)
+    output_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    status: RequestStatus = RequestStatus.WAITING
+    block_ids: list[int] = field(default_factory=list)
+    state_slot: int | None = None
+    finish_reason: FinishReason | None = None
+    num_preemptions: int = 0
+    # prompt positions whose next-token logprob has been reported (not repeated on recompute)
+    num_prompt_logprobs_done: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def num_pending_tokens(self) -> int:
+        """Tokens to compute before the next sample."""
+        return self.num_tokens - self.num_computed_tokens
+
+    def token_ids(self, start: int, end: int) -> list[int]:
+        n = len(self.prompt_ids)
+        if end <= n:
+            return self.prompt_ids[start:end]
+        if start >= n:
+            return self.output_ids[start - n:end - n]
+        return self.prompt_ids[start:] + self.output_ids[:end - n]
+
+    @property
+    def finished(self) -> bool:
+        return self.status == RequestStatus.FINISHED

@@ -1,0 +1,186 @@
+"""Scheduler: one rule for prefill chunks and decodes, FCFS admission, preemption by recompute.
+
+Each step gives every running request (in admission order) up to its pending token count,
+within `max_num_batched_tokens`; then admits waiting requests while the budget, `max_num_seqs`,
+free blocks and free state slots allow. When a running request cannot get the blocks it needs,
+the most recently admitted request is preempted (blocks and state slot freed, counters reset,
+requeued at the front) and recomputed later. Never touches tensors.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from .block_pool import BlockPool
+from .request import FinishReason, Request, RequestStatus
+from .state_slots import StateSlotPool
+
+
+class RequestRejectedError(ValueError):
+    """A request that can never be served under this engine's limits."""
+
+
+@dataclass(frozen=True)
+class ScheduledRequest:
+    request: Request
+    num_tokens: int  # tokens computed this step, from request.num_computed_tokens
+
+    @property
+    def samples(self) -> bool:
+        """The step reaches the request's last token, so its logits sample the next one."""
+        return self.request.num_computed_tokens + self.num_tokens == self.request.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_tokens for s in self.scheduled)
+
+
+class Scheduler:
+    def __init__(self, blocks: BlockPool, slots: StateSlotPool, max_num_batched_tokens: int,
+                 max_num_seqs: int, max_model_len: int) -> None:
+        self.blocks, self.slots = blocks, slots
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_num_seqs = min(max_num_seqs, slots.num_slots)
+        self.max_model_len = max_model_len
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+
+    # ----- admission -----
+    def add(self, request: Request) -> None:
+        need = len(request.prompt_ids) + request.params.max_tokens
+        if not request.prompt_ids:
+            raise RequestRejectedError("the prompt is empty")
+        if request.request_id in self.requests:
+            raise RequestRejectedError(f"duplicate request id {request.request_id!r}")
+        if need > self.max_model_len:
+            raise RequestRejectedError(
+                f"prompt ({len(request.prompt_ids)} tokens) + max_tokens "
+                f"({request.params.max_tokens}) = {need} exceeds max_model_len "
+                f"{self.max_model_len}")
+        if self.blocks.blocks_for_tokens(need) > self.blocks.num_usable:
+            raise RequestRejectedError(
+                f"{need} tokens can never fit in the KV cache "
+                f"({self.blocks.num_usable * self.blocks.block_size} tokens)")
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def abort(self, request_id: str) -> Request | None:
+        """Finish a request wherever it is; returns it (None if unknown or already done)."""
+        request = self.requests.get(request_id)
+        if request is None:
+            return None
+        if request.status == RequestStatus.WAITING:
+            self.waiting.remove(request)
+        self._finish(request, FinishReason.ABORT)
+        return request
+
+    # ----- one step -----
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        for request in list(self.running):
+            if budget == 0:
+                break
+            if request.status != RequestStatus.RUNNING:
+                continue  # preempted earlier in this loop
+            n = min(request.num_pending_tokens, budget)
+            if not self._grow(request, request.num_computed_tokens + n, out):
+                continue
+            out.scheduled.append(ScheduledRequest(request, n))
+            budget -= n
+        while self.waiting and budget > 0 and not out.preempted and (
+                len(self.running) < self.max_num_seqs):
+            request = self.waiting[0]
+            n = min(request.num_pending_tokens, budget)
+            need = self.blocks.blocks_for_tokens(n)
+            if not (self.blocks.can_allocate(need) and self.slots.can_allocate()):
+                break
+            self.waiting.popleft()
+            request.block_ids = self.blocks.allocate(need)
+            request.state_slot = self.slots.allocate()
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            out.scheduled.append(ScheduledRequest(request, n))
+            budget -= n
+        return out
+
+    def _grow(self, request: Request, num_tokens: int, out: SchedulerOutput) -> bool:
+        """Give `request` blocks for `num_tokens`, preempting later requests if needed."""
+        need = self.blocks.blocks_for_tokens(num_tokens) - len(request.block_ids)
+        while need > 0 and not self.blocks.can_allocate(need):
+            victim = self.running[-1]
+            self._preempt(victim)
+            out.preempted.append(victim)
+            if victim is request:
+                return False
+        if need > 0:
+            request.block_ids.extend(self.blocks.allocate(need))
+        return True
+
+    def _preempt(self, request: Request) -> None:
+        self._release(request)
+        request.status = RequestStatus.WAITING
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.waiting.appendleft(request)
+
+    def _release(self, request: Request) -> None:
+        if request in self.running:
+            self.running.remove(request)
+        if request.block_ids:
+            self.blocks.free(request.block_ids)
+            request.block_ids = []
+        if request.state_slot is not None:
+            self.slots.free(request.state_slot)
+            request.state_slot = None
+
+    def _finish(self, request: Request, reason: FinishReason) -> None:
+        self._release(request)
+        request.status = RequestStatus.FINISHED
+        request.finish_reason = reason
+        del self.requests[request.request_id]
+
+    # ----- after the step -----
+    def update(self, scheduled: list[ScheduledRequest], sampled: list[int],
+               eos_ids: tuple[int, ...]) -> list[Request]:
+        """Advance counters, append sampled tokens (one per sampling request, in order), apply
+        stop rules and free finished requests. Returns the requests that got a token."""
+        tokens = iter(sampled)
+        progressed: list[Request] = []
+        for item in scheduled:
+            request = item.request
+            token = next(tokens) if item.samples else None
+            if request.status != RequestStatus.RUNNING:
+                continue  # aborted while the step ran
+            request.num_computed_tokens += item.num_tokens
+            if token is None:
+                continue
+            request.output_ids.append(token)
+            progressed.append(request)
+            reason = self._stop_reason(request, token, eos_ids)
+            if reason is not None:
+                self._finish(request, reason)
+        return progressed
+
+    def _stop_reason(self, request: Request, token: int,
+                     eos_ids: tuple[int, ...]) -> FinishReason | None:
+        params = request.params
+        n_out = len(request.output_ids)
+        if n_out >= params.min_tokens and (
+                token in params.stop_token_ids or (not params.ignore_eos and token in eos_ids)):
+            return FinishReason.STOP
+        if n_out >= params.max_tokens or request.num_tokens >= self.max_model_len:
+            return FinishReason.LENGTH
+        return None
+
+    @property
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
