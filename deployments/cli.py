@@ -1,11 +1,14 @@
-"""The `glm53` command line: build tiny checkpoints and generate text."""
+"""The `glm53` command line: build tiny checkpoints and generate text through the engine."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 from pathlib import Path
+
+CPU_CACHE_BYTES = 256 * 2**20  # default KV/state budget on CPU when no size is given
 
 
 def _parse_ids(text: str) -> list[int]:
@@ -19,6 +22,22 @@ def _parse_ids(text: str) -> list[int]:
     return ids
 
 
+def _parse_bytes(text: str) -> int:
+    m = re.fullmatch(r"(\d+)\s*([KMGT]?)(i?B)?", text.strip(), flags=re.I)
+    if not m:
+        raise argparse.ArgumentTypeError(f"not a byte size: {text!r} (e.g. 512M, 2G, 1048576)")
+    return int(m.group(1)) * 1024 ** ("_KMGT".index(m.group(2).upper() or "_"))
+
+
+class _AppendPrompt(argparse.Action):
+    """--prompt and --prompt-ids append to one ordered list of (kind, value)."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        prompts = getattr(namespace, self.dest, None) or []
+        kind = "ids" if option_string == "--prompt-ids" else "text"
+        setattr(namespace, self.dest, [*prompts, (kind, values)])
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="glm53", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -29,64 +48,92 @@ def _parser() -> argparse.ArgumentParser:
     tiny.add_argument("--layers", type=int, default=5)
     tiny.add_argument("--mtp", action="store_true", help="include the MTP layer")
 
-    gen = sub.add_parser("generate", help="generate tokens from a checkpoint")
+    gen = sub.add_parser("generate", help="generate tokens for one or more prompts")
     gen.add_argument("--model", type=Path, default=None,
                      help="checkpoint directory (default: the embedded tiny model)")
-    prompt = gen.add_mutually_exclusive_group(required=True)
-    prompt.add_argument("--prompt", help="prompt text (encoded as is)")
-    prompt.add_argument("--prompt-ids", type=_parse_ids, help="comma-separated token ids")
+    gen.add_argument("--prompt", dest="prompts", action=_AppendPrompt,
+                     help="prompt text, encoded as is (repeatable)")
+    gen.add_argument("--prompt-ids", dest="prompts", action=_AppendPrompt, type=_parse_ids,
+                     help="comma-separated token ids (repeatable)")
     gen.add_argument("--chat", action="store_true",
-                     help="wrap --prompt as one user message with the chat template")
+                     help="wrap each text prompt as one user message with the chat template")
     gen.add_argument("--max-tokens", type=int, required=True)
     gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=0, help="0 = off")
+    gen.add_argument("--min-p", type=float, default=0.0)
     gen.add_argument("--seed", type=int, default=None)
-    gen.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None)
-    gen.add_argument("--json", action="store_true", help="print one JSON object")
+    gen.add_argument("--ignore-eos", action="store_true")
+    gen.add_argument("--json", action="store_true", help="one JSON object per prompt per line")
+    eng = gen.add_argument_group("engine limits")
+    eng.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None)
+    eng.add_argument("--device", default="cpu")
+    eng.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    eng.add_argument("--max-num-seqs", type=int, default=16)
+    eng.add_argument("--max-model-len", type=int, default=None)
+    eng.add_argument("--block-size", type=int, default=16)
+    size = eng.add_mutually_exclusive_group()
+    size.add_argument("--num-blocks", type=int, default=None, help="KV cache size in blocks")
+    size.add_argument("--cache-bytes", type=_parse_bytes, default=None,
+                      help="KV cache + state budget, e.g. 512M (CPU default 256M; GPU: "
+                           "--gpu-memory-utilization)")
+    eng.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     return parser
 
 
 def _generate(args: argparse.Namespace) -> int:
-    import torch
-
     from glm53.actors.config import UnsupportedConfigError
-    from glm53.actors.loader import DTYPES, load_model, read_config
-    from glm53.actors.sequence_runner import generate
+    from glm53.actors.loader import read_config
+    from glm53.actors.step import SamplingParams
     from glm53.actors.weights import CheckpointError
+    from glm53.raycluster.config import EngineConfig
+    from glm53.raycluster.engine import LLMEngine
+    from glm53.raycluster.scheduler import RequestRejectedError
 
     from .tiny_model import embedded_tiny_model
     from .tokenizer import apply_chat_template, decode, load_tokenizer
 
+    if not args.prompts:
+        raise SystemExit("give at least one --prompt or --prompt-ids")
     if args.max_tokens < 1:
         raise SystemExit("--max-tokens must be >= 1")
     if args.temperature < 0 or not 0 < args.top_p <= 1:
         raise SystemExit("--temperature must be >= 0 and --top-p in (0, 1]")
     model_dir = args.model or embedded_tiny_model()
+    cache_bytes = args.cache_bytes
+    if cache_bytes is None and args.num_blocks is None and not args.device.startswith("cuda"):
+        cache_bytes = CPU_CACHE_BYTES
     try:
         read_config(model_dir)  # before the tokenizer: a clear error for a non-model directory
         tokenizer = load_tokenizer(model_dir)
-        if args.prompt_ids is not None:
-            prompt_ids = args.prompt_ids
-        elif args.chat:
-            messages = [{"role": "user", "content": args.prompt}]
-            prompt_ids = apply_chat_template(tokenizer, messages)
-        else:
-            prompt_ids = tokenizer.encode(args.prompt, add_special_tokens=False)
-        dtype = DTYPES[args.dtype] if args.dtype else None
-        model = load_model(model_dir, dtype=dtype, progress=not args.json)
-    except (FileNotFoundError, CheckpointError, UnsupportedConfigError) as exc:
+        prompts = []
+        for kind, value in args.prompts:
+            if kind == "ids":
+                prompts.append(value)
+            elif args.chat:
+                prompts.append(apply_chat_template(tokenizer, [{"role": "user", "content": value}]))
+            else:
+                prompts.append(tokenizer.encode(value, add_special_tokens=False))
+        params = SamplingParams(
+            max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+            top_k=args.top_k, min_p=args.min_p, seed=args.seed, ignore_eos=args.ignore_eos)
+        config = EngineConfig(
+            model=str(model_dir), dtype=args.dtype, device=args.device,
+            max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
+            max_model_len=args.max_model_len, block_size=args.block_size,
+            num_blocks=args.num_blocks, cache_bytes=cache_bytes,
+            gpu_memory_utilization=args.gpu_memory_utilization)
+        engine = LLMEngine(config)
+        outputs = engine.generate(prompts, params)
+    except (FileNotFoundError, CheckpointError, UnsupportedConfigError, RequestRejectedError,
+            ValueError) as exc:
         raise SystemExit(f"error: {exc}") from exc
-    vocab = model.config.vocab_size
-    if not prompt_ids or any(not 0 <= t < vocab for t in prompt_ids):
-        raise SystemExit(f"prompt ids must be non-empty and in [0, {vocab})")
-    with torch.inference_mode():
-        out = generate(model, prompt_ids, args.max_tokens, temperature=args.temperature,
-                       top_p=args.top_p, seed=args.seed, stop_ids=model.config.eos_token_ids)
-    text = decode(tokenizer, out)
-    if args.json:
-        print(json.dumps({"token_ids": out, "text": text}))
-    else:
-        print(f"prompt ids: {prompt_ids}\ngenerated ids: {out}\ntext: {text!r}")
+    for prompt_ids, out in zip(prompts, outputs, strict=True):
+        text = decode(tokenizer, out)
+        if args.json:
+            print(json.dumps({"token_ids": out, "text": text}))
+        else:
+            print(f"prompt ids: {prompt_ids}\ngenerated ids: {out}\ntext: {text!r}")
     return 0
 
 

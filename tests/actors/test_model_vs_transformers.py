@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from glm53.actors.loader import load_model
-from glm53.actors.sequence_runner import SequenceRunner, generate
 from glm53.deployments.tiny_model import make_tiny
+from tests.naive_runner import SequenceRunner, generate
 
 from .oracle import hf_greedy, hf_logits, load_hf
 

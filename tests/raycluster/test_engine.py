@@ -10,13 +10,13 @@ import pytest
 import torch
 
 from glm53.actors.loader import load_model
-from glm53.actors.sequence_runner import SequenceRunner, generate
 from glm53.actors.step import SamplingParams
 from glm53.deployments.tiny_model import make_tiny
 from glm53.raycluster.config import EngineConfig
 from glm53.raycluster.engine import AsyncEngine, LLMEngine
 from glm53.raycluster.request import FinishReason
 from glm53.raycluster.scheduler import RequestRejectedError
+from tests.naive_runner import SequenceRunner, generate
 
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
 

@@ -1,7 +1,7 @@
-"""SequenceRunner: drive the model over explicit caches for a few sequences, without a scheduler.
+"""The naive reference loop: drive the model over explicit caches, without a scheduler.
 
-Each sequence gets one state slot and a fixed run of paged blocks. Used by `glm53 generate`
-and the correctness tests; the engine's model runner replaces it on the serving path.
+Each sequence gets one state slot and a fixed run of paged blocks; the caller picks every
+chunk. Tests use it as the reference the engine must reproduce token for token.
 """
 
 from __future__ import annotations
@@ -11,11 +11,10 @@ from dataclasses import dataclass
 
 import torch
 
+from glm53.actors.caches import ModelCaches
+from glm53.actors.forward_batch import ForwardBatch
+from glm53.actors.models.glm5_next import Glm5NextForCausalLM
 from glm53.kernels import ops
-
-from .caches import ModelCaches
-from .forward_batch import ForwardBatch
-from .models.glm5_next import Glm5NextForCausalLM
 
 
 @dataclass
