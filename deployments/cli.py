@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import re
 import sys
 from pathlib import Path
@@ -88,6 +89,7 @@ def _generate(args: argparse.Namespace) -> int:
     from glm53.actors.weights import CheckpointError
     from glm53.raycluster.config import EngineConfig
     from glm53.raycluster.engine import LLMEngine
+    from glm53.raycluster.executor import InProcessExecutor
     from glm53.raycluster.scheduler import RequestRejectedError
 
     from .tiny_model import embedded_tiny_model
@@ -123,7 +125,7 @@ def _generate(args: argparse.Namespace) -> int:
             max_model_len=args.max_model_len, block_size=args.block_size,
             num_blocks=args.num_blocks, cache_bytes=cache_bytes,
             gpu_memory_utilization=args.gpu_memory_utilization)
-        engine = LLMEngine(config)
+        engine = LLMEngine(config, InProcessExecutor(config, progress=not args.json))
         outputs = engine.generate(prompts, params)
     except (FileNotFoundError, CheckpointError, UnsupportedConfigError, RequestRejectedError,
             ValueError) as exc:
@@ -139,6 +141,8 @@ def _generate(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    # progress and capacity lines go to stderr; stdout carries only the results
+    logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
     if args.command == "make-tiny":
         from .tiny_model import make_tiny
 
