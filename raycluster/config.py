@@ -19,6 +19,10 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9
     with_mtp: bool = False
     seed: int = 0  # seeds requests that bring none
+    tensor_parallel_size: int = 1
+    expert_parallel_size: int = 1
+    decode_context_parallel_size: int = 1
+    max_waiting_requests: int | None = None  # bound of the waiting queue (None = unbounded)
 
     def __post_init__(self) -> None:
         checks = [
@@ -33,7 +37,17 @@ class EngineConfig:
             (0 < self.gpu_memory_utilization <= 1, "gpu_memory_utilization must be in (0, 1]"),
             (self.dtype in (None, "float32", "bfloat16", "float16"),
              "dtype must be float32, bfloat16 or float16"),
+            (min(self.tensor_parallel_size, self.expert_parallel_size,
+                 self.decode_context_parallel_size) >= 1, "parallel sizes must be >= 1"),
+            (self.max_waiting_requests is None or self.max_waiting_requests >= 1,
+             "max_waiting_requests must be >= 1"),
         ]
         for ok, message in checks:
             if not ok:
                 raise ValueError(message)
+
+    @property
+    def world_size(self) -> int:
+        """GPUs of one engine: EP and DCP ranks live inside the TP group (same GPUs)."""
+        return max(self.tensor_parallel_size, self.expert_parallel_size,
+                   self.decode_context_parallel_size)
