@@ -17,7 +17,7 @@ from glm53.raycluster import envs
 from .tiny_tokenizer import write_tiny_tokenizer
 
 # Bump when the tiny model's layout or values change, so stale cached copies are rebuilt.
-EMBEDDED_TINY_VERSION = 1
+EMBEDDED_TINY_VERSION = 2
 
 
 def make_tiny(out_dir: str | Path, seed: int = 0, layers: int = 5, mtp: bool = False,
