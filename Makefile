@@ -24,8 +24,11 @@ TEST_ENV := $(RAY_ENV) TRITON_INTERPRET=1
 
 PYTEST_MARKERS ?= not gpu and not slow
 PYTEST_ARGS ?=
-PROMPT ?= Hello from glm53
 MODEL ?=
+HOST ?= 127.0.0.1
+PORT ?= 8000
+# speculative decoding is not implemented yet; the default profile (lang-mtp3) asks for MTP
+SERVE_ARGS ?= --speculative none
 
 .PHONY: setup test serve lint clean distclean
 
@@ -48,9 +51,10 @@ $(STAMP): pyproject.toml | $(PY)
 test: setup
 	$(TEST_ENV) $(PY) -m pytest -q -m "$(PYTEST_MARKERS)" $(PYTEST_ARGS)
 
+# Blocks serving the OpenAI API on http://$(HOST):$(PORT)/v1 until Ctrl-C.
 serve: setup
-	$(RAY_ENV) $(VENV)/bin/glm53 generate $(if $(MODEL),--model "$(MODEL)",) \
-		--prompt "$(PROMPT)" --max-tokens 32
+	$(RAY_ENV) $(VENV)/bin/glm53 serve $(if $(MODEL),--model "$(MODEL)",) \
+		--host $(HOST) --port $(PORT) $(SERVE_ARGS)
 
 lint: setup
 	$(VENV)/bin/ruff check .

@@ -1,4 +1,5 @@
-"""The `glm53` command line: build tiny checkpoints and generate text through the engine."""
+"""The `glm53` command line: build tiny checkpoints, generate text through the engine, and
+serve the OpenAI-compatible API on Ray Serve."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import re
 import sys
 from pathlib import Path
 
-CPU_CACHE_BYTES = 256 * 2**20  # default KV/state budget on CPU when no size is given
+from .config import CPU_CACHE_BYTES  # default KV/state budget on CPU when no size is given
 
 
 def _parse_ids(text: str) -> list[int]:
@@ -79,7 +80,114 @@ def _parser() -> argparse.ArgumentParser:
                       help="KV cache + state budget, e.g. 512M (CPU default 256M; GPU: "
                            "--gpu-memory-utilization)")
     eng.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    _serve_parser(sub)
     return parser
+
+
+def _serve_parser(sub) -> None:
+    srv = sub.add_parser("serve", help="serve the OpenAI-compatible API (Ray Serve)",
+                         description="Unset options come from the profile, then the defaults.")
+    srv.add_argument("--model", default=None,
+                     help="checkpoint directory (default: the embedded tiny model)")
+    srv.add_argument("--served-model-name", default=None)
+    srv.add_argument("--profile", default=None,
+                     help="lang-mtp3 (default), lang-dflash2, mm-dflash2, long500k")
+    srv.add_argument("--host", default="127.0.0.1")
+    srv.add_argument("--port", type=int, default=8000)
+    par = srv.add_argument_group("parallelism (one engine per replica)")
+    par.add_argument("--tp", dest="tensor_parallel_size", type=int, default=None)
+    par.add_argument("--ep", dest="expert_parallel_size", type=int, default=None)
+    par.add_argument("--dcp", dest="decode_context_parallel_size", type=int, default=None)
+    par.add_argument("--num-replicas", type=int, default=None)
+    feat = srv.add_argument_group("features")
+    feat.add_argument("--speculative", default=None,
+                      help="none | mtp | dflash (optionally METHOD:K); overrides the profile")
+    feat.add_argument("--num-speculative-tokens", type=int, default=None)
+    feat.add_argument("--draft-model", default=None, help="DFlash drafter checkpoint")
+    feat.add_argument("--vision", action=argparse.BooleanOptionalAction, default=None)
+    feat.add_argument("--kv-cache-dtype", choices=["auto", "fp8", "nvfp4"], default=None)
+    eng = srv.add_argument_group("engine limits")
+    eng.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None)
+    eng.add_argument("--device", default=None, help="default: cuda if the cluster has GPUs")
+    for flag in ("--max-model-len", "--max-num-batched-tokens", "--max-num-seqs",
+                 "--block-size", "--max-waiting-requests", "--seed"):
+        eng.add_argument(flag, type=int, default=None)
+    size = eng.add_mutually_exclusive_group()
+    size.add_argument("--num-blocks", type=int, default=None)
+    size.add_argument("--cache-bytes", type=_parse_bytes, default=None)
+    eng.add_argument("--gpu-memory-utilization", type=float, default=None)
+
+
+SERVE_FIELDS = ("model", "served_model_name", "profile", "tensor_parallel_size",
+                "expert_parallel_size", "decode_context_parallel_size", "num_replicas",
+                "vision", "kv_cache_dtype", "dtype", "device", "max_model_len",
+                "max_num_batched_tokens", "max_num_seqs", "block_size", "max_waiting_requests",
+                "seed", "num_blocks", "cache_bytes", "gpu_memory_utilization")
+
+
+def serving_config(args: argparse.Namespace):
+    """The ServingConfig of `glm53 serve` flags: only flags given override the profile."""
+    from .config import ServingConfig
+
+    values = {k: getattr(args, k) for k in SERVE_FIELDS if getattr(args, k) is not None}
+    spec = None
+    if args.speculative is not None:
+        spec = {"method": args.speculative} if ":" not in args.speculative else args.speculative
+    if args.num_speculative_tokens is not None or args.draft_model is not None:
+        if not isinstance(spec, dict):
+            raise SystemExit("--num-speculative-tokens/--draft-model need --speculative METHOD")
+        spec = {**spec, "num_speculative_tokens": args.num_speculative_tokens,
+                "draft_model": args.draft_model}
+        spec = {k: v for k, v in spec.items() if v is not None}
+    if spec is not None:
+        values["speculative"] = spec
+    return ServingConfig.model_validate(values)
+
+
+def _start_ray():
+    import ray
+
+    try:
+        ray.init(address="auto", log_to_driver=True)  # a running cluster (KubeRay, `ray start`)
+    except ConnectionError:
+        ray.init(include_dashboard=False)  # none: a local one
+    return ray
+
+
+def _serve(args: argparse.Namespace) -> int:
+    import time
+
+    from pydantic import ValidationError
+
+    from .config import NotSupportedYetError
+
+    try:
+        config = serving_config(args)
+        config.check_supported()
+    except ValidationError as exc:
+        raise SystemExit(f"error: invalid serving config:\n{exc}") from exc
+    except NotSupportedYetError as exc:
+        raise SystemExit(f"error: {exc}") from exc
+    ray = _start_ray()
+    from ray import serve
+
+    from .app import build_app
+
+    try:
+        serve.start(http_options={"host": args.host, "port": args.port})
+        handle = serve.run(build_app(config), name="glm53", route_prefix="/")
+        for card in handle.server_info.remote().result():
+            print(f"serving {card['id']} (profile {card['profile']}) at "
+                  f"http://{args.host}:{args.port}/v1\n{card['capacity']}", flush=True)
+        print("Ctrl-C stops the server", flush=True)
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        print("stopping", flush=True)
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+    return 0
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -149,6 +257,8 @@ def main(argv: list[str] | None = None) -> int:
         path = make_tiny(args.out, seed=args.seed, layers=args.layers, mtp=args.mtp)
         print(f"wrote tiny checkpoint to {path}")
         return 0
+    if args.command == "serve":
+        return _serve(args)
     return _generate(args)
 
 

@@ -1,0 +1,210 @@
+"""Serving configuration: what one LLM-server deployment serves, and how (pydantic, strict).
+
+`ServingConfig` is the single source of truth for `glm53 serve`, `build_app(args)` (the Ray
+Serve / KubeRay `import_path`) and the tests. Unknown fields are rejected. A named *profile*
+(mirroring the reference runtime's launch scripts) supplies defaults; any field given
+explicitly overrides it. Fields that a profile supplied are remembered, because a profile's
+`max_model_len` is a ceiling (clamped to what the model and cache allow, with a log line),
+whereas an explicit one is a hard requirement.
+
+Features that are configured here but not implemented yet (speculative decoding, vision,
+quantised KV cache) make `check_supported` fail with a clear "not supported yet" message;
+nothing is silently ignored. Parallel sizes pass through to `EngineConfig`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
+
+from glm53.raycluster.config import EngineConfig
+
+CPU_CACHE_BYTES = 256 * 2**20  # default KV/state budget on CPU when no size is given
+DEFAULT_PROFILE = "lang-mtp3"
+TINY_MODEL_NAME = "glm53-tiny"
+
+
+class NotSupportedYetError(ValueError):
+    """A configured feature that this build cannot serve yet."""
+
+
+class SpeculativeConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    method: Literal["none", "mtp", "dflash"] = "none"
+    num_speculative_tokens: int = Field(0, ge=0, le=16)
+    draft_model: str | None = None  # DFlash drafter checkpoint
+
+    @model_validator(mode="before")
+    @classmethod
+    def _from_string(cls, data: Any) -> Any:
+        # "none", "mtp", "mtp:3", "dflash:7" as a shorthand (CLI, KubeRay args)
+        if isinstance(data, str):
+            method, _, k = data.partition(":")
+            data = {"method": method, **({"num_speculative_tokens": k} if k else {})}
+        if isinstance(data, dict) and "num_speculative_tokens" not in data:
+            default = {"mtp": 3, "dflash": 7}.get(data.get("method", "none"))
+            if default is not None:
+                data = {**data, "num_speculative_tokens": default}
+        return data
+
+    @model_validator(mode="after")
+    def _check(self) -> SpeculativeConfig:
+        if self.method == "none" and self.num_speculative_tokens:
+            raise ValueError("num_speculative_tokens needs a speculative method")
+        if self.method != "none" and self.num_speculative_tokens < 1:
+            raise ValueError(f"speculative method {self.method!r} needs "
+                             "num_speculative_tokens >= 1")
+        return self
+
+    @property
+    def enabled(self) -> bool:
+        return self.method != "none"
+
+
+_MTP3 = {"method": "mtp", "num_speculative_tokens": 3}
+_DFLASH2 = {"method": "dflash", "num_speculative_tokens": 7}
+
+# Reference runtime launch profiles (design/exl3-dflash-spec.md A.2). Parallel sizes are not
+# part of a profile: they describe the hardware (the KubeRay manifests set TP2/EP2/DCP2).
+PROFILES: dict[str, dict[str, Any]] = {
+    "lang-mtp3": {"vision": False, "speculative": _MTP3, "max_model_len": 131_072,
+                  "max_num_batched_tokens": 2048},
+    "lang-dflash2": {"vision": False, "speculative": _DFLASH2, "max_model_len": 98_304,
+                     "max_num_batched_tokens": 2072, "max_num_seqs": 4},
+    "mm-dflash2": {"vision": True, "speculative": _DFLASH2, "max_model_len": 98_304,
+                   "max_num_batched_tokens": 2072, "max_num_seqs": 4},
+    "long500k": {"vision": False, "speculative": _MTP3, "max_model_len": 499_968,
+                 "max_num_batched_tokens": 1024, "max_num_seqs": 1},
+}
+
+
+class ServingConfig(BaseModel):
+    """One served model: checkpoint, engine limits, features and Serve deployment knobs."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    model: str | None = None  # checkpoint directory; None = the embedded tiny checkpoint
+    served_model_name: str | None = None  # the OpenAI `model` id; default: directory name
+    profile: str = DEFAULT_PROFILE
+    # parallelism inside one replica (one engine)
+    tensor_parallel_size: int = Field(1, ge=1)
+    expert_parallel_size: int = Field(1, ge=1)
+    decode_context_parallel_size: int = Field(1, ge=1)
+    # weights and caches
+    dtype: Literal["float32", "bfloat16", "float16"] | None = None  # default: checkpoint's
+    kv_cache_dtype: Literal["auto", "fp8", "nvfp4"] = "auto"
+    device: str | None = None  # default: cuda when available, else cpu
+    gpu_memory_utilization: float = Field(0.9, gt=0, le=1)
+    cache_bytes: int | None = Field(None, gt=0)  # KV + state budget (CPU default 256 MiB)
+    num_blocks: int | None = Field(None, ge=2)
+    block_size: int = Field(16, ge=1)
+    # scheduler limits
+    max_model_len: int | None = Field(None, ge=2)
+    max_num_batched_tokens: int = Field(2048, ge=1)
+    max_num_seqs: int = Field(16, ge=1)
+    max_waiting_requests: int = Field(256, ge=1)  # beyond it: 503 + Retry-After
+    seed: int = 0
+    # features
+    speculative: SpeculativeConfig = SpeculativeConfig()
+    vision: bool = False
+    # Ray Serve deployment of the LLM server
+    num_replicas: int = Field(1, ge=1)
+    max_ongoing_requests: int = Field(1024, ge=1)
+
+    _from_profile: frozenset[str] = PrivateAttr(default=frozenset())
+
+    @model_validator(mode="wrap")
+    @classmethod
+    def _apply_profile(cls, data: Any, handler: Any) -> ServingConfig:
+        from_profile: set[str] = set()
+        if isinstance(data, dict):
+            name = data.get("profile", DEFAULT_PROFILE)
+            if name not in PROFILES:
+                raise ValueError(f"unknown profile {name!r}; known: {', '.join(PROFILES)}")
+            from_profile = {k for k in PROFILES[name] if data.get(k) is None}
+            data = {**PROFILES[name], **{k: v for k, v in data.items() if v is not None}}
+        model = handler(data)
+        if from_profile:
+            model._from_profile = frozenset(from_profile)
+        return model
+
+    @model_validator(mode="after")
+    def _check(self) -> ServingConfig:
+        if self.cache_bytes is not None and self.num_blocks is not None:
+            raise ValueError("give cache_bytes or num_blocks, not both")
+        return self
+
+    def from_profile(self, field: str) -> bool:
+        """Whether `field` holds the profile's value (not an explicit one)."""
+        return field in self._from_profile
+
+    # ----- derived -----
+    @property
+    def world_size(self) -> int:
+        return max(self.tensor_parallel_size, self.expert_parallel_size,
+                   self.decode_context_parallel_size)
+
+    @property
+    def model_name(self) -> str:
+        if self.served_model_name:
+            return self.served_model_name
+        return Path(self.model).name if self.model else TINY_MODEL_NAME
+
+    def check_supported(self) -> None:
+        """Raise NotSupportedYetError for each feature this build cannot serve yet."""
+        problems = []
+
+        def origin(field: str) -> str:
+            return f" (from profile {self.profile})" if self.from_profile(field) else ""
+
+        if self.speculative.enabled:
+            problems.append(
+                f"speculative decoding ({self.speculative.method}, "
+                f"k={self.speculative.num_speculative_tokens}){origin('speculative')} is not "
+                "supported yet; pass --speculative none (speculative: none)")
+        if self.vision:
+            problems.append(f"vision input{origin('vision')} is not supported yet; use a "
+                            "lang-* profile or --no-vision")
+        if self.kv_cache_dtype != "auto":
+            problems.append(f"kv_cache_dtype {self.kv_cache_dtype} is not supported yet "
+                            "(the cache uses the model dtype)")
+        if problems:
+            raise NotSupportedYetError("; ".join(problems))
+
+    def engine_config(self, model_dir: str | Path, device: str,
+                      max_model_len: int | None = None) -> EngineConfig:
+        """The EngineConfig of one replica (`max_model_len` overrides, e.g. after clamping)."""
+        cache_bytes = self.cache_bytes
+        if cache_bytes is None and self.num_blocks is None and not device.startswith("cuda"):
+            cache_bytes = CPU_CACHE_BYTES
+        return EngineConfig(
+            model=str(model_dir), dtype=self.dtype, device=device,
+            max_num_batched_tokens=self.max_num_batched_tokens, max_num_seqs=self.max_num_seqs,
+            max_model_len=max_model_len if max_model_len is not None else self.max_model_len,
+            block_size=self.block_size, num_blocks=self.num_blocks, cache_bytes=cache_bytes,
+            gpu_memory_utilization=self.gpu_memory_utilization,
+            with_mtp=self.speculative.method == "mtp", seed=self.seed,
+            tensor_parallel_size=self.tensor_parallel_size,
+            expert_parallel_size=self.expert_parallel_size,
+            decode_context_parallel_size=self.decode_context_parallel_size,
+            max_waiting_requests=self.max_waiting_requests)
+
+    def server_deployment_options(self, device: str) -> dict[str, Any]:
+        """Ray Serve options of the LLM-server deployment on `device` (resolved by the caller:
+        the driver may sit on a GPU-less head node). One engine per replica; a replica whose
+        engine spans several GPUs owns a STRICT_PACK placement group for them."""
+        options: dict[str, Any] = {"num_replicas": self.num_replicas,
+                                   "max_ongoing_requests": self.max_ongoing_requests,
+                                   "health_check_period_s": 10, "health_check_timeout_s": 30}
+        if not device.startswith("cuda"):
+            options["ray_actor_options"] = {"num_cpus": 0}
+        elif self.world_size == 1:
+            options["ray_actor_options"] = {"num_cpus": 1, "num_gpus": 1}
+        else:
+            options["ray_actor_options"] = {"num_cpus": 1}
+            options["placement_group_bundles"] = [{"CPU": 1}] + [{"GPU": 1}] * self.world_size
+            options["placement_group_strategy"] = "STRICT_PACK"
+        return options

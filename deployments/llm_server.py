@@ -1,0 +1,475 @@
+"""The LLM-server replica: one engine, OpenAI requests in, responses or SSE chunks out.
+
+A Ray Serve deployment class (decorated by `app.py`). Each request method is an async
+generator called through a streaming handle. Its first item is an `APIError` (answered with
+the OpenAI envelope and its status) or, for a streaming request, `True` (accepted); then come
+SSE text batches, each holding every chunk ready at that moment (fewer handle round trips under
+load). A non-streaming request yields one response dict. Every accepted request ends with a
+terminal item: a finish reason and `[DONE]`, or an SSE error event and `[DONE]`.
+
+Owns: chat template rendering, tokenization, sampling defaults, the waiting-queue bound,
+the n choices of a request (one engine request each, merged into one stream), metrics.
+Client disconnect cancels the generator; that cancels the choices, whose engine streams
+abort their requests and free the cache.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+from typing import Any
+
+from glm53.actors.step import SamplingParams
+from glm53.raycluster.scheduler import RequestRejectedError
+
+from .chat import MARKER_TOKENS, THINK_START, ChatTemplate, ChatTemplateError
+from .config import ServingConfig
+from .engine_client import EngineClient, LocalEngine
+from .metrics import RequestTimes, ServingMetrics
+from .openai_schema import (
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+    bad_request,
+)
+from .responses import (
+    ChoiceState,
+    Delta,
+    TokenTexts,
+    chat_delta,
+    chat_logprobs,
+    chat_message,
+    completion_logprobs,
+    token_namer,
+    usage,
+)
+from .tokenizer import load_tokenizer
+
+logger = logging.getLogger(__name__)
+EngineFactory = Callable[[ServingConfig, Path, str], EngineClient]
+_DONE = "data: [DONE]\n\n"
+
+
+def _sse(obj: dict[str, Any]) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
+class LLMServer:
+    def __init__(self, config: ServingConfig, device: str = "cpu",
+                 engine_factory: EngineFactory | None = None) -> None:
+        config.check_supported()
+        from .tiny_model import embedded_tiny_model
+
+        self.config = config
+        self.model_name = config.model_name
+        self.model_dir = Path(config.model) if config.model else embedded_tiny_model()
+        self.tokenizer = load_tokenizer(self.model_dir)
+        self.template = ChatTemplate(self.tokenizer)
+        self.texts = TokenTexts(self.tokenizer)
+        self.engine: EngineClient = (engine_factory or LocalEngine)(config, self.model_dir,
+                                                                    device)
+        self.metrics = ServingMetrics(self.model_name, config.speculative.num_speculative_tokens)
+        markers = {self.tokenizer.convert_tokens_to_ids(t) for t in MARKER_TOKENS}
+        self.special_ids = set(self.tokenizer.all_special_ids) | set(
+            self.tokenizer.get_added_vocab().values())
+        self.skip_ids = self.special_ids - markers
+        self.defaults = _generation_defaults(self.model_dir)
+        self.created = int(time.time())
+        self._outstanding = 0  # engine requests submitted and not yet finished
+        logger.warning("%s ready on %s: %s", self.model_name, device, self.engine.capacity)
+
+    # ----- info -----
+    def model_card(self) -> dict[str, Any]:
+        return {"id": self.model_name, "object": "model", "created": self.created,
+                "owned_by": "glm53", "root": str(self.model_dir), "parent": None,
+                "max_model_len": self.engine.max_model_len}
+
+    def info(self) -> dict[str, Any]:
+        return {**self.model_card(), "capacity": self.engine.capacity,
+                "profile": self.config.profile}
+
+    def check_health(self) -> None:  # Ray Serve's replica health check
+        self.engine.check_health()
+
+    async def health(self) -> bool:
+        self.engine.check_health()
+        return True
+
+    async def metrics_text(self) -> bytes:
+        self.metrics.set_engine_stats(self.engine.stats())
+        return self.metrics.render()
+
+    # ----- tokenizer endpoints -----
+    async def tokenize(self, request: TokenizeRequest) -> dict[str, Any] | APIError:
+        try:
+            if request.messages is not None:
+                text = self.template.render(_messages(request.messages),
+                                            add_generation_prompt=request.add_generation_prompt)
+                ids = self._encode(text)
+            else:
+                ids = list(self.tokenizer.encode(request.prompt,
+                                                 add_special_tokens=request.add_special_tokens))
+        except ChatTemplateError as exc:
+            return bad_request(str(exc), "messages")
+        out: dict[str, Any] = {"count": len(ids), "max_model_len": self.engine.max_model_len,
+                               "tokens": ids}
+        if request.return_token_strs:
+            out["token_strs"] = self.tokenizer.convert_ids_to_tokens(ids)
+        return out
+
+    async def detokenize(self, request: DetokenizeRequest) -> dict[str, Any] | APIError:
+        if any(t >= self.engine.vocab_size for t in request.tokens):
+            return bad_request(f"token ids must be in [0, {self.engine.vocab_size})", "tokens")
+        return {"prompt": self.tokenizer.decode(request.tokens, skip_special_tokens=False,
+                                                clean_up_tokenization_spaces=False)}
+
+    # ----- generation endpoints -----
+    async def chat(self, request: ChatCompletionRequest) -> AsyncIterator[Any]:
+        arrival = time.monotonic()
+        try:
+            prompt_ids, reasoning_start, tools = self._chat_prompt(request)
+            params = self._sampling(request, [prompt_ids], request.token_limit,
+                                    logprobs=(request.top_logprobs or 0) if request.logprobs
+                                    else None)
+        except APIError as exc:
+            yield exc
+            return
+        choices = [self._choice(i, request, len(prompt_ids), reasoning_start, tools)
+                   for i in range(request.n)]
+        runs = [(prompt_ids, p) for p in params]
+        async for item in self._respond("chat", request, runs, choices, arrival):
+            yield item
+
+    async def completions(self, request: CompletionRequest) -> AsyncIterator[Any]:
+        arrival = time.monotonic()
+        try:
+            if request.suffix is not None:
+                raise bad_request("suffix is not supported", "suffix")
+            if request.best_of is not None and request.best_of != request.n:
+                raise bad_request("best_of other than n is not supported", "best_of")
+            prompts = self._completion_prompts(request.prompt)
+            lp = request.logprobs
+            params = self._sampling(request, prompts, request.token_limit, logprobs=lp,
+                                    prompt_logprobs=lp if request.echo and lp is not None
+                                    else None)
+        except APIError as exc:
+            yield exc
+            return
+        runs, choices = [], []
+        for p_index, prompt_ids in enumerate(prompts):
+            for j in range(request.n):
+                index = p_index * request.n + j
+                runs.append((prompt_ids, params[index]))
+                choices.append(self._choice(index, request, len(prompt_ids), None, None,
+                                            echo_ids=prompt_ids if request.echo else None))
+        async for item in self._respond("completion", request, runs, choices, arrival):
+            yield item
+
+    # ----- request preparation -----
+    def _encode(self, text: str) -> list[int]:
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def _chat_prompt(self, request: ChatCompletionRequest,
+                     ) -> tuple[list[int], bool, list[dict] | None]:
+        if request.logit_bias:
+            raise bad_request("logit_bias is not supported yet", "logit_bias")
+        fmt = request.response_format
+        if fmt is not None and fmt.type == "json_schema":
+            raise bad_request("response_format json_schema is not supported yet (needs "
+                              "constrained decoding)", "response_format")
+        messages = _messages(request.messages)
+        if fmt is not None and fmt.type == "json_object" and "json" not in json.dumps(
+                messages).lower():
+            # OpenAI's rule for JSON mode: the conversation must ask for JSON
+            raise bad_request("'messages' must contain the word 'json' in some form to use "
+                              "'response_format' of type 'json_object'", "response_format")
+        choice = request.tool_choice
+        if choice is not None and choice != "none" and choice != "auto":
+            raise bad_request("tool_choice 'required' or a named function is not supported "
+                              "yet; use 'auto'", "tool_choice")
+        tools = None
+        if request.tools and choice != "none":
+            tools = [t.model_dump(exclude_none=True) for t in request.tools]
+        try:
+            text = self.template.render(
+                messages, tools=tools, reasoning_effort=request.reasoning_effort,
+                add_generation_prompt=request.add_generation_prompt,
+                continue_final_message=request.continue_final_message,
+                template_kwargs=request.chat_template_kwargs)
+        except ChatTemplateError as exc:
+            raise bad_request(str(exc), "messages") from exc
+        return self._encode(text), text.endswith(THINK_START), tools
+
+    def _completion_prompts(self, prompt: Any) -> list[list[int]]:
+        if isinstance(prompt, str):
+            prompts = [self._encode(prompt)]
+        elif isinstance(prompt[0], str):
+            prompts = [self._encode(p) for p in prompt]
+        elif isinstance(prompt[0], int):
+            prompts = [list(prompt)]
+        else:
+            prompts = [list(p) for p in prompt]
+        vocab = self.engine.vocab_size
+        if any(not 0 <= t < vocab for p in prompts for t in p):
+            raise bad_request(f"prompt token ids must be in [0, {vocab})", "prompt")
+        if any(not p for p in prompts):
+            raise bad_request("the prompt is empty", "prompt")
+        return prompts
+
+    def _sampling(self, request: Any, prompts: list[list[int]], limit: int | None, *,
+                  logprobs: int | None, prompt_logprobs: int | None = None,
+                  ) -> list[SamplingParams]:
+        """One SamplingParams per choice (n per prompt; seed + i for the i-th choice)."""
+        max_len = self.engine.max_model_len
+        longest = max(len(p) for p in prompts)
+        max_tokens = limit if limit is not None else max_len - longest
+        if longest + max(max_tokens, 1) > max_len or max_tokens < 1:
+            param = "messages" if isinstance(request, ChatCompletionRequest) else "prompt"
+            raise bad_request(
+                f"This model's maximum context length is {max_len} tokens. However, you "
+                f"requested {longest + max_tokens} tokens ({longest} in the {param}, "
+                f"{max_tokens} in the completion). Please reduce the length of the {param} "
+                "or completion.", param, "context_length_exceeded")
+        d = self.defaults
+        top_k = request.top_k if request.top_k is not None else d.get("top_k", 0)
+        stop_ids = tuple(dict.fromkeys(request.stop_token_ids or ()))
+        base = dict(
+            max_tokens=max_tokens,
+            temperature=(request.temperature if request.temperature is not None
+                         else d.get("temperature", 1.0)),
+            top_p=request.top_p if request.top_p is not None else d.get("top_p", 1.0),
+            top_k=max(top_k, 0),
+            min_p=request.min_p if request.min_p is not None else 0.0,
+            presence_penalty=request.presence_penalty,
+            frequency_penalty=request.frequency_penalty,
+            repetition_penalty=request.repetition_penalty, min_tokens=request.min_tokens,
+            stop_token_ids=stop_ids, ignore_eos=request.ignore_eos, logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs)
+        out = []
+        for _ in prompts:
+            for i in range(request.n):
+                seed = request.seed + i if request.seed is not None else None
+                try:
+                    out.append(SamplingParams(**base, seed=seed))
+                except ValueError as exc:
+                    raise bad_request(str(exc)) from exc
+        self.metrics.request_params(request.n, max_tokens)
+        return out
+
+    def _choice(self, index: int, request: Any, num_prompt_tokens: int,
+                reasoning_start: bool | None, tools: list[dict] | None,
+                echo_ids: list[int] | None = None) -> ChoiceState:
+        stop_ids = set(request.stop_token_ids or ())
+        if not request.ignore_eos:
+            stop_ids |= set(self.engine.eos_token_ids)
+        choice = ChoiceState(
+            index, self.tokenizer, stop_strings=request.stop_strings,
+            include_stop_str=request.include_stop_str_in_output, stop_token_ids=stop_ids,
+            skip_ids=self.skip_ids if request.skip_special_tokens else set(),
+            reasoning_start=reasoning_start, tools=tools, echo_ids=echo_ids)
+        choice.num_prompt_tokens = num_prompt_tokens
+        return choice
+
+    # ----- running the choices -----
+    async def _respond(self, kind: str, request: Any, runs: list, choices: list[ChoiceState],
+                       arrival: float) -> AsyncIterator[Any]:
+        stats = self.engine.stats()
+        waiting = max(0, self._outstanding - stats.num_running)
+        if waiting + len(runs) > self.config.max_waiting_requests:
+            yield APIError(503, f"the server is overloaded ({waiting} requests waiting, bound "
+                           f"{self.config.max_waiting_requests}); retry later",
+                           "service_unavailable_error", None, "server_overloaded",
+                           {"Retry-After": "1"})
+            return
+        prefix = "chatcmpl" if kind == "chat" else "cmpl"
+        response_id = f"{prefix}-{uuid.uuid4().hex}"
+        queue: asyncio.Queue = asyncio.Queue()
+        self._outstanding += len(runs)
+        tasks = [asyncio.create_task(self._run_choice(
+            f"{response_id}-{c.index}", ids, params, c, queue, arrival))
+            for (ids, params), c in zip(runs, choices, strict=True)]
+        fmt = _Formatter(kind, response_id, self.created, self.model_name, request, choices,
+                         self.texts)
+        try:
+            if request.stream:
+                yield True
+                async for batch in self._stream(queue, len(tasks), fmt):
+                    yield batch
+            else:
+                yield await self._collect(queue, len(tasks), fmt)
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _run_choice(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
+                          choice: ChoiceState, queue: asyncio.Queue, arrival: float) -> None:
+        times = RequestTimes(arrival)
+        stream = self.engine.generate(prompt_ids, params, request_id)
+        try:
+            async for out in stream:
+                now = time.monotonic()
+                self.metrics.tokens(times, len(out.new_token_ids), out.num_prompt_tokens, now)
+                queue.put_nowait(choice.feed(out))
+                if choice.done:
+                    break
+        except RequestRejectedError as exc:
+            queue.put_nowait(bad_request(str(exc)))
+        except Exception as exc:  # noqa: BLE001 - every request must get a terminal answer
+            logger.exception("request %s failed", request_id)
+            queue.put_nowait(APIError(500, f"engine error: {exc}", "server_error"))
+        finally:
+            await stream.aclose()  # aborts the engine request if it is still running
+            self._outstanding -= 1
+            times.engine_arrival, times.scheduled = self.engine.pop_times(request_id)
+            self.metrics.finished(times, choice.finish_reason or "abort", time.monotonic())
+            queue.put_nowait(None)  # this choice is over
+
+    async def _items(self, queue: asyncio.Queue, num_tasks: int) -> AsyncIterator[list]:
+        """Batches of whatever the choices produced, until every choice is over."""
+        remaining = num_tasks
+        while remaining:
+            items = [await queue.get()]
+            while not queue.empty():
+                items.append(queue.get_nowait())
+            remaining -= sum(item is None for item in items)
+            yield [item for item in items if item is not None]
+
+    async def _stream(self, queue: asyncio.Queue, num_tasks: int,
+                      fmt: _Formatter) -> AsyncIterator[str]:
+        async for items in self._items(queue, num_tasks):
+            error = next((i for i in items if isinstance(i, APIError)), None)
+            if error is not None:
+                yield fmt.stream_chunks([d for d in items if isinstance(d, Delta)]) + _sse(
+                    error.body()) + _DONE
+                return
+            if chunk := fmt.stream_chunks(items):
+                yield chunk
+        yield fmt.stream_end() + _DONE
+
+    async def _collect(self, queue: asyncio.Queue, num_tasks: int,
+                       fmt: _Formatter) -> dict[str, Any] | APIError:
+        async for items in self._items(queue, num_tasks):
+            for item in items:
+                if isinstance(item, APIError):
+                    return item
+                fmt.accumulate(item)
+        return fmt.response()
+
+
+class _Formatter:
+    """Turns the deltas of one request's choices into chunks or the final response."""
+
+    def __init__(self, kind: str, response_id: str, created: int, model: str, request: Any,
+                 choices: list[ChoiceState], texts: TokenTexts) -> None:
+        self.kind, self.id, self.created, self.model = kind, response_id, created, model
+        self.request, self.choices, self.texts = request, choices, texts
+        self.name = token_namer(texts, request.return_tokens_as_token_ids)
+        self.started: set[int] = set()
+        self.tool_index = [0] * len(choices)
+        self.text_offset = [0] * len(choices)  # completions logprobs: next token's offset
+        self.acc = [{"text": [], "reasoning": [], "calls": [], "logprobs": [],
+                     "prompt_logprobs": [], "finish": None} for _ in choices]
+
+    def _usage(self) -> dict[str, int]:
+        prompts = self.choices[::self.request.n]
+        return usage(sum(c.num_prompt_tokens for c in prompts),
+                     sum(c.num_tokens for c in self.choices))
+
+    def _chunk(self, choices: list[dict], with_usage: bool = False) -> str:
+        obj = {"id": self.id, "object": ("chat.completion.chunk" if self.kind == "chat"
+                                         else "text_completion"),
+               "created": self.created, "model": self.model, "choices": choices}
+        if self.request.include_usage:
+            continuous = self.request.stream_options.continuous_usage_stats
+            obj["usage"] = self._usage() if (with_usage or continuous) else None
+        return _sse(obj)
+
+    def stream_chunks(self, deltas: list[Delta]) -> str:
+        parts = []
+        for d in deltas:
+            if self.kind == "chat":
+                first = d.index not in self.started
+                self.started.add(d.index)
+                choice = chat_delta(d, first, self.tool_index[d.index], self.texts, self.name)
+                self.tool_index[d.index] += len(d.tool_calls)
+            elif d.empty:
+                choice = None
+            else:
+                choice = {"index": d.index, "text": d.text,
+                          "logprobs": self._completion_lps(d), "finish_reason": d.finish_reason}
+            if choice is not None:
+                parts.append(self._chunk([choice]))
+        return "".join(parts)
+
+    def stream_end(self) -> str:
+        return self._chunk([], with_usage=True) if self.request.include_usage else ""
+
+    def _completion_lps(self, d: Delta) -> dict[str, Any] | None:
+        if self.request.logprobs is None:
+            return None
+        entries = (d.prompt_logprobs if self.request.echo else []) + d.logprobs
+        out = completion_logprobs(entries, self.texts, self.text_offset[d.index], self.name)
+        self.text_offset[d.index] = out.pop("next_offset")
+        return out
+
+    def accumulate(self, d: Delta) -> None:
+        acc = self.acc[d.index]
+        acc["text"].append(d.text)
+        acc["reasoning"].append(d.reasoning)
+        acc["calls"].extend(d.tool_calls)
+        acc["logprobs"].extend(d.logprobs)
+        acc["prompt_logprobs"].extend(d.prompt_logprobs)
+        acc["finish"] = d.finish_reason or acc["finish"]
+
+    def response(self) -> dict[str, Any]:
+        choices = []
+        for index, acc in enumerate(self.acc):
+            text = "".join(acc["text"])
+            if self.kind == "chat":
+                lps = (chat_logprobs(acc["logprobs"], self.texts, self.name)
+                       if self.request.logprobs else None)
+                if lps is None and self.request.logprobs:
+                    lps = {"content": []}
+                choices.append({"index": index, "message": chat_message(
+                    text, "".join(acc["reasoning"]), acc["calls"]),
+                    "logprobs": lps, "finish_reason": acc["finish"]})
+            else:
+                lps = None
+                if self.request.logprobs is not None:
+                    entries = (acc["prompt_logprobs"] if self.request.echo else []) + acc[
+                        "logprobs"]
+                    lps = completion_logprobs(entries, self.texts, 0, self.name)
+                    lps.pop("next_offset")
+                choices.append({"index": index, "text": text, "logprobs": lps,
+                                "finish_reason": acc["finish"]})
+        return {"id": self.id,
+                "object": "chat.completion" if self.kind == "chat" else "text_completion",
+                "created": self.created, "model": self.model, "choices": choices,
+                "usage": self._usage()}
+
+
+def _messages(messages: list) -> list[dict[str, Any]]:
+    out = []
+    for m in messages:
+        d = m.model_dump(exclude_none=True)
+        if d["role"] == "developer":
+            d["role"] = "system"
+        out.append(d)
+    return out
+
+
+def _generation_defaults(model_dir: Path) -> dict[str, Any]:
+    """Sampling defaults from the checkpoint's generation_config.json (vLLM does the same)."""
+    path = model_dir / "generation_config.json"
+    if not path.exists():
+        return {}
+    config = json.loads(path.read_text())
+    return {k: config[k] for k in ("temperature", "top_p", "top_k") if k in config}

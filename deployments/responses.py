@@ -1,0 +1,204 @@
+"""One choice of an OpenAI response, and the JSON the API returns.
+
+`ChoiceState` turns one engine request's RequestOutput deltas into OpenAI deltas:
+ids -> incremental detokenizer -> stop strings -> reasoning split -> tool-call parser, with the
+sampled tokens' logprobs alongside. The same pipeline serves streaming and non-streaming
+requests, so their texts are identical by construction. The functions below render deltas as
+chat / completion chunks and full responses (plain dicts).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from glm53.raycluster.engine import RequestOutput, TokenLogprob
+
+from .chat import ReasoningParser, ToolCall, ToolCallParser
+from .detokenizer import IncrementalDetokenizer, StopStrings
+from .tiny_tokenizer import _gpt2_bytes_to_unicode
+
+
+@dataclass
+class Delta:
+    index: int
+    text: str = ""  # content (chat) or text (completions)
+    reasoning: str = ""
+    tool_calls: list[ToolCall] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)  # echo
+    finish_reason: str | None = None
+
+    @property
+    def empty(self) -> bool:
+        return not (self.text or self.reasoning or self.tool_calls or self.logprobs
+                    or self.prompt_logprobs or self.finish_reason)
+
+
+class TokenTexts:
+    """Per-token text and raw bytes for logprobs (byte-level vocabularies map back exactly)."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self._tok = tokenizer
+        decoder = getattr(getattr(tokenizer, "backend_tokenizer", None), "decoder", None)
+        self._byte_of = ({c: b for b, c in _gpt2_bytes_to_unicode().items()}
+                         if type(decoder).__name__ == "ByteLevel" else None)
+        self._added = set(tokenizer.get_added_vocab().values())
+
+    @functools.lru_cache(maxsize=65536)  # noqa: B019 - one instance per replica
+    def text(self, token_id: int) -> str:
+        return self._tok.decode([token_id], skip_special_tokens=False,
+                                clean_up_tokenization_spaces=False)
+
+    @functools.lru_cache(maxsize=65536)  # noqa: B019
+    def bytes(self, token_id: int) -> list[int]:
+        piece = self._tok.convert_ids_to_tokens(token_id)
+        if piece is None:
+            return []
+        if self._byte_of is not None and token_id not in self._added and all(
+                c in self._byte_of for c in piece):
+            return [self._byte_of[c] for c in piece]
+        return list(self.text(token_id).encode("utf-8"))
+
+
+class ChoiceState:
+    def __init__(self, index: int, tokenizer: Any, *, stop_strings: list[str],
+                 include_stop_str: bool, stop_token_ids: set[int], skip_ids: set[int],
+                 reasoning_start: bool | None, tools: list[dict] | None,
+                 echo_ids: list[int] | None = None) -> None:
+        self.index = index
+        self._tokenizer = tokenizer
+        self._detok = IncrementalDetokenizer(tokenizer, skip_ids)
+        self._stops = StopStrings(stop_strings)
+        self._include_stop = include_stop_str
+        self._stop_ids = stop_token_ids
+        self._reasoning = ReasoningParser(reasoning_start) if reasoning_start is not None else None
+        self._tools = ToolCallParser(tools) if tools is not None else None
+        self._echo_ids = echo_ids
+        # echo: the first prompt token has no logprob (NaN marks it)
+        self._prompt_lps = [TokenLogprob(echo_ids[0], math.nan, 0, ())] if echo_ids else []
+        self.num_tokens = 0
+        self.num_prompt_tokens = 0
+        self.finish_reason: str | None = None
+        self.error: str | None = None
+
+    @property
+    def done(self) -> bool:
+        return self.finish_reason is not None
+
+    def feed(self, out: RequestOutput) -> Delta:
+        delta = Delta(self.index)
+        if out.prompt_logprobs and self._echo_ids is not None:
+            self._prompt_lps.extend(out.prompt_logprobs)
+        ids = list(out.new_token_ids)
+        self.num_tokens += len(ids)
+        delta.logprobs = list(out.logprobs or [])
+        reason = out.finish_reason.value if out.finish_reason is not None else None
+        if reason == "stop" and ids and ids[-1] in self._stop_ids:
+            ids = ids[:-1]  # the eos / stop token itself is not text
+        final = reason is not None
+        text = self._detok.add(ids) + (self._detok.flush() if final else "")
+        if self._echo_ids is not None and (ids or final):
+            prompt_text = self._tokenizer.decode(self._echo_ids, skip_special_tokens=False,
+                                                 clean_up_tokenization_spaces=False)
+            delta.prompt_logprobs, self._prompt_lps = self._prompt_lps, []
+            self._echo_ids = None
+        else:
+            prompt_text = ""
+        text = self._stops.process(text, final)
+        if self._stops.hit is not None:
+            final, reason = True, "stop"
+            if self._include_stop:
+                text += self._stops.hit
+        if reason == "error":
+            self.error = getattr(out, "error", None) or "engine error"
+        content = text
+        if self._reasoning is not None:
+            delta.reasoning, content = self._reasoning.feed(text, final)
+        if self._tools is not None:
+            content, delta.tool_calls = self._tools.feed(content, final)
+            if reason == "stop" and self._tools.num_calls:
+                reason = "tool_calls"
+        delta.text = prompt_text + content
+        if final:
+            self.finish_reason = delta.finish_reason = reason
+        return delta
+
+
+# ----- chat -----
+def token_namer(texts: TokenTexts, as_ids: bool) -> Callable[[int], str]:
+    """How logprobs name a token: its text, or "token_id:{id}" (vLLM's
+    return_tokens_as_token_ids, exact even where the text is a lone UTF-8 fragment)."""
+    return (lambda token_id: f"token_id:{token_id}") if as_ids else texts.text
+
+
+def chat_logprobs(entries: list[TokenLogprob], texts: TokenTexts,
+                  name: Callable[[int], str]) -> dict[str, Any] | None:
+    if not entries:
+        return None
+
+    def one(token_id: int, logprob: float) -> dict[str, Any]:
+        return {"token": name(token_id), "logprob": max(logprob, -9999.0),
+                "bytes": texts.bytes(token_id)}
+    return {"content": [{**one(e.token_id, e.logprob),
+                         "top_logprobs": [one(t, lp) for t, lp in e.top]} for e in entries]}
+
+
+def chat_delta(delta: Delta, first: bool, tool_index: int, texts: TokenTexts,
+               name: Callable[[int], str]) -> dict[str, Any] | None:
+    """A chat.completion.chunk choice, or None when there is nothing to send."""
+    if delta.empty and not first:
+        return None
+    body: dict[str, Any] = {}
+    if first:
+        body["role"] = "assistant"
+        body["content"] = ""
+    if delta.reasoning:
+        body["reasoning_content"] = body["reasoning"] = delta.reasoning
+    if delta.text:
+        body["content"] = delta.text
+    if delta.tool_calls:
+        body["tool_calls"] = [call.to_openai(tool_index + k)
+                              for k, call in enumerate(delta.tool_calls)]
+    return {"index": delta.index, "delta": body,
+            "logprobs": chat_logprobs(delta.logprobs, texts, name),
+            "finish_reason": delta.finish_reason}
+
+
+def chat_message(text: str, reasoning: str, calls: list[ToolCall]) -> dict[str, Any]:
+    message: dict[str, Any] = {"role": "assistant",
+                               "content": text if (text or not calls) else None,
+                               "reasoning_content": reasoning or None,
+                               "reasoning": reasoning or None}
+    if calls:
+        message["tool_calls"] = [call.to_openai() for call in calls]
+    return message
+
+
+# ----- completions -----
+def completion_logprobs(entries: list[TokenLogprob], texts: TokenTexts, offset: int,
+                        name: Callable[[int], str]) -> dict[str, Any]:
+    """OpenAI legacy logprobs: tokens, token_logprobs, top_logprobs, text_offset."""
+    out: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [],
+                            "text_offset": []}
+    for e in entries:
+        token = texts.text(e.token_id)
+        out["tokens"].append(name(e.token_id))
+        if math.isnan(e.logprob):  # the first prompt token has no logprob
+            out["token_logprobs"].append(None)
+            out["top_logprobs"].append(None)
+        else:
+            out["token_logprobs"].append(max(e.logprob, -9999.0))
+            out["top_logprobs"].append({name(t): max(lp, -9999.0) for t, lp in e.top})
+        out["text_offset"].append(offset)
+        offset += len(token)
+    out["next_offset"] = offset
+    return out
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}

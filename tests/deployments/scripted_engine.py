@@ -1,0 +1,67 @@
+"""A scripted engine for Serve tests: it "generates" the text the prompt asks for.
+
+Injected into the LLM-server deployment instead of the real engine (Ray Serve LLM's pattern),
+so the end-to-end tests can force model output (tool calls, reasoning) through the real
+server, parsers and HTTP stack. The last user message must contain `SCRIPT:` followed by the
+text to produce; it comes back one token per step (tiny byte-level tokenizer), then an eos.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+from glm53.actors.step import SamplingParams
+from glm53.deployments.config import ServingConfig
+from glm53.deployments.metrics import EngineStats
+from glm53.deployments.tokenizer import load_tokenizer
+from glm53.raycluster.engine import RequestOutput
+from glm53.raycluster.request import FinishReason
+
+MARKER = "SCRIPT:"
+
+
+class ScriptedEngine:
+    max_model_len = 1024
+    capacity = "scripted engine (no cache)"
+
+    def __init__(self, config: ServingConfig, model_dir: Path, device: str) -> None:
+        self.tokenizer = load_tokenizer(model_dir)
+        self.vocab_size = len(self.tokenizer)
+        self.eos_token_ids = (self.tokenizer.eos_token_id,)
+        self.running = 0
+
+    def _script(self, prompt_ids: list[int]) -> list[int]:
+        text = self.tokenizer.decode(prompt_ids, skip_special_tokens=False)
+        script = text.rsplit(MARKER, 1)[-1].split("<|assistant|>")[0] if MARKER in text else ""
+        return list(self.tokenizer.encode(script, add_special_tokens=False))
+
+    async def generate(self, prompt_ids: list[int], params: SamplingParams,
+                       request_id: str) -> AsyncIterator[RequestOutput]:
+        ids = self._script(prompt_ids)[:params.max_tokens]
+        stop = len(ids) < params.max_tokens
+        if stop:
+            ids.append(self.eos_token_ids[0])
+        self.running += 1
+        try:
+            for i, token in enumerate(ids):
+                await asyncio.sleep(0.002)
+                last = i == len(ids) - 1
+                reason = (FinishReason.STOP if stop else FinishReason.LENGTH) if last else None
+                yield RequestOutput(request_id, [token], reason,
+                                    num_prompt_tokens=len(prompt_ids), num_output_tokens=i + 1)
+        finally:
+            self.running -= 1
+
+    def stats(self) -> EngineStats:
+        return EngineStats(num_running=self.running)
+
+    def pop_times(self, request_id: str) -> tuple[float | None, float | None]:
+        return None, None
+
+    def check_health(self) -> None:
+        pass
+
+    def shutdown(self) -> None:
+        pass

@@ -1,0 +1,112 @@
+"""Serving config: profiles, explicit overrides, strictness, not-supported-yet features, the
+EngineConfig and Serve options it produces, and `glm53 serve` flags (no Ray started)."""
+
+from __future__ import annotations
+
+import pytest
+from pydantic import ValidationError
+
+from glm53.deployments.app import build_app
+from glm53.deployments.cli import _parser, main, serving_config
+from glm53.deployments.config import (
+    CPU_CACHE_BYTES,
+    PROFILES,
+    NotSupportedYetError,
+    ServingConfig,
+)
+
+
+def test_profiles_mirror_the_reference_runtime():
+    assert set(PROFILES) == {"lang-mtp3", "lang-dflash2", "mm-dflash2", "long500k"}
+    default = ServingConfig()
+    assert default.profile == "lang-mtp3"
+    assert (default.vision, default.max_model_len) == (False, 131_072)
+    assert (default.speculative.method, default.speculative.num_speculative_tokens) == ("mtp", 3)
+    dflash = ServingConfig(profile="lang-dflash2")
+    assert (dflash.speculative.method, dflash.max_model_len, dflash.vision) == (
+        "dflash", 98_304, False)
+    mm = ServingConfig(profile="mm-dflash2")
+    assert (mm.vision, mm.max_model_len) == (True, 98_304)
+    long = ServingConfig(profile="long500k")
+    assert (long.max_model_len, long.max_num_batched_tokens, long.max_num_seqs) == (
+        499_968, 1024, 1)
+
+
+def test_explicit_fields_override_the_profile():
+    c = ServingConfig(profile="long500k", max_model_len=8192, speculative="none")
+    assert (c.max_model_len, c.max_num_seqs, c.speculative.enabled) == (8192, 1, False)
+    assert not c.from_profile("max_model_len") and c.from_profile("max_num_seqs")
+    assert ServingConfig.model_validate({"speculative": "mtp:2"}).speculative \
+        .num_speculative_tokens == 2
+    assert ServingConfig(speculative={"method": "dflash"}).speculative.num_speculative_tokens == 7
+
+
+@pytest.mark.parametrize("bad", [
+    {"unknown_field": 1}, {"profile": "nope"}, {"tensor_parallel_size": 0},
+    {"max_num_seqs": "many"}, {"cache_bytes": 10, "num_blocks": 10},
+    {"speculative": {"method": "none", "num_speculative_tokens": 2}},
+    {"speculative": {"method": "eagle"}}, {"kv_cache_dtype": "int3"},
+])
+def test_invalid_configs_are_rejected(bad):
+    with pytest.raises(ValidationError):
+        ServingConfig.model_validate(bad)
+
+
+def test_unimplemented_features_fail_clearly():
+    with pytest.raises(NotSupportedYetError, match=r"speculative decoding \(mtp, k=3\) \(from "
+                       r"profile lang-mtp3\) is not supported yet; pass --speculative none"):
+        ServingConfig().check_supported()
+    with pytest.raises(NotSupportedYetError, match="vision input .*not supported yet"):
+        ServingConfig(profile="mm-dflash2", speculative="none").check_supported()
+    with pytest.raises(NotSupportedYetError, match="kv_cache_dtype fp8 is not supported yet"):
+        ServingConfig(speculative="none", kv_cache_dtype="fp8").check_supported()
+    with pytest.raises(NotSupportedYetError):  # before anything is deployed
+        build_app({"profile": "lang-dflash2"})
+    ServingConfig(speculative="none").check_supported()
+
+
+def test_engine_config_and_deployment_options():
+    c = ServingConfig(speculative="none", max_model_len=512, max_num_seqs=4, seed=3,
+                      tensor_parallel_size=2, decode_context_parallel_size=2)
+    e = c.engine_config("/ckpt", "cpu")
+    assert (e.model, e.device, e.max_model_len, e.max_num_seqs, e.seed) == (
+        "/ckpt", "cpu", 512, 4, 3)
+    assert e.cache_bytes == CPU_CACHE_BYTES and e.num_blocks is None
+    assert (e.tensor_parallel_size, e.decode_context_parallel_size, e.world_size) == (2, 2, 2)
+    assert e.max_waiting_requests == c.max_waiting_requests and not e.with_mtp
+    assert c.engine_config("/ckpt", "cuda").cache_bytes is None  # sized from GPU memory
+    assert c.server_deployment_options("cpu")["ray_actor_options"] == {"num_cpus": 0}
+    pair = c.server_deployment_options("cuda")
+    assert pair["placement_group_bundles"] == [{"CPU": 1}, {"GPU": 1}, {"GPU": 1}]
+    assert pair["placement_group_strategy"] == "STRICT_PACK"
+    single = ServingConfig(speculative="none").server_deployment_options("cuda")
+    assert single["ray_actor_options"]["num_gpus"] == 1
+    assert "placement_group_bundles" not in single
+
+
+def test_model_name():
+    assert ServingConfig().model_name == "glm53-tiny"
+    assert ServingConfig(model="/m/GLM-5.3-Flash").model_name == "GLM-5.3-Flash"
+    assert ServingConfig(model="/m/x", served_model_name="glm").model_name == "glm"
+
+
+def test_serve_flags_override_profile_only_when_given():
+    args = _parser().parse_args(["serve", "--profile", "long500k", "--speculative", "none",
+                                 "--tp", "2", "--max-num-seqs", "3", "--cache-bytes", "64M",
+                                 "--no-vision"])
+    c = serving_config(args)
+    assert (c.profile, c.tensor_parallel_size, c.max_num_seqs, c.cache_bytes) == (
+        "long500k", 2, 3, 64 * 2**20)
+    assert (c.max_model_len, c.max_num_batched_tokens, c.vision) == (499_968, 1024, False)
+    assert not c.speculative.enabled
+    args = _parser().parse_args(["serve", "--speculative", "mtp", "--num-speculative-tokens",
+                                 "1"])
+    assert serving_config(args).speculative.num_speculative_tokens == 1
+    default = _parser().parse_args(["serve"])
+    assert (default.host, default.port) == ("127.0.0.1", 8000)
+    assert serving_config(default) == ServingConfig()
+
+
+def test_serve_refuses_unimplemented_profile_features_before_starting_ray():
+    with pytest.raises(SystemExit, match="not supported yet; pass --speculative none"):
+        main(["serve"])
