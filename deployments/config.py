@@ -194,17 +194,14 @@ class ServingConfig(BaseModel):
 
     def server_deployment_options(self, device: str) -> dict[str, Any]:
         """Ray Serve options of the LLM-server deployment on `device` (resolved by the caller:
-        the driver may sit on a GPU-less head node). One engine per replica; a replica whose
-        engine spans several GPUs owns a STRICT_PACK placement group for them."""
+        the driver may sit on a GPU-less head node). One engine per replica. A single-GPU
+        engine runs in the replica, which holds the GPU; a multi-GPU engine's executor places
+        its workers in its own STRICT_PACK placement group, so the replica asks for no GPU."""
         options: dict[str, Any] = {"num_replicas": self.num_replicas,
                                    "max_ongoing_requests": self.max_ongoing_requests,
                                    "health_check_period_s": 10, "health_check_timeout_s": 30}
-        if not device.startswith("cuda"):
-            options["ray_actor_options"] = {"num_cpus": 0}
-        elif self.world_size == 1:
+        if device.startswith("cuda") and self.world_size == 1:
             options["ray_actor_options"] = {"num_cpus": 1, "num_gpus": 1}
         else:
-            options["ray_actor_options"] = {"num_cpus": 1}
-            options["placement_group_bundles"] = [{"CPU": 1}] + [{"GPU": 1}] * self.world_size
-            options["placement_group_strategy"] = "STRICT_PACK"
+            options["ray_actor_options"] = {"num_cpus": 0}
         return options

@@ -36,6 +36,10 @@ class EngineClient(Protocol):
     def generate(self, prompt_ids: list[int], params: SamplingParams,
                  request_id: str) -> AsyncIterator[RequestOutput]: ...
 
+    async def abort(self, request_id: str) -> None:
+        """Abort a request (queued behind its own submission, so it cannot be overtaken)."""
+        ...
+
     def stats(self) -> EngineStats: ...
 
     def pop_times(self, request_id: str) -> tuple[float | None, float | None]:
@@ -120,6 +124,9 @@ class LocalEngine:
     def generate(self, prompt_ids: list[int], params: SamplingParams,
                  request_id: str) -> AsyncIterator[RequestOutput]:
         return self.async_engine.generate(prompt_ids, params, request_id)
+
+    async def abort(self, request_id: str) -> None:
+        await self.async_engine.abort(request_id)
 
     def stats(self) -> EngineStats:
         scheduler = self.engine.scheduler

@@ -317,7 +317,11 @@ class LLMServer:
             async for out in stream:
                 now = time.monotonic()
                 self.metrics.tokens(times, len(out.new_token_ids), out.num_prompt_tokens, now)
-                queue.put_nowait(choice.feed(out))
+                delta = choice.feed(out)
+                if choice.error is not None:
+                    queue.put_nowait(APIError(500, choice.error, "server_error"))
+                    break
+                queue.put_nowait(delta)
                 if choice.done:
                     break
         except RequestRejectedError as exc:
@@ -327,9 +331,14 @@ class LLMServer:
             queue.put_nowait(APIError(500, f"engine error: {exc}", "server_error"))
         finally:
             await stream.aclose()  # aborts the engine request if it is still running
+            if not choice.done:
+                # cancelled before the engine even queued it: this abort is queued behind the
+                # submission, so the request cannot run on unobserved
+                await self.engine.abort(request_id)
             self._outstanding -= 1
             times.engine_arrival, times.scheduled = self.engine.pop_times(request_id)
-            self.metrics.finished(times, choice.finish_reason or "abort", time.monotonic())
+            reason = "error" if choice.error else choice.finish_reason or "abort"
+            self.metrics.finished(times, reason, time.monotonic())
             queue.put_nowait(None)  # this choice is over
 
     async def _items(self, queue: asyncio.Queue, num_tasks: int) -> AsyncIterator[list]:

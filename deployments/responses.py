@@ -113,8 +113,8 @@ class ChoiceState:
             final, reason = True, "stop"
             if self._include_stop:
                 text += self._stops.hit
-        if reason == "error":
-            self.error = getattr(out, "error", None) or "engine error"
+        if reason == "error":  # the engine failed; the server answers with an error
+            self.error = f"engine error: {getattr(out, 'error', None) or 'unknown'}"
         content = text
         if self._reasoning is not None:
             delta.reasoning, content = self._reasoning.feed(text, final)

@@ -4,6 +4,7 @@ Injected into the LLM-server deployment instead of the real engine (Ray Serve LL
 so the end-to-end tests can force model output (tool calls, reasoning) through the real
 server, parsers and HTTP stack. The last user message must contain `SCRIPT:` followed by the
 text to produce; it comes back one token per step (tiny byte-level tokenizer), then an eos.
+A script containing `FAIL!` makes the engine raise there (an engine failure mid-request).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from glm53.raycluster.engine import RequestOutput
 from glm53.raycluster.request import FinishReason
 
 MARKER = "SCRIPT:"
+FAIL = "FAIL!"
 
 
 class ScriptedEngine:
@@ -32,19 +34,24 @@ class ScriptedEngine:
         self.eos_token_ids = (self.tokenizer.eos_token_id,)
         self.running = 0
 
-    def _script(self, prompt_ids: list[int]) -> list[int]:
+    def _script(self, prompt_ids: list[int]) -> str:
         text = self.tokenizer.decode(prompt_ids, skip_special_tokens=False)
-        script = text.rsplit(MARKER, 1)[-1].split("<|assistant|>")[0] if MARKER in text else ""
-        return list(self.tokenizer.encode(script, add_special_tokens=False))
+        return text.rsplit(MARKER, 1)[-1].split("<|assistant|>")[0] if MARKER in text else ""
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams,
                        request_id: str) -> AsyncIterator[RequestOutput]:
-        ids = self._script(prompt_ids)[:params.max_tokens]
+        script, fails, _ = self._script(prompt_ids).partition(FAIL)
+        ids = list(self.tokenizer.encode(script, add_special_tokens=False))[:params.max_tokens]
         stop = len(ids) < params.max_tokens
         if stop:
             ids.append(self.eos_token_ids[0])
         self.running += 1
         try:
+            if fails:
+                for i, token in enumerate(ids):
+                    yield RequestOutput(request_id, [token], num_prompt_tokens=len(prompt_ids),
+                                        num_output_tokens=i + 1)
+                raise RuntimeError("scripted engine failure")
             for i, token in enumerate(ids):
                 await asyncio.sleep(0.002)
                 last = i == len(ids) - 1
@@ -53,6 +60,9 @@ class ScriptedEngine:
                                     num_prompt_tokens=len(prompt_ids), num_output_tokens=i + 1)
         finally:
             self.running -= 1
+
+    async def abort(self, request_id: str) -> None:
+        pass
 
     def stats(self) -> EngineStats:
         return EngineStats(num_running=self.running)

@@ -359,6 +359,21 @@ def test_malformed_json_and_unknown_route_and_health_after_errors(http, client):
     assert ok.choices[0].finish_reason in ("stop", "length")
 
 
+def test_engine_failure_still_ends_every_request(http):
+    body = {"model": "scripted", "messages": [{"role": "user", "content": "SCRIPT:abcFAIL!"}]}
+    r = http.post("/v1/chat/completions", json=body)
+    assert r.status_code == 500 and "scripted engine failure" in r.json()["error"]["message"]
+    with http.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as r:
+        assert r.status_code == 200
+        events = [line for line in r.iter_lines() if line]
+    assert events[-1] == "data: [DONE]"
+    assert json.loads(events[-2][6:])["error"]["type"] == "server_error"
+    text = "".join(json.loads(e[6:])["choices"][0]["delta"].get("reasoning_content", "")
+                   for e in events[:-2])
+    assert text == "abc"
+    assert http.get("/health").status_code == 200
+
+
 def test_full_waiting_queue_is_503_with_retry_after(http):
     r = http.post("/v1/chat/completions", json={
         "model": "scripted", "n": 3, "messages": [{"role": "user", "content": "SCRIPT:x"}]})

@@ -76,9 +76,8 @@ def test_engine_config_and_deployment_options():
     assert e.max_waiting_requests == c.max_waiting_requests and not e.with_mtp
     assert c.engine_config("/ckpt", "cuda").cache_bytes is None  # sized from GPU memory
     assert c.server_deployment_options("cpu")["ray_actor_options"] == {"num_cpus": 0}
-    pair = c.server_deployment_options("cuda")
-    assert pair["placement_group_bundles"] == [{"CPU": 1}, {"GPU": 1}, {"GPU": 1}]
-    assert pair["placement_group_strategy"] == "STRICT_PACK"
+    # a pair's executor places its GPU workers itself (STRICT_PACK placement group)
+    assert c.server_deployment_options("cuda")["ray_actor_options"] == {"num_cpus": 0}
     single = ServingConfig(speculative="none").server_deployment_options("cuda")
     assert single["ray_actor_options"]["num_gpus"] == 1
     assert "placement_group_bundles" not in single
