@@ -4,6 +4,9 @@ KDA layers keep fixed-size state per sequence in *state slots* (recurrent state 
 window). DSA layers (and the MTP layer) keep per-token state in *paged blocks* (MLA latent rows
 and pooled indexer keys, one pooled key per `index_kpool` tokens) plus the raw indexer rows of
 the open pool in the sequence's state slot.
+
+All sizes here are this rank's: KDA heads / tp, and under DCP a block of `block_size` logical
+tokens keeps block_size / dcp latent rows per rank (pooled keys stay replicated).
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from .config import KDA, ModelConfig
+from .parallel import ParallelState, split
 
 
 @dataclass(frozen=True)
@@ -29,9 +33,10 @@ class DSAState:
 
 
 def _dsa_state(cfg: ModelConfig, num_blocks: int, block_size: int, num_slots: int,
-               dtype: torch.dtype, device: torch.device | str) -> DSAState:
+               dtype: torch.dtype, device: torch.device | str, dcp: int) -> DSAState:
     return DSAState(
-        latent=torch.zeros(num_blocks, block_size, cfg.kv_lora_rank, dtype=dtype, device=device),
+        latent=torch.zeros(num_blocks, block_size // dcp, cfg.kv_lora_rank, dtype=dtype,
+                           device=device),
         pool_keys=torch.zeros(num_blocks, block_size // cfg.index_kpool, cfg.index_head_dim,
                               dtype=dtype, device=device),
         open_rows=torch.zeros(num_slots, cfg.index_kpool, 2 * cfg.index_head_dim, dtype=dtype,
@@ -45,7 +50,7 @@ class ModelCaches:
 
     layers: tuple[KDAState | DSAState, ...]
     mtp: DSAState | None
-    block_size: int
+    block_size: int  # logical tokens per block
 
     @classmethod
     def allocate(
@@ -57,25 +62,35 @@ class ModelCaches:
         dtype: torch.dtype,
         device: torch.device | str = "cpu",
         with_mtp: bool = False,
+        ps: ParallelState | None = None,
     ) -> ModelCaches:
-        if block_size % cfg.index_kpool:
-            raise ValueError(
-                f"block_size {block_size} must be a multiple of index_kpool {cfg.index_kpool}")
+        """`block_size` counts logical tokens per block (a multiple of index_kpool and of the
+        DCP size)."""
+        ps = ps or ParallelState()
+        _check_block_size(cfg, block_size, ps.dcp_size)
+        heads = split(cfg.linear_num_heads, ps.tp_size, "linear_num_heads")
         layers: list[KDAState | DSAState] = []
         for kind in cfg.layer_types:
             if kind == KDA:
                 layers.append(KDAState(
-                    conv=torch.zeros(num_slots, 3 * cfg.linear_dim, cfg.linear_conv_kernel - 1,
-                                     dtype=dtype, device=device),
-                    recurrent=torch.zeros(num_slots, cfg.linear_num_heads, cfg.linear_head_dim,
+                    conv=torch.zeros(num_slots, 3 * heads * cfg.linear_head_dim,
+                                     cfg.linear_conv_kernel - 1, dtype=dtype, device=device),
+                    recurrent=torch.zeros(num_slots, heads, cfg.linear_head_dim,
                                           cfg.linear_head_dim, dtype=torch.float32,
                                           device=device),
                 ))
             else:
-                layers.append(_dsa_state(cfg, num_blocks, block_size, num_slots, dtype, device))
-        mtp = (_dsa_state(cfg, num_blocks, block_size, num_slots, dtype, device)
+                layers.append(_dsa_state(cfg, num_blocks, block_size, num_slots, dtype, device,
+                                         ps.dcp_size))
+        mtp = (_dsa_state(cfg, num_blocks, block_size, num_slots, dtype, device, ps.dcp_size)
                if with_mtp else None)
         return cls(layers=tuple(layers), mtp=mtp, block_size=block_size)
+
+
+def _check_block_size(cfg: ModelConfig, block_size: int, dcp: int) -> None:
+    if block_size % cfg.index_kpool or block_size % dcp:
+        raise ValueError(f"block_size {block_size} must be a multiple of index_kpool "
+                         f"{cfg.index_kpool} and of the DCP size {dcp}")
 
 
 @dataclass(frozen=True)
@@ -83,7 +98,7 @@ class CachePlan:
     """How many paged blocks and state slots a worker allocates, and what they cost."""
 
     num_blocks: int  # including the null block 0
-    block_size: int
+    block_size: int  # logical tokens per block (latent rows per rank = block_size / dcp)
     num_slots: int
     bytes_per_block: int
     bytes_per_slot: int
@@ -104,15 +119,17 @@ class CachePlan:
                 f"{self.total_bytes / 2**20:.1f} MiB")
 
 
-def cache_bytes(cfg: ModelConfig, block_size: int, dtype: torch.dtype,
-                with_mtp: bool) -> tuple[int, int]:
-    """(bytes per paged block, bytes per state slot) over all layers."""
+def cache_bytes(cfg: ModelConfig, block_size: int, dtype: torch.dtype, with_mtp: bool,
+                ps: ParallelState | None = None) -> tuple[int, int]:
+    """(bytes per paged block, bytes per state slot) over all layers, on one rank."""
+    ps = ps or ParallelState()
     item = torch.empty(0, dtype=dtype).element_size()
     n_dsa = len(cfg.dsa_layers) + int(with_mtp)
-    per_block = n_dsa * item * block_size * (
-        cfg.kv_lora_rank + cfg.index_head_dim // cfg.index_kpool)
-    kda_slot = (3 * cfg.linear_dim * (cfg.linear_conv_kernel - 1) * item
-                + cfg.linear_num_heads * cfg.linear_head_dim**2 * 4)
+    per_block = n_dsa * item * (block_size // ps.dcp_size * cfg.kv_lora_rank
+                                + block_size // cfg.index_kpool * cfg.index_head_dim)
+    heads = cfg.linear_num_heads // ps.tp_size
+    kda_slot = (3 * heads * cfg.linear_head_dim * (cfg.linear_conv_kernel - 1) * item
+                + heads * cfg.linear_head_dim**2 * 4)
     open_pool = cfg.index_kpool * 2 * cfg.index_head_dim * item
     per_slot = len(cfg.kda_layers) * kda_slot + n_dsa * open_pool
     return per_block, per_slot
@@ -120,12 +137,12 @@ def cache_bytes(cfg: ModelConfig, block_size: int, dtype: torch.dtype,
 
 def plan_cache(cfg: ModelConfig, block_size: int, num_slots: int, dtype: torch.dtype,
                with_mtp: bool, *, num_blocks: int | None = None,
-               budget_bytes: int | None = None) -> CachePlan:
-    """Size the caches from an explicit block count or a byte budget (slots are paid first)."""
-    if block_size % cfg.index_kpool:
-        raise ValueError(f"block_size {block_size} must be a multiple of index_kpool "
-                         f"{cfg.index_kpool}")
-    per_block, per_slot = cache_bytes(cfg, block_size, dtype, with_mtp)
+               budget_bytes: int | None = None, ps: ParallelState | None = None) -> CachePlan:
+    """Size one rank's caches from an explicit block count or a byte budget (slots are paid
+    first). `block_size` counts logical tokens per block."""
+    ps = ps or ParallelState()
+    _check_block_size(cfg, block_size, ps.dcp_size)
+    per_block, per_slot = cache_bytes(cfg, block_size, dtype, with_mtp, ps)
     if (num_blocks is None) == (budget_bytes is None):
         raise ValueError("give exactly one of num_blocks or budget_bytes")
     if num_blocks is None:

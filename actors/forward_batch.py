@@ -45,7 +45,7 @@ class ForwardBatch:
         first = positions[np.minimum(cu_seqlens[:-1], max(len(positions) - 1, 0))]
 
         def as_t(a: np.ndarray) -> torch.Tensor:
-            return torch.as_tensor(np.ascontiguousarray(a), device=device)
+            return torch.tensor(a, device=device)  # a copy: step arrays may be read-only
 
         return cls(
             positions=as_t(positions.astype(np.int64)),

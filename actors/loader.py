@@ -9,6 +9,7 @@ import torch
 
 from .config import ModelConfig
 from .models.glm5_next import Glm5NextForCausalLM
+from .parallel import ParallelState
 from .weights import load_weights
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -22,21 +23,24 @@ def read_config(model_dir: str | Path) -> ModelConfig:
 
 
 def build_model(cfg: ModelConfig, with_mtp: bool = False, dtype: torch.dtype | None = None,
-                device: torch.device | str = "cpu") -> Glm5NextForCausalLM:
-    """Allocate the model in `dtype` (default: the config's); parameters that the math keeps
-    in fp32 (router, mHC, conv taps, gate constants) are declared fp32 and stay fp32."""
+                device: torch.device | str = "cpu",
+                ps: ParallelState | None = None) -> Glm5NextForCausalLM:
+    """Allocate this rank's model in `dtype` (default: the config's); parameters that the math
+    keeps in fp32 (router, mHC, conv taps, gate constants) are declared fp32 and stay fp32."""
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype or DTYPES[cfg.dtype])
     try:
         with torch.device(device):
-            model = Glm5NextForCausalLM(cfg, with_mtp=with_mtp)
+            model = Glm5NextForCausalLM(cfg, with_mtp=with_mtp, ps=ps)
     finally:
         torch.set_default_dtype(previous)
     return model.requires_grad_(False).eval()
 
 
 def load_model(model_dir: str | Path, with_mtp: bool = False, dtype: torch.dtype | None = None,
-               device: torch.device | str = "cpu", progress: bool = True) -> Glm5NextForCausalLM:
-    model = build_model(read_config(model_dir), with_mtp=with_mtp, dtype=dtype, device=device)
+               device: torch.device | str = "cpu", progress: bool = True,
+               ps: ParallelState | None = None) -> Glm5NextForCausalLM:
+    model = build_model(read_config(model_dir), with_mtp=with_mtp, dtype=dtype, device=device,
+                        ps=ps)
     load_weights(model, model_dir, progress=progress)
     return model

@@ -1,8 +1,10 @@
 """ModelRunner: StepInput (host arrays) -> tensors -> model over the paged caches -> logits rows
--> sampler -> StepOutput. Owns the model, its caches and the sampler of one worker."""
+-> sampler -> StepOutput. Owns the model shard, its caches and the sampler of one worker; every
+rank runs the same forward (the collectives need all of them), only rank 0 samples."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import numpy as np
@@ -11,6 +13,7 @@ import torch
 from .caches import CachePlan, ModelCaches, plan_cache
 from .forward_batch import ForwardBatch
 from .loader import DTYPES, load_model
+from .parallel import ParallelState
 from .sampler import Sampler, gather_logprobs
 from .step import StepInput, StepOutput
 
@@ -21,21 +24,36 @@ class ModelRunner:
     def __init__(self, model_dir: str, *, device: str = "cpu", dtype: str | None = None,
                  block_size: int = 16, num_slots: int = 16, num_blocks: int | None = None,
                  cache_bytes: int | None = None, gpu_memory_utilization: float = 0.9,
-                 with_mtp: bool = False, progress: bool = False) -> None:
+                 with_mtp: bool = False, progress: bool = False,
+                 ps: ParallelState | None = None) -> None:
+        """`block_size` counts logical tokens per block (latent rows per rank x DCP size)."""
         self.device = torch.device(device)
+        self.ps = ps or ParallelState()
         self.model = load_model(model_dir, with_mtp=with_mtp,
                                 dtype=DTYPES[dtype] if dtype else None, device=self.device,
-                                progress=progress)
+                                progress=progress, ps=self.ps)
         self.config = self.model.config
         cache_dtype = self.model.embed_tokens.weight.dtype
         if num_blocks is None and cache_bytes is None:
             cache_bytes = self._free_memory_budget(gpu_memory_utilization)
+        self.with_mtp = with_mtp
+        # what this rank could hold; ranks agree on the smallest before allocating
         self.plan: CachePlan = plan_cache(self.config, block_size, num_slots, cache_dtype,
                                           with_mtp, num_blocks=num_blocks,
-                                          budget_bytes=cache_bytes)
-        self.caches = ModelCaches.allocate(self.config, self.plan.num_blocks, block_size,
-                                           num_slots, cache_dtype, self.device, with_mtp)
+                                          budget_bytes=cache_bytes, ps=self.ps)
+        self.caches: ModelCaches | None = None
         self.sampler = Sampler()
+
+    def allocate_caches(self, num_blocks: int) -> CachePlan:
+        """Allocate the caches with `num_blocks` blocks (<= this rank's plan)."""
+        if num_blocks > self.plan.num_blocks:
+            raise ValueError(f"{num_blocks} blocks exceed this rank's budget "
+                             f"({self.plan.num_blocks})")
+        self.plan = dataclasses.replace(self.plan, num_blocks=num_blocks)
+        self.caches = ModelCaches.allocate(
+            self.config, num_blocks, self.plan.block_size, self.plan.num_slots,
+            self.model.embed_tokens.weight.dtype, self.device, self.with_mtp, self.ps)
+        return self.plan
 
     def _free_memory_budget(self, utilization: float) -> int:
         if self.device.type != "cuda":
@@ -45,19 +63,22 @@ class ModelRunner:
         return int(utilization * total) - (total - free)
 
     @torch.inference_mode()
-    def execute(self, step: StepInput) -> StepOutput:
+    def execute(self, step: StepInput) -> StepOutput | None:
+        """Run one step; rank 0 returns the StepOutput, other ranks None."""
         batch = ForwardBatch.from_arrays(step.positions, step.cu_seqlens, step.block_tables,
                                          step.slot_mapping, step.state_ids, self.device)
-        tokens = torch.as_tensor(step.token_ids, device=self.device)
+        tokens = torch.tensor(step.token_ids, device=self.device)
         hidden = self.model(tokens, batch, self.caches)
         n_sample = len(step.sample_rows)
         rows = np.concatenate([step.sample_rows, step.prompt_logprob_rows])
-        logits = self.model.compute_logits(hidden[torch.as_tensor(rows, device=self.device)])
+        logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])
+        if self.ps.rank != 0:
+            return None
         sampled, logprobs = self.sampler(logits[:n_sample], step.sampling)
         prompt_logprobs = None
         if len(step.prompt_logprob_rows):
             prompt_logprobs = gather_logprobs(
                 torch.log_softmax(logits[n_sample:], dim=-1),
-                torch.as_tensor(step.prompt_logprob_targets, device=self.device),
+                torch.tensor(step.prompt_logprob_targets, device=self.device),
                 int(step.prompt_logprob_k.max()))
         return StepOutput(step.step_id, sampled.cpu().numpy(), logprobs, prompt_logprobs)

@@ -37,30 +37,30 @@ class CheckpointError(ValueError):
 
 @dataclass(frozen=True)
 class Target:
-    param: str  # our parameter name
-    index: tuple = ()  # where the checkpoint tensor goes inside the parameter
-    shape: tuple[int, ...] | None = None  # checkpoint shape when it differs from param[index]
+    """Where one checkpoint tensor goes: parameter `param`, into its `part` (index of q|k|v
+    in the stacked conv, of gate|up in w13) and `expert` row, if any."""
+
+    param: str
+    part: int | None = None
+    expert: int | None = None
 
 
-def _layer_local(rest: str, cfg: ModelConfig) -> tuple[str, tuple, tuple | None]:
-    """Map a name relative to one decoder layer to (our relative name, index, ckpt shape)."""
+def _layer_local(rest: str, cfg: ModelConfig) -> Target:
+    """Map a name relative to one decoder layer to a Target with a layer-relative param."""
     if m := _HC.fullmatch(rest):
-        return f"{m.group(1)}_hc.{m.group(2)}", (), None
+        return Target(f"{m.group(1)}_hc.{m.group(2)}")
     if m := _CONV.fullmatch(rest):
-        c = cfg.linear_dim
-        j = "qkv".index(m.group(1))
-        return "self_attn.conv_weight", (slice(j * c, (j + 1) * c),), (
-            c, 1, cfg.linear_conv_kernel)
+        return Target("self_attn.conv_weight", part="qkv".index(m.group(1)))
     if m := _EXPERT.fullmatch(rest):
-        e, kind, i = int(m.group(1)), m.group(2), cfg.moe_intermediate_size
+        e, kind = int(m.group(1)), m.group(2)
         if e >= cfg.n_routed_experts:
             raise CheckpointError(f"expert index {e} >= n_routed_experts={cfg.n_routed_experts}")
         if kind == "down":
-            return "mlp.w2", (e,), None
-        return "mlp.w13", (e, slice(0, i) if kind == "gate" else slice(i, 2 * i)), None
+            return Target("mlp.w2", expert=e)
+        return Target("mlp.w13", part=0 if kind == "gate" else 1, expert=e)
     if rest == "shared_head.norm.weight":
-        return "shared_head_norm.weight", (), None
-    return rest, (), None
+        return Target("shared_head_norm.weight")
+    return Target(rest)
 
 
 def checkpoint_targets(name: str, cfg: ModelConfig, with_mtp: bool) -> Target | None:
@@ -86,45 +86,53 @@ def checkpoint_targets(name: str, cfg: ModelConfig, with_mtp: bool) -> Target | 
     else:
         prefix = f"layers.{layer}."
     try:
-        param, index, shape = _layer_local(rest, cfg)
+        target = _layer_local(rest, cfg)
     except CheckpointError as exc:
         raise CheckpointError(f"unexpected tensor {name!r}: {exc}") from None
-    return Target(prefix + param, index, shape)
+    return Target(prefix + target.param, target.part, target.expert)
+
+
+def _checkpoint_names(pname: str, param: torch.Tensor, cfg: ModelConfig) -> list[str]:
+    """Checkpoint tensors that fill parameter `pname` on this rank (local experts only)."""
+    if pname == "lm_head.weight":
+        return [pname]
+    if pname.startswith("mtp."):
+        base, rel = f"{PREFIX}layers.{cfg.mtp_layer_id}.", pname[len("mtp."):]
+    elif m := re.match(r"layers\.(\d+)\.(.+)$", pname):
+        base, rel = f"{PREFIX}layers.{m.group(1)}.", m.group(2)
+    else:
+        return [PREFIX + pname]
+    if m := re.fullmatch(r"(attn|ffn)_hc\.(fn|base|scale)", rel):
+        return [f"{base}hc_{m.group(1)}_{m.group(2)}"]
+    if rel == "self_attn.conv_weight":
+        return [f"{base}self_attn.{c}_conv1d.weight" for c in "qkv"]
+    if rel in ("mlp.w13", "mlp.w2"):
+        experts = range(param.expert_offset, param.expert_offset + param.shape[0])
+        kinds = ("down",) if rel == "mlp.w2" else ("gate", "up")
+        return [f"{base}mlp.experts.{e}.{k}_proj.weight" for e in experts for k in kinds]
+    if rel == "shared_head_norm.weight":
+        return [f"{base}shared_head.norm.weight"]
+    return [base + rel]
 
 
 def export_checkpoint(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """Our parameters -> checkpoint-layout tensors (inverse of `checkpoint_targets`)."""
+    """An unsharded model's parameters -> checkpoint-layout tensors (used by `make-tiny`)."""
+    if model.parallel.world_size != 1:
+        raise ValueError("export needs the unsharded (world size 1) model")
     cfg: ModelConfig = model.config
     out: dict[str, torch.Tensor] = {}
     for pname, p in model.named_parameters():
+        names = _checkpoint_names(pname, p, cfg)
         t = p.detach()
-        if pname == "lm_head.weight":
-            out[pname] = t
-            continue
-        if pname.startswith("mtp."):
-            base, rel = f"{PREFIX}layers.{cfg.mtp_layer_id}.", pname[len("mtp."):]
-        elif m := re.match(r"layers\.(\d+)\.(.+)$", pname):
-            base, rel = f"{PREFIX}layers.{m.group(1)}.", m.group(2)
+        if pname.endswith("conv_weight"):
+            parts = [c.unsqueeze(1) for c in t.chunk(3, dim=0)]
+        elif pname.endswith("mlp.w13"):
+            parts = [half for e in range(t.shape[0]) for half in t[e].chunk(2, dim=0)]
+        elif pname.endswith("mlp.w2"):
+            parts = list(t.unbind(0))
         else:
-            out[PREFIX + pname] = t
-            continue
-        if m := re.fullmatch(r"(attn|ffn)_hc\.(fn|base|scale)", rel):
-            out[f"{base}hc_{m.group(1)}_{m.group(2)}"] = t
-        elif rel == "self_attn.conv_weight":
-            for j, part in enumerate(t.chunk(3, dim=0)):
-                out[f"{base}self_attn.{'qkv'[j]}_conv1d.weight"] = part.unsqueeze(1)
-        elif rel in ("mlp.w13", "mlp.w2"):
-            for e in range(t.shape[0]):
-                if rel == "mlp.w2":
-                    out[f"{base}mlp.experts.{e}.down_proj.weight"] = t[e]
-                else:
-                    gate, up = t[e].chunk(2, dim=0)
-                    out[f"{base}mlp.experts.{e}.gate_proj.weight"] = gate
-                    out[f"{base}mlp.experts.{e}.up_proj.weight"] = up
-        elif rel == "shared_head_norm.weight":
-            out[f"{base}shared_head.norm.weight"] = t
-        else:
-            out[base + rel] = t
+            parts = [t]
+        out.update(zip(names, parts, strict=True))
     return {k: v.contiguous() for k, v in out.items()}
 
 
@@ -172,51 +180,92 @@ class CheckpointReader:
             raise CheckpointError(f"unexpected tensor {orphan[0]!r}: block scale without its "
                                   "weight")
         self._scaled = scales
+        self._handles: dict[str, object] = {}
 
     @property
     def names(self) -> list[str]:
         """Logical tensor names (fp8 scale tensors are folded into their weights)."""
         return sorted(n for n in self.files if not n.endswith(SCALE_SUFFIX))
 
-    def _raw(self, name: str) -> torch.Tensor:
-        with safe_open(self.dir / self.files[name], framework="pt") as st:
-            return st.get_tensor(name)
+    def _file(self, name: str):
+        file = self.files[name]
+        if file not in self._handles:
+            self._handles[file] = safe_open(self.dir / file, framework="pt")
+        return self._handles[file]
 
-    def load(self, name: str) -> torch.Tensor:
-        t = self._raw(name)
-        if t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
-            if name not in self._scaled:
-                raise CheckpointError(f"fp8 tensor {name!r} has no {SCALE_SUFFIX[1:]}")
-            scale = self._raw(name[: -len(".weight")] + SCALE_SUFFIX)
-            if self.fp8_block_size is not None:
-                br, bc = self.fp8_block_size
-                want = (-(-t.shape[0] // br), -(-t.shape[1] // bc))
-                if tuple(scale.shape) != want:
-                    raise CheckpointError(f"{name}{SCALE_SUFFIX[7:]}: scale shape "
-                                          f"{tuple(scale.shape)}, expected {want}")
-            return dequantize_fp8_blocks(t, scale, self.fp8_block_size)
-        return t
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self._file(name).get_slice(name).get_shape())
+
+    def load(self, name: str, shard_dim: int | None = None, rank: int = 0,
+             size: int = 1) -> torch.Tensor:
+        """The tensor (fp8 dequantised to fp32), or part `rank` of `size` equal contiguous
+        parts along `shard_dim`; unsharded reads touch only that part of the file."""
+        handle = self._file(name)
+        if shard_dim is None or size == 1:
+            index: tuple = ()
+        else:
+            part = self.shape(name)[shard_dim] // size
+            index = (slice(None),) * shard_dim + (slice(rank * part, (rank + 1) * part),)
+        raw = handle.get_slice(name)
+        if raw.get_dtype() not in ("F8_E4M3", "F8_E5M2"):
+            return raw[index] if index else handle.get_tensor(name)
+        if name not in self._scaled:
+            raise CheckpointError(f"fp8 tensor {name!r} has no {SCALE_SUFFIX[1:]}")
+        t = handle.get_tensor(name)
+        scale_name = name[: -len(".weight")] + SCALE_SUFFIX
+        scale = self._file(scale_name).get_tensor(scale_name)
+        if self.fp8_block_size is not None:
+            br, bc = self.fp8_block_size
+            want = (-(-t.shape[0] // br), -(-t.shape[1] // bc))
+            if tuple(scale.shape) != want:
+                raise CheckpointError(f"{scale_name}: scale shape {tuple(scale.shape)}, "
+                                      f"expected {want}")
+        full = dequantize_fp8_blocks(t, scale, self.fp8_block_size)
+        return full[index] if index else full
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
         for name in self.names:
             yield name, self.load(name)
 
 
+def _destination(param: torch.Tensor, target: Target) -> tuple[torch.Tensor, tuple] | None:
+    """(view of the local parameter to fill, full checkpoint shape expected for the tensor),
+    or None for an expert that lives on another rank."""
+    dest = param.data
+    if target.expert is not None:
+        local = target.expert - param.expert_offset
+        if not 0 <= local < dest.shape[0]:
+            return None
+        dest = dest[local]
+    shape = list(dest.shape)
+    if target.part is not None:
+        n_parts = 3 if target.expert is None else 2  # q|k|v conv taps, gate|up
+        size = dest.shape[0] // n_parts
+        dest = dest[target.part * size:(target.part + 1) * size]
+        shape[0] = size
+        if target.expert is None:
+            shape.insert(1, 1)  # conv taps are stored [C, 1, K]
+    if getattr(param, "shard_size", 1) > 1:
+        shape[param.shard_dim] *= param.shard_size
+    return dest, tuple(shape)
+
+
 def load_weights(model: torch.nn.Module, model_dir: str | Path, progress: bool = True) -> None:
-    """Fill every parameter of `model` from the checkpoint in `model_dir`, strictly: a missing
-    tensor, an unexpected tensor or a wrong shape raises CheckpointError naming it."""
+    """Fill every parameter of `model` (this rank's shard) from the checkpoint in `model_dir`,
+    strictly: a missing tensor, an unexpected tensor or a wrong shape raises CheckpointError
+    naming it. Sharded parameters read only their slice; other ranks' experts are not read."""
     cfg: ModelConfig = model.config
     with_mtp = getattr(model, "mtp", None) is not None
     params = dict(model.named_parameters())
-    expected = set(export_names(model))
+    needed = {n for pname, p in params.items() for n in _checkpoint_names(pname, p, cfg)}
     reader = CheckpointReader(model_dir, cfg.fp8_block_size)
     names = reader.names
     targets = {n: checkpoint_targets(n, cfg, with_mtp) for n in names}
-    missing = sorted(expected - set(names))
+    missing = sorted(needed - set(names))
     if missing:
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
         raise CheckpointError(f"missing tensor {missing[0]!r}{more} in {model_dir}")
-    unexpected = sorted(n for n, t in targets.items() if t is not None and n not in expected)
+    unexpected = sorted(n for n, t in targets.items() if t is not None and t.param not in params)
     if unexpected:
         raise CheckpointError(f"unexpected tensor {unexpected[0]!r} in {model_dir}")
     todo = [n for n in names if targets[n] is not None]
@@ -224,15 +273,13 @@ def load_weights(model: torch.nn.Module, model_dir: str | Path, progress: bool =
         for name in tqdm(todo, desc="loading weights", unit="tensor", disable=not progress):
             target = targets[name]
             param = params[target.param]
-            dest = param.data[target.index] if target.index else param.data
-            tensor = reader.load(name)
-            want = target.shape or tuple(dest.shape)
-            if tuple(tensor.shape) != tuple(want):
-                raise CheckpointError(f"tensor {name!r} has shape {tuple(tensor.shape)}, "
-                                      f"expected {tuple(want)}")
+            placed = _destination(param, target)
+            if placed is None:
+                continue
+            dest, want = placed
+            if reader.shape(name) != want:
+                raise CheckpointError(f"tensor {name!r} has shape {reader.shape(name)}, "
+                                      f"expected {want}")
+            tensor = reader.load(name, getattr(param, "shard_dim", None),
+                                 getattr(param, "shard_rank", 0), getattr(param, "shard_size", 1))
             dest.copy_(tensor.reshape(dest.shape).to(param.dtype))
-
-
-def export_names(model: torch.nn.Module) -> list[str]:
-    """Checkpoint names the model needs (without materialising tensors twice)."""
-    return list(export_checkpoint(model))

@@ -8,7 +8,13 @@ from .ref.mhc import hc_post, hc_pre
 from .ref.moe import fused_moe, route_topk, swiglu
 from .ref.norm import rms_norm
 from .ref.sampling import apply_penalties, process_logits, sample
-from .ref.sparse_mla import indexer_topk, indexer_update, sparse_mla_attention, store_rows
+from .ref.sparse_mla import (
+    indexer_topk,
+    indexer_update,
+    merge_attention_states,
+    sparse_mla_attention,
+    store_rows,
+)
 
 __all__ = [
     "apply_penalties",
@@ -21,6 +27,7 @@ __all__ = [
     "indexer_update",
     "kda_attention",
     "kda_gate",
+    "merge_attention_states",
     "process_logits",
     "rms_norm",
     "route_topk",

@@ -21,7 +21,7 @@ from glm53.actors.step import Logprobs, SamplingParams
 from .batch import build_step_input
 from .block_pool import BlockPool
 from .config import EngineConfig
-from .executor import Executor, InProcessExecutor
+from .executor import Executor, InProcessExecutor, RayExecutor
 from .request import FinishReason, Request
 from .scheduler import RequestRejectedError, Scheduler
 from .state_slots import StateSlotPool
@@ -48,6 +48,7 @@ class RequestOutput:
     prompt_logprobs: list[TokenLogprob] | None = None  # for prompt tokens 1.. (first chunk on)
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
+    error: str | None = None  # with FinishReason.ERROR
 
     @property
     def finished(self) -> bool:
@@ -60,10 +61,20 @@ def _token_logprobs(lp: Logprobs, row: int, k: int) -> TokenLogprob:
     return TokenLogprob(-1, float(lp.token_logprobs[row]), int(lp.ranks[row]), top)
 
 
+class EngineDeadError(RuntimeError):
+    """The engine's workers failed; start a new engine."""
+
+
+def make_executor(config: EngineConfig) -> Executor:
+    """One rank runs in-process; parallel layouts get one Ray actor per GPU."""
+    return RayExecutor(config) if config.world_size > 1 else InProcessExecutor(config)
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig, executor: Executor | None = None) -> None:
         self.config = config
-        self.executor = executor or InProcessExecutor(config)
+        self.executor = executor or make_executor(config)
+        self.dead: str | None = None
         self.model_config = self.executor.model_config
         plan = self.executor.cache_plan
         limit = min(self.model_config.max_position_embeddings, plan.num_tokens)
@@ -84,6 +95,8 @@ class LLMEngine:
     def add_request(self, prompt_ids: list[int], params: SamplingParams,
                     request_id: str | None = None) -> str:
         """Queue a request; raises RequestRejectedError if it can never be served."""
+        if self.dead:
+            raise EngineDeadError(self.dead)
         vocab = self.model_config.vocab_size
         if any(not 0 <= t < vocab for t in prompt_ids):
             raise RequestRejectedError(f"prompt token ids must be in [0, {vocab})")
@@ -110,7 +123,10 @@ class LLMEngine:
             return []
         step = build_step_input(next(self._step_ids), scheduled, self.scheduler.blocks.block_size,
                                 self.eos_ids)
-        result = self.executor.execute(step)
+        try:
+            result = self.executor.execute(step)
+        except Exception as exc:  # noqa: BLE001 - every request must end, with the reason
+            return self._fail_all(f"engine step failed: {type(exc).__name__}: {exc}")
         items = scheduled.scheduled
         prompt_lps = self._prompt_logprobs(step, result.prompt_logprobs, items)
         progressed = self.scheduler.update(items, result.sampled.tolist(), self.eos_ids)
@@ -131,6 +147,19 @@ class LLMEngine:
         for request_id, lps in prompt_lps.items():  # prompt chunks that sampled nothing yet
             outputs.append(RequestOutput(request_id, [], None, None, lps))
         return outputs
+
+    def _fail_all(self, message: str) -> list[RequestOutput]:
+        """The workers are gone: finish every request with an error; refuse new ones."""
+        logger.error(message)
+        self.dead = message
+        failed = []
+        for request in list(self.scheduler.requests.values()):
+            self.scheduler.finish(request, FinishReason.ERROR)
+            failed.append(RequestOutput(request.request_id, [], FinishReason.ERROR,
+                                        num_prompt_tokens=len(request.prompt_ids),
+                                        num_output_tokens=len(request.output_ids),
+                                        error=message))
+        return failed
 
     def _prompt_logprobs(self, step, lp: Logprobs | None, items) -> dict[str, list]:
         if lp is None:
@@ -156,6 +185,8 @@ class LLMEngine:
         results: dict[str, list[int]] = {i: [] for i in ids}
         while self.has_unfinished:
             for out in self.step():
+                if out.finish_reason == FinishReason.ERROR:
+                    raise EngineDeadError(out.error)
                 results[out.request_id].extend(out.new_token_ids)
         return [results[i] for i in ids]
 

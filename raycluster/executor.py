@@ -1,7 +1,9 @@
 """Executors run a StepInput on the workers and return rank 0's StepOutput.
 
 `InProcessExecutor` runs one model runner in this process (CPU, tests, single-GPU
-benchmarks); the Ray executor (one actor per GPU) implements the same interface.
+benchmarks); `RayExecutor` places one worker actor per GPU and talks to them through a
+shared-memory step channel. Ray places, starts and supervises the workers; it is not on the
+per-step path.
 """
 
 from __future__ import annotations
@@ -9,9 +11,12 @@ from __future__ import annotations
 from typing import Protocol
 
 from glm53.actors.caches import CachePlan
+from glm53.actors.channel import STOP, StepChannel
 from glm53.actors.config import ModelConfig
 from glm53.actors.model_runner import ModelRunner
+from glm53.actors.parallel import ParallelConfig
 from glm53.actors.step import StepInput, StepOutput
+from glm53.actors.worker import Worker
 
 from .config import EngineConfig
 
@@ -25,19 +30,127 @@ class Executor(Protocol):
     def shutdown(self) -> None: ...
 
 
+def runner_kwargs(config: EngineConfig) -> dict:
+    """ModelRunner arguments of one rank (the logical block spans the DCP ranks' rows)."""
+    return dict(device=config.device, dtype=config.dtype,
+                block_size=config.block_size * config.decode_context_parallel_size,
+                num_slots=config.max_num_seqs, num_blocks=config.num_blocks,
+                cache_bytes=config.cache_bytes,
+                gpu_memory_utilization=config.gpu_memory_utilization, with_mtp=config.with_mtp)
+
+
 class InProcessExecutor:
     def __init__(self, config: EngineConfig, progress: bool = False) -> None:
-        self.runner = ModelRunner(
-            config.model, device=config.device, dtype=config.dtype,
-            block_size=config.block_size, num_slots=config.max_num_seqs,
-            num_blocks=config.num_blocks, cache_bytes=config.cache_bytes,
-            gpu_memory_utilization=config.gpu_memory_utilization, with_mtp=config.with_mtp,
-            progress=progress)
+        if config.world_size > 1:
+            raise ValueError("the in-process executor runs one rank; use RayExecutor for "
+                             "tensor/expert/decode-context parallel sizes > 1")
+        self.runner = ModelRunner(config.model, progress=progress, **runner_kwargs(config))
         self.model_config = self.runner.config
-        self.cache_plan = self.runner.plan
+        self.cache_plan = self.runner.allocate_caches(self.runner.plan.num_blocks)
 
     def execute(self, step: StepInput) -> StepOutput:
         return self.runner.execute(step)
 
     def shutdown(self) -> None:
         del self.runner
+
+
+class WorkerError(RuntimeError):
+    """A worker died, failed a step, or could not start (the message names the rank)."""
+
+
+class RayExecutor:
+    """One Ray actor per GPU in a STRICT_PACK placement group; steps go through the
+    shared-memory StepChannel (`channel="shm"`) or plain actor calls (`channel="ray"`, kept
+    for the overhead benchmark)."""
+
+    def __init__(self, config: EngineConfig, channel: str = "shm", progress: bool = False,
+                 worker_cls: type = Worker) -> None:
+        import ray
+        from ray.util.placement_group import placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        if channel not in ("shm", "ray"):
+            raise ValueError(f"channel must be 'shm' or 'ray', got {channel!r}")
+        self.world = config.world_size
+        on_gpu = config.device.startswith("cuda")
+        if not ray.is_initialized():
+            # on CPU the GPUs are fake resources, so the same placement code runs in CI
+            ray.init(num_gpus=None if on_gpu else self.world, include_dashboard=False,
+                     log_to_driver=progress)
+        self._ray = ray
+        self.pg = placement_group([{"GPU": 1}] * self.world, strategy="STRICT_PACK")
+        try:
+            ray.get(self.pg.ready(), timeout=120)
+        except Exception as exc:
+            ray.util.remove_placement_group(self.pg)
+            raise WorkerError(f"could not place {self.world} GPUs on one node: {exc}") from exc
+        parallel = ParallelConfig(config.tensor_parallel_size, config.expert_parallel_size,
+                                  config.decode_context_parallel_size)
+        remote = ray.remote(num_cpus=0, num_gpus=1)(worker_cls)
+        self.workers = [
+            remote.options(scheduling_strategy=PlacementGroupSchedulingStrategy(
+                self.pg, placement_group_bundle_index=rank)).remote(rank, parallel)
+            for rank in range(self.world)]
+        self.channel: StepChannel | None = None
+        self._loops: list = []
+        try:
+            address = ray.get(self.workers[0].rendezvous_address.remote())
+            kwargs = runner_kwargs(config)
+            setups = self._gather([w.setup.remote(address, config.model, kwargs)
+                                   for w in self.workers])
+            num_blocks = min(plan.num_blocks for _, plan in setups)
+            plans = self._gather([w.allocate_caches.remote(num_blocks) for w in self.workers])
+        except BaseException:
+            self.shutdown()
+            raise
+        self.model_config, self.cache_plan = setups[0][0], plans[0]
+        if channel == "shm":
+            self.channel = StepChannel()
+            self._loops = [w.serve_channel.remote(self.channel.name) for w in self.workers]
+
+    def _gather(self, refs: list) -> list:
+        """ray.get that reports the first failing rank's own message."""
+        try:
+            return self._ray.get(refs)
+        except self._ray.exceptions.RayTaskError as exc:
+            raise WorkerError(str(exc.cause) if exc.cause else str(exc)) from None
+        except self._ray.exceptions.RayActorError as exc:
+            raise WorkerError(f"a worker died during start-up: {exc}") from None
+
+    def _check_alive(self) -> None:
+        ready, _ = self._ray.wait(self._loops, num_returns=1, timeout=0)
+        if ready:
+            try:
+                self._ray.get(ready[0])
+            except Exception as exc:
+                raise WorkerError(f"rank {self._loops.index(ready[0])} died: "
+                                  f"{type(exc).__name__}: {exc}") from None
+            raise WorkerError("a worker stopped serving steps")
+
+    def execute(self, step: StepInput) -> StepOutput:
+        if self.channel is None:
+            return self._gather([w.execute.remote(step) for w in self.workers])[0]
+        self.channel.send(step)
+        out = self.channel.receive_response(alive=self._check_alive)
+        if isinstance(out, Exception):
+            raise WorkerError(str(out))
+        return out
+
+    def parameter_bytes(self) -> list[dict[str, int]]:
+        """Per rank: bytes of each parameter (only valid with channel="ray")."""
+        return self._gather([w.parameter_bytes.remote() for w in self.workers])
+
+    def shutdown(self) -> None:
+        ray = self._ray
+        if self.channel is not None:
+            self.channel.send(STOP)
+            try:
+                ray.wait(self._loops, num_returns=len(self._loops), timeout=5)
+            finally:
+                self.channel.close()
+                self.channel = None
+        for w in self.workers:
+            ray.kill(w)
+        ray.util.remove_placement_group(self.pg)
+        self.workers = []

@@ -24,6 +24,7 @@ class FinishReason(enum.StrEnum):
     STOP = "stop"  # eos or a stop token
     LENGTH = "length"  # max_tokens or max_model_len
     ABORT = "abort"
+    ERROR = "error"  # the engine failed (e.g. a worker died); the output carries the message
 
 
 @dataclass(eq=False)

@@ -77,9 +77,7 @@ class Scheduler:
         request = self.requests.get(request_id)
         if request is None:
             return None
-        if request.status == RequestStatus.WAITING:
-            self.waiting.remove(request)
-        self._finish(request, FinishReason.ABORT)
+        self.finish(request, FinishReason.ABORT)
         return request
 
     # ----- one step -----
@@ -142,7 +140,10 @@ class Scheduler:
             self.slots.free(request.state_slot)
             request.state_slot = None
 
-    def _finish(self, request: Request, reason: FinishReason) -> None:
+    def finish(self, request: Request, reason: FinishReason) -> None:
+        """End a request wherever it is (waiting or running) and free its resources."""
+        if request.status == RequestStatus.WAITING:
+            self.waiting.remove(request)
         self._release(request)
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
@@ -167,7 +168,7 @@ class Scheduler:
             progressed.append(request)
             reason = self._stop_reason(request, token, eos_ids)
             if reason is not None:
-                self._finish(request, reason)
+                self.finish(request, reason)
         return progressed
 
     def _stop_reason(self, request: Request, token: int,

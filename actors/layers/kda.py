@@ -1,7 +1,9 @@
 """KDA (Kimi Delta Attention) layer with separate q/k/v short convs and the bounded decay gate.
 
 Owns only the projections; the conv, gate, recurrence and gated norm are kernel calls over the
-flat varlen batch, reading and writing this layer's state slots.
+flat varlen batch, reading and writing this layer's state slots. Under TP each rank owns
+heads / tp of everything per-head (q/k/v, convs, gate and beta, o_proj input); the 128-wide
+low-rank gate inputs (f_a, g_a) and the per-head norm weight are replicated.
 """
 
 from __future__ import annotations
@@ -14,31 +16,39 @@ from glm53.kernels import ops
 from ..caches import KDAState
 from ..config import ModelConfig
 from ..forward_batch import ForwardBatch
-from .linear import Linear
+from ..parallel import ParallelState, split
+from .linear import ColumnParallelLinear, Linear, RowParallelLinear, mark_shard
 from .norm import RMSNorm
 
 
 class KDAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, ps: ParallelState) -> None:
         super().__init__()
-        d, width, rank = cfg.hidden_size, cfg.linear_dim, cfg.linear_head_dim
-        self.num_heads, self.head_dim = cfg.linear_num_heads, cfg.linear_head_dim
-        self.q_proj = Linear(d, width)
-        self.k_proj = Linear(d, width)
-        self.v_proj = Linear(d, width)
-        # q|k|v depthwise conv taps stacked along channels (checkpoint: q/k/v_conv1d [C, 1, K]);
-        # fp32 like the reference implementation.
-        self.conv_weight = nn.Parameter(
-            torch.empty(3 * width, cfg.linear_conv_kernel, dtype=torch.float32))
+        d, rank = cfg.hidden_size, cfg.linear_head_dim
+        self.ps = ps
+        self.num_heads = split(cfg.linear_num_heads, ps.tp_size, "linear_num_heads")
+        self.head_dim = cfg.linear_head_dim
+        width = cfg.linear_dim
+        local = self.num_heads * self.head_dim
+        self.q_proj = ColumnParallelLinear(d, width, ps)
+        self.k_proj = ColumnParallelLinear(d, width, ps)
+        self.v_proj = ColumnParallelLinear(d, width, ps)
+        # q|k|v depthwise conv taps stacked along channels (checkpoint: q/k/v_conv1d [C, 1, K],
+        # each sharded by heads); fp32 like the reference implementation.
+        self.conv_weight = mark_shard(nn.Parameter(
+            torch.empty(3 * local, cfg.linear_conv_kernel, dtype=torch.float32)), 0, ps.tp_rank,
+            ps.tp_size)
         self.f_a_proj = Linear(d, rank)
-        self.f_b_proj = Linear(rank, width)
-        self.dt_bias = nn.Parameter(torch.empty(width, dtype=torch.float32))
-        self.A_log = nn.Parameter(torch.empty(self.num_heads, dtype=torch.float32))
-        self.b_proj = Linear(d, self.num_heads)
+        self.f_b_proj = ColumnParallelLinear(rank, width, ps)
+        self.dt_bias = mark_shard(nn.Parameter(torch.empty(local, dtype=torch.float32)), 0,
+                                  ps.tp_rank, ps.tp_size)
+        self.A_log = mark_shard(nn.Parameter(torch.empty(self.num_heads, dtype=torch.float32)),
+                                0, ps.tp_rank, ps.tp_size)
+        self.b_proj = ColumnParallelLinear(d, cfg.linear_num_heads, ps)
         self.g_a_proj = Linear(d, rank)
-        self.g_b_proj = Linear(rank, width)
+        self.g_b_proj = ColumnParallelLinear(rank, width, ps)
         self.o_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)  # weight only: gated norm below
-        self.o_proj = Linear(width, d)
+        self.o_proj = RowParallelLinear(width, d, ps)
         self.lower_bound = cfg.linear_lower_bound
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, state: KDAState) -> torch.Tensor:
@@ -56,4 +66,4 @@ class KDAttention(nn.Module):
                               batch.state_ids, batch.has_initial_state)
         gate = self.g_b_proj(self.g_a_proj(x)).reshape(heads)
         o = ops.gated_rms_norm(o, gate, self.o_norm.weight, self.o_norm.eps)
-        return self.o_proj(o.reshape(n_tok, -1))
+        return self.ps.tp_all_reduce(self.o_proj(o.reshape(n_tok, -1)))

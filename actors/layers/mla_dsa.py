@@ -2,6 +2,11 @@
 
 Only the 512-wide latent `c` is cached per token; attention runs in the absorbed form
 (q_h W_UK[h] against c, then W_UV[h]), i.e. multi-head attention over one shared key=value.
+
+Under TP each rank owns heads / tp (q_b, kv_b, o_proj input); the latent and the indexer are
+replicated (the indexer is small, and computing it identically everywhere keeps the top-k
+selection bit-identical to TP1 with no collective). Under DCP each rank stores and attends only
+its interleaved latent rows for all heads; partial outputs are merged by log-sum-exp.
 """
 
 from __future__ import annotations
@@ -15,7 +20,8 @@ from glm53.kernels import ops
 from ..caches import DSAState
 from ..config import ModelConfig
 from ..forward_batch import ForwardBatch
-from .linear import Linear
+from ..parallel import ParallelState, split
+from .linear import ColumnParallelLinear, Linear, RowParallelLinear
 from .norm import RMSNorm
 
 
@@ -51,32 +57,47 @@ class KPoolIndexer(nn.Module):
 
 
 class DSAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, ps: ParallelState) -> None:
         super().__init__()
         d, h = cfg.hidden_size, cfg.num_attention_heads
-        self.num_heads, self.qk_dim, self.v_dim = h, cfg.qk_head_dim, cfg.v_head_dim
+        self.ps = ps
+        self.num_heads = split(h, ps.tp_size, "num_attention_heads")
+        self.qk_dim, self.v_dim = cfg.qk_head_dim, cfg.v_head_dim
         self.kv_rank = cfg.kv_lora_rank
         self.q_a_proj = Linear(d, cfg.q_lora_rank)
         self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps)
-        self.q_b_proj = Linear(cfg.q_lora_rank, h * self.qk_dim)
+        self.q_b_proj = ColumnParallelLinear(cfg.q_lora_rank, h * self.qk_dim, ps)
         self.kv_a_proj_with_mqa = Linear(d, cfg.kv_lora_rank)
         self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, cfg.rms_norm_eps)
-        self.kv_b_proj = Linear(cfg.kv_lora_rank, h * (self.qk_dim + self.v_dim))
-        self.o_proj = Linear(h * self.v_dim, d)
+        self.kv_b_proj = ColumnParallelLinear(cfg.kv_lora_rank, h * (self.qk_dim + self.v_dim), ps)
+        self.o_proj = RowParallelLinear(h * self.v_dim, d, ps)
         self.indexer = KPoolIndexer(cfg)
         self.scale = cfg.softmax_scale
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, state: DSAState) -> torch.Tensor:
         """x: [T, D] (normed block input) -> [T, D]."""
+        ps = self.ps
         q_resid = self.q_a_layernorm(self.q_a_proj(x))
         q = self.q_b_proj(q_resid).view(-1, self.num_heads, self.qk_dim)
         latent = self.kv_a_layernorm(self.kv_a_proj_with_mqa(x))
-        ops.store_rows(latent, state.latent, batch.slot_mapping)
+        ops.store_rows(latent, state.latent, batch.slot_mapping, ps.dcp_rank, ps.dcp_size)
         tokens = self.indexer(x, q_resid, batch, state)
         w_kv = self.kv_b_proj.weight.view(self.num_heads, self.qk_dim + self.v_dim, self.kv_rank)
         w_uk, w_uv = w_kv[:, : self.qk_dim], w_kv[:, self.qk_dim:]
         q_latent = torch.einsum("thd,hdc->thc", q, w_uk)
-        u = ops.sparse_mla_attention(q_latent, state.latent, batch.block_tables, batch.query_seq,
-                                     tokens, self.scale)
+        if ps.dcp_size > 1:
+            # this rank's rows for every head, then a log-sum-exp merge across ranks
+            q_all = ps.all_gather(q_latent, dim=1) if ps.tp_size > 1 else q_latent
+            out, lse = ops.sparse_mla_attention(q_all, state.latent, batch.block_tables,
+                                                batch.query_seq, tokens, self.scale,
+                                                ps.dcp_rank, ps.dcp_size)
+            outs = ps.all_gather(out.unsqueeze(0), dim=0)
+            lses = ps.all_gather(lse.unsqueeze(0), dim=0)
+            u = ops.merge_attention_states(outs, lses)
+            if ps.tp_size > 1:
+                u = u[:, ps.tp_rank * self.num_heads:(ps.tp_rank + 1) * self.num_heads]
+        else:
+            u, _ = ops.sparse_mla_attention(q_latent, state.latent, batch.block_tables,
+                                            batch.query_seq, tokens, self.scale)
         out = torch.einsum("thc,hvc->thv", u, w_uv)
-        return self.o_proj(out.reshape(out.shape[0], -1))
+        return ps.tp_all_reduce(self.o_proj(out.reshape(out.shape[0], -1)))

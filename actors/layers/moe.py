@@ -1,4 +1,10 @@
-"""Feed-forward blocks: the clamped-SwiGLU MLP (dense layers, shared expert) and the routed MoE."""
+"""Feed-forward blocks: the clamped-SwiGLU MLP (dense layers, shared expert) and the routed MoE.
+
+Parallel layout: the MLP's intermediate is TP-sharded (partial sums out). Routed experts are
+EP-partitioned (each rank computes its experts for all tokens) or, without EP, TP-sharded on
+their intermediate like the MLP; the router is replicated so every rank routes identically.
+Partial sums of the routed and shared parts meet in one all-reduce.
+"""
 
 from __future__ import annotations
 
@@ -9,19 +15,35 @@ from torch import nn
 from glm53.kernels import ops
 
 from ..config import ModelConfig
-from .linear import Linear
+from ..parallel import ParallelState, split
+from .linear import ColumnParallelLinear, RowParallelLinear, mark_shard
 
 
 class MLP(nn.Module):
-    def __init__(self, hidden: int, intermediate: int, swiglu_limit: float) -> None:
+    """swiglu MLP; returns a partial sum when TP-sharded (`partial`), else the full output."""
+
+    def __init__(self, hidden: int, intermediate: int, swiglu_limit: float,
+                 ps: ParallelState) -> None:
         super().__init__()
-        self.gate_proj = Linear(hidden, intermediate)
-        self.up_proj = Linear(hidden, intermediate)
-        self.down_proj = Linear(intermediate, hidden)
+        self.gate_proj = ColumnParallelLinear(hidden, intermediate, ps)
+        self.up_proj = ColumnParallelLinear(hidden, intermediate, ps)
+        self.down_proj = RowParallelLinear(intermediate, hidden, ps)
         self.limit = swiglu_limit
+        self.partial = ps.tp_size > 1
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(ops.swiglu(self.gate_proj(x), self.up_proj(x), self.limit))
+
+
+class DenseFFN(MLP):
+    """A dense layer's FFN: the MLP plus its all-reduce."""
+
+    def __init__(self, cfg: ModelConfig, ps: ParallelState) -> None:
+        super().__init__(cfg.hidden_size, cfg.intermediate_size, cfg.swiglu_limit, ps)
+        self.ps = ps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.ps.tp_all_reduce(super().forward(x))
 
 
 class Router(nn.Module):
@@ -44,16 +66,34 @@ class Router(nn.Module):
 class MoE(nn.Module):
     """Routed experts (stacked: w13 [E, 2I, D] gate|up, w2 [E, D, I]) plus one shared expert."""
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, ps: ParallelState) -> None:
         super().__init__()
         e, d, i = cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size
+        self.ps = ps
         self.gate = Router(cfg)
-        self.w13 = nn.Parameter(torch.empty(e, 2 * i, d))
-        self.w2 = nn.Parameter(torch.empty(e, d, i))
-        self.shared_experts = MLP(d, i * cfg.n_shared_experts, cfg.swiglu_limit)
+        n_local = split(e, ps.ep_size, "n_routed_experts")
+        self.expert_offset = ps.ep_rank * n_local
+        # without EP, the experts' intermediate is TP-sharded (gate and up rows, down columns)
+        tp = ps.tp_size if ps.ep_size == 1 else 1
+        tp_rank = ps.tp_rank if ps.ep_size == 1 else 0
+        inter = split(i, tp, "moe_intermediate_size")
+        self.w13 = mark_shard(nn.Parameter(torch.empty(n_local, 2 * inter, d)), 0, tp_rank, tp)
+        self.w2 = mark_shard(nn.Parameter(torch.empty(n_local, d, inter)), 1, tp_rank, tp)
+        for w in (self.w13, self.w2):
+            w.expert_offset = self.expert_offset
+        self.shared_experts = MLP(d, i * cfg.n_shared_experts, cfg.swiglu_limit, ps)
+        self.routed_partial = ps.ep_size > 1 or tp > 1
         self.limit = cfg.swiglu_limit
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.gate(x)
-        routed = ops.fused_moe(x, self.w13, self.w2, weights, ids, self.limit)
-        return routed + self.shared_experts(x)
+        routed = ops.fused_moe(x, self.w13, self.w2, weights, ids, self.limit,
+                               self.expert_offset)
+        shared = self.shared_experts(x)
+        if self.routed_partial and self.shared_experts.partial:
+            return self.ps.all_reduce(routed + shared)
+        if self.routed_partial:
+            return self.ps.all_reduce(routed) + shared
+        if self.shared_experts.partial:
+            return routed + self.ps.all_reduce(shared)
+        return routed + shared

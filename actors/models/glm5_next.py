@@ -16,21 +16,21 @@ from ..caches import DSAState, KDAState, ModelCaches
 from ..config import DENSE, KDA, ModelConfig
 from ..forward_batch import ForwardBatch
 from ..layers.kda import KDAttention
-from ..layers.linear import Embedding, Linear
+from ..layers.linear import Linear, ParallelLMHead, VocabParallelEmbedding
 from ..layers.mhc import HyperConnection
 from ..layers.mla_dsa import DSAttention
-from ..layers.moe import MLP, MoE
+from ..layers.moe import DenseFFN, MoE
 from ..layers.norm import RMSNorm
+from ..parallel import ParallelState
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_id: int) -> None:
+    def __init__(self, cfg: ModelConfig, layer_id: int, ps: ParallelState) -> None:
         super().__init__()
         d = cfg.hidden_size
         self.is_kda = cfg.layer_types[layer_id] == KDA
-        self.self_attn = KDAttention(cfg) if self.is_kda else DSAttention(cfg)
-        self.mlp = (MLP(d, cfg.intermediate_size, cfg.swiglu_limit)
-                    if cfg.mlp_layer_types[layer_id] == DENSE else MoE(cfg))
+        self.self_attn = KDAttention(cfg, ps) if self.is_kda else DSAttention(cfg, ps)
+        self.mlp = DenseFFN(cfg, ps) if cfg.mlp_layer_types[layer_id] == DENSE else MoE(cfg, ps)
         self.input_layernorm = RMSNorm(d, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(d, cfg.rms_norm_eps)
         self.attn_hc = HyperConnection(cfg)
@@ -55,16 +55,16 @@ class MTPLayer(nn.Module):
     with the trunk.
     """
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, ps: ParallelState) -> None:
         super().__init__()
         d, eps = cfg.hidden_size, cfg.rms_norm_eps
         self.enorm = RMSNorm(d, eps)
         self.hnorm = RMSNorm(d, eps)
         self.eh_proj = Linear(2 * d, d)
         self.input_layernorm = RMSNorm(d, eps)
-        self.self_attn = DSAttention(cfg)
+        self.self_attn = DSAttention(cfg, ps)
         self.post_attention_layernorm = RMSNorm(d, eps)
-        self.mlp = MoE(cfg)
+        self.mlp = MoE(cfg, ps)
         self.shared_head_norm = RMSNorm(d, eps)
 
     def forward(self, prev_hidden: torch.Tensor, next_embeds: torch.Tensor,
@@ -79,18 +79,22 @@ class MTPLayer(nn.Module):
 
 
 class Glm5NextForCausalLM(nn.Module):
-    """Language tower of GLM-5.3-Flash; `with_mtp` adds the MTP layer."""
+    """Language tower of GLM-5.3-Flash (this rank's shard under `ps`); `with_mtp` adds the MTP
+    layer."""
 
-    def __init__(self, cfg: ModelConfig, with_mtp: bool = False) -> None:
+    def __init__(self, cfg: ModelConfig, with_mtp: bool = False,
+                 ps: ParallelState | None = None) -> None:
         super().__init__()
         if with_mtp and not cfg.has_mtp:
             raise ValueError("the config declares no MTP layer (num_nextn_predict_layers == 0)")
-        self.config = cfg
-        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
+        ps = ps or ParallelState()
+        self.config, self.parallel = cfg, ps
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, ps)
+        self.layers = nn.ModuleList(
+            DecoderLayer(cfg, i, ps) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size)
-        self.mtp = MTPLayer(cfg) if with_mtp else None
+        self.lm_head = ParallelLMHead(cfg.hidden_size, cfg.vocab_size, ps)
+        self.mtp = MTPLayer(cfg, ps) if with_mtp else None
 
     @torch.inference_mode()
     def forward(self, token_ids: torch.Tensor, batch: ForwardBatch,

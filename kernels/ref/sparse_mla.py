@@ -7,6 +7,11 @@ Paged layout shared by all DSA ops: token `p` of sequence `i` lives in block
 kpool*j + kpool-1) lives in the same block at offset `(kpool*j % block_size) // kpool`, so a
 token's pool slot is `slot // kpool` (block_size is a multiple of kpool).
 The open (incomplete) pool's raw rows live per state slot in `open_rows[slot, p % kpool]`.
+
+Decode context parallel (DCP, size W): a block holds block_size tokens of the sequence, but
+rank r stores only the latent rows of its tokens (p % W == r), block_size / W of them, at
+local offset (p % block_size) // W; pooled keys are replicated on every rank. Each rank then
+attends only its own rows and returns (output, log-sum-exp) for `merge_attention_states`.
 """
 
 from __future__ import annotations
@@ -14,9 +19,20 @@ from __future__ import annotations
 import torch
 
 
-def store_rows(rows: torch.Tensor, cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """Write per-token rows into a paged cache. rows: [T, W]; cache: [B, bs, W]; slots: [T]."""
-    cache.view(-1, cache.shape[-1])[slot_mapping.long()] = rows.to(cache.dtype)
+def store_rows(rows: torch.Tensor, cache: torch.Tensor, slot_mapping: torch.Tensor,
+               dcp_rank: int = 0, dcp_size: int = 1) -> None:
+    """Write per-token rows into a paged cache at their (logical) slots.
+
+    rows: [T, C]; cache: [B, bs / dcp_size, C] (this rank's rows); slot_mapping: [T] logical
+    slots (block * bs + offset). Under DCP only this rank's tokens are written.
+    """
+    slots = slot_mapping.long()
+    if dcp_size > 1:
+        local_bs = cache.shape[1]
+        block, offset = slots // (local_bs * dcp_size), slots % (local_bs * dcp_size)
+        mine = offset % dcp_size == dcp_rank
+        rows, slots = rows[mine], block[mine] * local_bs + offset[mine] // dcp_size
+    cache.view(-1, cache.shape[-1])[slots] = rows.to(cache.dtype)
 
 
 def pool_compress(keys: torch.Tensor, gates: torch.Tensor, ape: torch.Tensor) -> torch.Tensor:
@@ -128,18 +144,39 @@ def sparse_mla_attention(
     query_seq: torch.Tensor,
     token_indices: torch.Tensor,
     scale: float,
-) -> torch.Tensor:
+    dcp_rank: int = 0,
+    dcp_size: int = 1,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Absorbed MLA over selected latent rows: every head attends the same 512-wide key=value.
 
-    q_latent: [T, H, Lc] (W_UK-absorbed queries); latent_cache: [B, bs, Lc];
-    token_indices: [T, W] positions in the query's sequence, -1 = unused. Returns [T, H, Lc]
-    (softmax-weighted latents, fp32 math) in q_latent's dtype.
+    q_latent: [T, H, Lc] (W_UK-absorbed queries); latent_cache: [B, bs / dcp_size, Lc];
+    token_indices: [T, W] positions in the query's sequence, -1 = unused. Under DCP only the
+    positions this rank stores (p % dcp_size == dcp_rank) take part. Returns the softmax-weighted
+    latents [T, H, Lc] in q_latent's dtype and the log-sum-exp of the scores [T, H] fp32
+    (-inf where a query has no row here), for merging partial results across ranks.
     """
-    block_size = latent_cache.shape[1]
+    local_bs = latent_cache.shape[1]
+    block_size = local_bs * dcp_size
     idx = token_indices.clamp(min=0)
     blocks = block_tables[query_seq.long().unsqueeze(1), idx // block_size].long()
-    rows = latent_cache[blocks, idx % block_size].float()  # [T, W, Lc]
+    unused = token_indices < 0
+    if dcp_size > 1:
+        unused = unused | (idx % dcp_size != dcp_rank)
+    rows = latent_cache[blocks, (idx % block_size) // dcp_size].float()  # [T, W, Lc]
     scores = torch.einsum("thc,twc->thw", q_latent.float(), rows) * scale
-    scores = scores.masked_fill((token_indices < 0).unsqueeze(1), float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
-    return torch.einsum("thw,twc->thc", probs, rows).to(q_latent.dtype)
+    scores = scores.masked_fill(unused.unsqueeze(1), float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)
+    probs = torch.exp(scores - lse.unsqueeze(-1).clamp(min=torch.finfo(torch.float32).min))
+    out = torch.einsum("thw,twc->thc", probs.nan_to_num(0.0), rows)
+    return out.to(q_latent.dtype), lse
+
+
+def merge_attention_states(outs: torch.Tensor, lses: torch.Tensor) -> torch.Tensor:
+    """Combine partial attention results over disjoint key sets.
+
+    outs: [P, T, H, C] (each normalised over its own keys); lses: [P, T, H]. Returns [T, H, C]:
+    sum_p exp(lse_p - lse) * out_p with lse = logsumexp_p lse_p.
+    """
+    total = torch.logsumexp(lses, dim=0)
+    weights = torch.exp(lses - total.unsqueeze(0)).nan_to_num(0.0)
+    return (weights.unsqueeze(-1) * outs.float()).sum(dim=0).to(outs.dtype)
