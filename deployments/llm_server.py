@@ -27,7 +27,14 @@ from typing import Any
 from glm53.actors.step import SamplingParams
 from glm53.raycluster.scheduler import RequestRejectedError
 
-from .chat import MARKER_TOKENS, THINK_START, ChatTemplate, ChatTemplateError
+from .chat import (
+    MARKER_TOKENS,
+    THINK_END,
+    THINK_START,
+    TOOL_START,
+    ChatTemplate,
+    ChatTemplateError,
+)
 from .config import ServingConfig
 from .engine_client import EngineClient, LocalEngine
 from .metrics import RequestTimes, ServingMetrics
@@ -39,26 +46,11 @@ from .openai_schema import (
     TokenizeRequest,
     bad_request,
 )
-from .responses import (
-    ChoiceState,
-    Delta,
-    TokenTexts,
-    chat_delta,
-    chat_logprobs,
-    chat_message,
-    completion_logprobs,
-    token_namer,
-    usage,
-)
+from .responses import DONE, ChoiceState, Delta, ResponseFormatter, TokenTexts, sse
 from .tokenizer import load_tokenizer
 
 logger = logging.getLogger(__name__)
 EngineFactory = Callable[[ServingConfig, Path, str], EngineClient]
-_DONE = "data: [DONE]\n\n"
-
-
-def _sse(obj: dict[str, Any]) -> str:
-    return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
 
 
 class LLMServer:
@@ -134,15 +126,15 @@ class LLMServer:
     async def chat(self, request: ChatCompletionRequest) -> AsyncIterator[Any]:
         arrival = time.monotonic()
         try:
-            prompt_ids, reasoning_start, tools = self._chat_prompt(request)
+            prompt_ids, reasoning_start, tools, forced = self._chat_prompt(request)
             params = self._sampling(request, [prompt_ids], request.token_limit,
                                     logprobs=(request.top_logprobs or 0) if request.logprobs
                                     else None)
         except APIError as exc:
             yield exc
             return
-        choices = [self._choice(i, request, len(prompt_ids), reasoning_start, tools)
-                   for i in range(request.n)]
+        choices = [self._choice(i, request, len(prompt_ids), reasoning_start, tools,
+                                tool_prefix=forced) for i in range(request.n)]
         runs = [(prompt_ids, p) for p in params]
         async for item in self._respond("chat", request, runs, choices, arrival):
             yield item
@@ -177,7 +169,9 @@ class LLMServer:
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 
     def _chat_prompt(self, request: ChatCompletionRequest,
-                     ) -> tuple[list[int], bool, list[dict] | None]:
+                     ) -> tuple[list[int], bool, list[dict] | None, str]:
+        """(prompt ids, whether the output starts inside <think>, tools to parse, the forced
+        tool-call prefix already in the prompt)."""
         if request.logit_bias:
             raise bad_request("logit_bias is not supported yet", "logit_bias")
         fmt = request.response_format
@@ -191,12 +185,23 @@ class LLMServer:
             raise bad_request("'messages' must contain the word 'json' in some form to use "
                               "'response_format' of type 'json_object'", "response_format")
         choice = request.tool_choice
-        if choice is not None and choice != "none" and choice != "auto":
-            raise bad_request("tool_choice 'required' or a named function is not supported "
-                              "yet; use 'auto'", "tool_choice")
         tools = None
         if request.tools and choice != "none":
             tools = [t.model_dump(exclude_none=True) for t in request.tools]
+        # A forced call is a prefix of the assistant turn: GLM's call syntax starts with the
+        # marker and the name, so prefilling them forces a call (or that call) without a
+        # grammar; the arguments stay the model's.
+        forced = ""
+        if choice == "required" or hasattr(choice, "function"):
+            if not tools:
+                raise bad_request("tool_choice requires tools", "tool_choice")
+            forced = TOOL_START
+            if hasattr(choice, "function"):
+                name = choice.function.name
+                if name not in {t["function"]["name"] for t in tools}:
+                    raise bad_request(f"tool_choice names an unknown tool {name!r}",
+                                      "tool_choice")
+                forced += f"{name}\n"
         try:
             text = self.template.render(
                 messages, tools=tools, reasoning_effort=request.reasoning_effort,
@@ -205,7 +210,9 @@ class LLMServer:
                 template_kwargs=request.chat_template_kwargs)
         except ChatTemplateError as exc:
             raise bad_request(str(exc), "messages") from exc
-        return self._encode(text), text.endswith(THINK_START), tools
+        if forced:
+            text += (THINK_END if text.endswith(THINK_START) else "") + forced
+        return self._encode(text), text.endswith(THINK_START), tools, forced
 
     def _completion_prompts(self, prompt: Any) -> list[list[int]]:
         if isinstance(prompt, str):
@@ -265,7 +272,7 @@ class LLMServer:
 
     def _choice(self, index: int, request: Any, num_prompt_tokens: int,
                 reasoning_start: bool | None, tools: list[dict] | None,
-                echo_ids: list[int] | None = None) -> ChoiceState:
+                echo_ids: list[int] | None = None, tool_prefix: str = "") -> ChoiceState:
         stop_ids = set(request.stop_token_ids or ())
         if not request.ignore_eos:
             stop_ids |= set(self.engine.eos_token_ids)
@@ -273,7 +280,8 @@ class LLMServer:
             index, self.tokenizer, stop_strings=request.stop_strings,
             include_stop_str=request.include_stop_str_in_output, stop_token_ids=stop_ids,
             skip_ids=self.skip_ids if request.skip_special_tokens else set(),
-            reasoning_start=reasoning_start, tools=tools, echo_ids=echo_ids)
+            reasoning_start=reasoning_start, tools=tools, echo_ids=echo_ids,
+            tool_prefix=tool_prefix)
         choice.num_prompt_tokens = num_prompt_tokens
         return choice
 
@@ -295,7 +303,7 @@ class LLMServer:
         tasks = [asyncio.create_task(self._run_choice(
             f"{response_id}-{c.index}", ids, params, c, queue, arrival))
             for (ids, params), c in zip(runs, choices, strict=True)]
-        fmt = _Formatter(kind, response_id, self.created, self.model_name, request, choices,
+        fmt = ResponseFormatter(kind, response_id, self.created, self.model_name, request, choices,
                          self.texts)
         try:
             if request.stream:
@@ -352,117 +360,25 @@ class LLMServer:
             yield [item for item in items if item is not None]
 
     async def _stream(self, queue: asyncio.Queue, num_tasks: int,
-                      fmt: _Formatter) -> AsyncIterator[str]:
+                      fmt: ResponseFormatter) -> AsyncIterator[str]:
         async for items in self._items(queue, num_tasks):
             error = next((i for i in items if isinstance(i, APIError)), None)
             if error is not None:
-                yield fmt.stream_chunks([d for d in items if isinstance(d, Delta)]) + _sse(
-                    error.body()) + _DONE
+                yield fmt.stream_chunks([d for d in items if isinstance(d, Delta)]) + sse(
+                    error.body()) + DONE
                 return
             if chunk := fmt.stream_chunks(items):
                 yield chunk
-        yield fmt.stream_end() + _DONE
+        yield fmt.stream_end() + DONE
 
     async def _collect(self, queue: asyncio.Queue, num_tasks: int,
-                       fmt: _Formatter) -> dict[str, Any] | APIError:
+                       fmt: ResponseFormatter) -> dict[str, Any] | APIError:
         async for items in self._items(queue, num_tasks):
             for item in items:
                 if isinstance(item, APIError):
                     return item
                 fmt.accumulate(item)
         return fmt.response()
-
-
-class _Formatter:
-    """Turns the deltas of one request's choices into chunks or the final response."""
-
-    def __init__(self, kind: str, response_id: str, created: int, model: str, request: Any,
-                 choices: list[ChoiceState], texts: TokenTexts) -> None:
-        self.kind, self.id, self.created, self.model = kind, response_id, created, model
-        self.request, self.choices, self.texts = request, choices, texts
-        self.name = token_namer(texts, request.return_tokens_as_token_ids)
-        self.started: set[int] = set()
-        self.tool_index = [0] * len(choices)
-        self.text_offset = [0] * len(choices)  # completions logprobs: next token's offset
-        self.acc = [{"text": [], "reasoning": [], "calls": [], "logprobs": [],
-                     "prompt_logprobs": [], "finish": None} for _ in choices]
-
-    def _usage(self) -> dict[str, int]:
-        prompts = self.choices[::self.request.n]
-        return usage(sum(c.num_prompt_tokens for c in prompts),
-                     sum(c.num_tokens for c in self.choices))
-
-    def _chunk(self, choices: list[dict], with_usage: bool = False) -> str:
-        obj = {"id": self.id, "object": ("chat.completion.chunk" if self.kind == "chat"
-                                         else "text_completion"),
-               "created": self.created, "model": self.model, "choices": choices}
-        if self.request.include_usage:
-            continuous = self.request.stream_options.continuous_usage_stats
-            obj["usage"] = self._usage() if (with_usage or continuous) else None
-        return _sse(obj)
-
-    def stream_chunks(self, deltas: list[Delta]) -> str:
-        parts = []
-        for d in deltas:
-            if self.kind == "chat":
-                first = d.index not in self.started
-                self.started.add(d.index)
-                choice = chat_delta(d, first, self.tool_index[d.index], self.texts, self.name)
-                self.tool_index[d.index] += len(d.tool_calls)
-            elif d.empty:
-                choice = None
-            else:
-                choice = {"index": d.index, "text": d.text,
-                          "logprobs": self._completion_lps(d), "finish_reason": d.finish_reason}
-            if choice is not None:
-                parts.append(self._chunk([choice]))
-        return "".join(parts)
-
-    def stream_end(self) -> str:
-        return self._chunk([], with_usage=True) if self.request.include_usage else ""
-
-    def _completion_lps(self, d: Delta) -> dict[str, Any] | None:
-        if self.request.logprobs is None:
-            return None
-        entries = (d.prompt_logprobs if self.request.echo else []) + d.logprobs
-        out = completion_logprobs(entries, self.texts, self.text_offset[d.index], self.name)
-        self.text_offset[d.index] = out.pop("next_offset")
-        return out
-
-    def accumulate(self, d: Delta) -> None:
-        acc = self.acc[d.index]
-        acc["text"].append(d.text)
-        acc["reasoning"].append(d.reasoning)
-        acc["calls"].extend(d.tool_calls)
-        acc["logprobs"].extend(d.logprobs)
-        acc["prompt_logprobs"].extend(d.prompt_logprobs)
-        acc["finish"] = d.finish_reason or acc["finish"]
-
-    def response(self) -> dict[str, Any]:
-        choices = []
-        for index, acc in enumerate(self.acc):
-            text = "".join(acc["text"])
-            if self.kind == "chat":
-                lps = (chat_logprobs(acc["logprobs"], self.texts, self.name)
-                       if self.request.logprobs else None)
-                if lps is None and self.request.logprobs:
-                    lps = {"content": []}
-                choices.append({"index": index, "message": chat_message(
-                    text, "".join(acc["reasoning"]), acc["calls"]),
-                    "logprobs": lps, "finish_reason": acc["finish"]})
-            else:
-                lps = None
-                if self.request.logprobs is not None:
-                    entries = (acc["prompt_logprobs"] if self.request.echo else []) + acc[
-                        "logprobs"]
-                    lps = completion_logprobs(entries, self.texts, 0, self.name)
-                    lps.pop("next_offset")
-                choices.append({"index": index, "text": text, "logprobs": lps,
-                                "finish_reason": acc["finish"]})
-        return {"id": self.id,
-                "object": "chat.completion" if self.kind == "chat" else "text_completion",
-                "created": self.created, "model": self.model, "choices": choices,
-                "usage": self._usage()}
 
 
 def _messages(messages: list) -> list[dict[str, Any]]:

@@ -4,12 +4,14 @@
 ids -> incremental detokenizer -> stop strings -> reasoning split -> tool-call parser, with the
 sampled tokens' logprobs alongside. The same pipeline serves streaming and non-streaming
 requests, so their texts are identical by construction. The functions below render deltas as
-chat / completion chunks and full responses (plain dicts).
+chat / completion chunks and full responses (plain dicts); `ResponseFormatter` does it for all
+choices of one request.
 """
 
 from __future__ import annotations
 
 import functools
+import json
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -68,7 +70,7 @@ class ChoiceState:
     def __init__(self, index: int, tokenizer: Any, *, stop_strings: list[str],
                  include_stop_str: bool, stop_token_ids: set[int], skip_ids: set[int],
                  reasoning_start: bool | None, tools: list[dict] | None,
-                 echo_ids: list[int] | None = None) -> None:
+                 echo_ids: list[int] | None = None, tool_prefix: str = "") -> None:
         self.index = index
         self._tokenizer = tokenizer
         self._detok = IncrementalDetokenizer(tokenizer, skip_ids)
@@ -77,6 +79,8 @@ class ChoiceState:
         self._stop_ids = stop_token_ids
         self._reasoning = ReasoningParser(reasoning_start) if reasoning_start is not None else None
         self._tools = ToolCallParser(tools) if tools is not None else None
+        if self._tools is not None and tool_prefix:  # a call the prompt already opened
+            self._tools.feed(tool_prefix)
         self._echo_ids = echo_ids
         # echo: the first prompt token has no logprob (NaN marks it)
         self._prompt_lps = [TokenLogprob(echo_ids[0], math.nan, 0, ())] if echo_ids else []
@@ -126,6 +130,14 @@ class ChoiceState:
         if final:
             self.finish_reason = delta.finish_reason = reason
         return delta
+
+
+DONE = "data: [DONE]\n\n"
+
+
+def sse(obj: dict[str, Any]) -> str:
+    """One server-sent event (compact JSON on one line)."""
+    return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
 
 
 # ----- chat -----
@@ -202,3 +214,95 @@ def completion_logprobs(entries: list[TokenLogprob], texts: TokenTexts, offset: 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens}
+
+
+class ResponseFormatter:
+    """Turns the deltas of one request's choices into chunks or the final response."""
+
+    def __init__(self, kind: str, response_id: str, created: int, model: str, request: Any,
+                 choices: list[ChoiceState], texts: TokenTexts) -> None:
+        self.kind, self.id, self.created, self.model = kind, response_id, created, model
+        self.request, self.choices, self.texts = request, choices, texts
+        self.name = token_namer(texts, request.return_tokens_as_token_ids)
+        self.started: set[int] = set()
+        self.tool_index = [0] * len(choices)
+        self.text_offset = [0] * len(choices)  # completions logprobs: next token's offset
+        self.acc = [{"text": [], "reasoning": [], "calls": [], "logprobs": [],
+                     "prompt_logprobs": [], "finish": None} for _ in choices]
+
+    def _usage(self) -> dict[str, int]:
+        prompts = self.choices[::self.request.n]
+        return usage(sum(c.num_prompt_tokens for c in prompts),
+                     sum(c.num_tokens for c in self.choices))
+
+    def _chunk(self, choices: list[dict], with_usage: bool = False) -> str:
+        obj = {"id": self.id, "object": ("chat.completion.chunk" if self.kind == "chat"
+                                         else "text_completion"),
+               "created": self.created, "model": self.model, "choices": choices}
+        if self.request.include_usage:
+            continuous = self.request.stream_options.continuous_usage_stats
+            obj["usage"] = self._usage() if (with_usage or continuous) else None
+        return sse(obj)
+
+    def stream_chunks(self, deltas: list[Delta]) -> str:
+        parts = []
+        for d in deltas:
+            if self.kind == "chat":
+                first = d.index not in self.started
+                self.started.add(d.index)
+                choice = chat_delta(d, first, self.tool_index[d.index], self.texts, self.name)
+                self.tool_index[d.index] += len(d.tool_calls)
+            elif d.empty:
+                choice = None
+            else:
+                choice = {"index": d.index, "text": d.text,
+                          "logprobs": self._completion_lps(d), "finish_reason": d.finish_reason}
+            if choice is not None:
+                parts.append(self._chunk([choice]))
+        return "".join(parts)
+
+    def stream_end(self) -> str:
+        return self._chunk([], with_usage=True) if self.request.include_usage else ""
+
+    def _completion_lps(self, d: Delta) -> dict[str, Any] | None:
+        if self.request.logprobs is None:
+            return None
+        entries = (d.prompt_logprobs if self.request.echo else []) + d.logprobs
+        out = completion_logprobs(entries, self.texts, self.text_offset[d.index], self.name)
+        self.text_offset[d.index] = out.pop("next_offset")
+        return out
+
+    def accumulate(self, d: Delta) -> None:
+        acc = self.acc[d.index]
+        acc["text"].append(d.text)
+        acc["reasoning"].append(d.reasoning)
+        acc["calls"].extend(d.tool_calls)
+        acc["logprobs"].extend(d.logprobs)
+        acc["prompt_logprobs"].extend(d.prompt_logprobs)
+        acc["finish"] = d.finish_reason or acc["finish"]
+
+    def response(self) -> dict[str, Any]:
+        choices = []
+        for index, acc in enumerate(self.acc):
+            text = "".join(acc["text"])
+            if self.kind == "chat":
+                lps = (chat_logprobs(acc["logprobs"], self.texts, self.name)
+                       if self.request.logprobs else None)
+                if lps is None and self.request.logprobs:
+                    lps = {"content": []}
+                choices.append({"index": index, "message": chat_message(
+                    text, "".join(acc["reasoning"]), acc["calls"]),
+                    "logprobs": lps, "finish_reason": acc["finish"]})
+            else:
+                lps = None
+                if self.request.logprobs is not None:
+                    entries = (acc["prompt_logprobs"] if self.request.echo else []) + acc[
+                        "logprobs"]
+                    lps = completion_logprobs(entries, self.texts, 0, self.name)
+                    lps.pop("next_offset")
+                choices.append({"index": index, "text": text, "logprobs": lps,
+                                "finish_reason": acc["finish"]})
+        return {"id": self.id,
+                "object": "chat.completion" if self.kind == "chat" else "text_completion",
+                "created": self.created, "model": self.model, "choices": choices,
+                "usage": self._usage()}

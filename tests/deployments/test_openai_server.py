@@ -244,6 +244,22 @@ def test_tool_calls_parsed_from_forced_output(client):
     assert plain.choices[0].message.content.startswith("<tool_call>get_weather")
 
 
+def test_forced_tool_choice_prefills_the_call(client):
+    args = "<arg_key>city</arg_key>\n<arg_value>Rome</arg_value>\n</tool_call>"
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    r = client.chat.completions.create(model="scripted", tools=TOOLS, tool_choice=named,
+                                       messages=[{"role": "user", "content": "SCRIPT:" + args}])
+    (call,) = r.choices[0].message.tool_calls
+    assert (call.function.name, json.loads(call.function.arguments)) == (
+        "get_weather", {"city": "Rome"})
+    assert r.choices[0].finish_reason == "tool_calls"
+    assert r.choices[0].message.reasoning_content is None
+    r = client.chat.completions.create(
+        model="scripted", tools=TOOLS, tool_choice="required",
+        messages=[{"role": "user", "content": "SCRIPT:get_weather\n" + args}])
+    assert r.choices[0].message.tool_calls[0].function.name == "get_weather"
+
+
 def test_reasoning_split_from_forced_output(client):
     msgs = [{"role": "user", "content": "SCRIPT:step 1, step 2</think>Answer: 4"}]
     r = client.chat.completions.create(model="scripted", messages=msgs)
@@ -324,7 +340,9 @@ BAD = [
     ("/v1/completions", {"model": "nope", "prompt": "x"}, 404, "model"),
     ("/v1/chat/completions", chat("x", response_format={"type": "json_schema",
                                                          "json_schema": {}}), 400, None),
-    ("/v1/chat/completions", chat("x", tools=TOOLS, tool_choice="required"), 400, None),
+    ("/v1/chat/completions", chat("x", tool_choice="required"), 400, "tool_choice"),
+    ("/v1/chat/completions", chat("x", tools=TOOLS, tool_choice={
+        "type": "function", "function": {"name": "other"}}), 400, "tool_choice"),
     ("/v1/chat/completions", chat("x", logprobs=False, top_logprobs=2), 400, None),
     ("/v1/chat/completions", chat("x", stop=""), 400, "stop"),
     ("/v1/chat/completions", chat("x", chat_template_kwargs={"nope": 1}), 400, None),
