@@ -147,10 +147,9 @@ def serving_config(args: argparse.Namespace):
 def _start_ray():
     import ray
 
-    try:
-        ray.init(address="auto", log_to_driver=True)  # a running cluster (KubeRay, `ray start`)
-    except ConnectionError:
-        ray.init(include_dashboard=False)  # none: a local one
+    # Joins the cluster named by RAY_ADDRESS or started with `ray start`; otherwise starts a
+    # local one. (address="auto" would also join any other process's private cluster.)
+    ray.init(include_dashboard=False)
     return ray
 
 
@@ -175,7 +174,10 @@ def _serve(args: argparse.Namespace) -> int:
 
     try:
         serve.start(http_options={"host": args.host, "port": args.port})
-        handle = serve.run(build_app(config), name="glm53", route_prefix="/")
+        try:
+            handle = serve.run(build_app(config), name="glm53", route_prefix="/")
+        except RuntimeError as exc:  # the replicas' own errors are in the log above
+            raise SystemExit(f"error: the app did not start: {exc}") from exc
         for card in handle.server_info.remote().result():
             print(f"serving {card['id']} (profile {card['profile']}) at "
                   f"http://{args.host}:{args.port}/v1\n{card['capacity']}", flush=True)

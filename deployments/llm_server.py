@@ -75,7 +75,7 @@ class LLMServer:
         self.defaults = _generation_defaults(self.model_dir)
         self.created = int(time.time())
         self._outstanding = 0  # engine requests submitted and not yet finished
-        logger.warning("%s ready on %s: %s", self.model_name, device, self.engine.capacity)
+        logger.info("%s ready on %s: %s", self.model_name, device, self.engine.capacity)
 
     # ----- info -----
     def model_card(self) -> dict[str, Any]:
@@ -267,7 +267,6 @@ class LLMServer:
                     out.append(SamplingParams(**base, seed=seed))
                 except ValueError as exc:
                     raise bad_request(str(exc)) from exc
-        self.metrics.request_params(request.n, max_tokens)
         return out
 
     def _choice(self, index: int, request: Any, num_prompt_tokens: int,
@@ -296,6 +295,7 @@ class LLMServer:
                            "service_unavailable_error", None, "server_overloaded",
                            {"Retry-After": "1"})
             return
+        self.metrics.request_params(request.n, runs[0][1].max_tokens)
         prefix = "chatcmpl" if kind == "chat" else "cmpl"
         response_id = f"{prefix}-{uuid.uuid4().hex}"
         queue: asyncio.Queue = asyncio.Queue()

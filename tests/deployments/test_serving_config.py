@@ -109,3 +109,14 @@ def test_serve_flags_override_profile_only_when_given():
 def test_serve_refuses_unimplemented_profile_features_before_starting_ray():
     with pytest.raises(SystemExit, match="not supported yet; pass --speculative none"):
         main(["serve"])
+
+
+def test_build_app_is_the_serve_import_path():
+    import importlib
+
+    from ray.serve import Application
+
+    module, _, name = "glm53.deployments.app:build_app".partition(":")
+    build = getattr(importlib.import_module(module), name)
+    app = build({"model": "/ckpt/GLM", "speculative": "none", "device": "cpu"})
+    assert isinstance(app, Application)
