@@ -173,6 +173,11 @@ def test_n_seed_and_logprobs(client):
     other = client.chat.completions.create(**kw, seed=124, n=1)
     assert (other.choices[0].message.reasoning_content, other.choices[0].message.content) \
         == text[1]
+    sampled = client.chat.completions.create(
+        model="tiny", messages=kw["messages"], max_completion_tokens=3, top_p=0.9, seed=1,
+        presence_penalty=0.5, frequency_penalty=0.5,
+        extra_body={"ignore_eos": True, "top_k": 5, "min_p": 0.05, "repetition_penalty": 1.1})
+    assert sampled.usage.completion_tokens == 3
     g = client.chat.completions.create(**{**kw, "temperature": 0}, logprobs=True,
                                        top_logprobs=3)
     entries = g.choices[0].logprobs.content
@@ -197,6 +202,19 @@ def test_stop_strings_and_stop_ids(client):
     kept = client.completions.create(**{**kw, "extra_body": {
         "ignore_eos": True, "include_stop_str_in_output": True}}, stop=[stop])
     assert kept.choices[0].text == full[:full.find(stop)] + stop
+
+
+def test_stop_token_ids(http, tokenizer):
+    body = {"model": "tiny", "prompt": "Tell me", "max_tokens": 30, "temperature": 0,
+            "ignore_eos": True, "logprobs": 0, "return_tokens_as_token_ids": True,
+            "skip_special_tokens": False}
+    full = http.post("/v1/completions", json=body).json()["choices"][0]
+    ids = [int(t.split(":")[1]) for t in full["logprobs"]["tokens"]]
+    k = next(i for i in range(3, 30) if ids[i] not in ids[:i])
+    cut = http.post("/v1/completions", json={**body, "stop_token_ids": [ids[k]]}).json()
+    assert cut["choices"][0]["finish_reason"] == "stop"
+    assert cut["usage"]["completion_tokens"] == k + 1  # the stop token counts, as in vLLM
+    assert cut["choices"][0]["text"] == decode(tokenizer, ids[:k])  # but is not text
 
 
 def test_echo_with_prompt_logprobs(http):
