@@ -77,6 +77,14 @@ class LLMServer:
         self._outstanding = 0  # engine requests submitted and not yet finished
         logger.info("%s ready on %s: %s", self.model_name, device, self.engine.capacity)
 
+    def __del__(self) -> None:  # Serve calls it when the replica shuts down
+        engine = getattr(self, "engine", None)
+        if engine is not None:
+            try:
+                engine.shutdown()  # stops workers, frees shared-memory channels
+            except Exception:  # noqa: BLE001 - best effort at teardown
+                logger.exception("engine shutdown failed")
+
     # ----- info -----
     def model_card(self) -> dict[str, Any]:
         return {"id": self.model_name, "object": "model", "created": self.created,
