@@ -11,6 +11,7 @@ so idle workers do not burn a core. Same host only (a GPU pair is STRICT_PACK-pl
 
 from __future__ import annotations
 
+import os
 import pickle
 import time
 import uuid
@@ -89,7 +90,9 @@ class StepChannel:
         spins = 0
         while int(self._header[seq_field]) == seen:
             spins += 1
-            if spins > 2000:  # ~ms of spinning: back off so an idle rank yields its core
+            if spins < 5000:
+                os.sched_yield()  # spin, but let other runnable ranks have the core first
+            else:  # idle for a while: back off so an idle rank costs (almost) nothing
                 time.sleep(0.0002 if spins < 20000 else 0.002)
             now = time.perf_counter()
             if alive is not None and now - last_check > 0.05:

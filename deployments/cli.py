@@ -80,6 +80,10 @@ def _parser() -> argparse.ArgumentParser:
                       help="KV cache + state budget, e.g. 512M (CPU default 256M; GPU: "
                            "--gpu-memory-utilization)")
     eng.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    par = gen.add_argument_group("parallelism (one Ray actor per GPU; fake GPUs on CPU)")
+    par.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
+    par.add_argument("--ep", type=int, default=1, help="expert-parallel size")
+    par.add_argument("--dcp", type=int, default=1, help="decode-context-parallel size")
     _serve_parser(sub)
     return parser
 
@@ -198,8 +202,8 @@ def _generate(args: argparse.Namespace) -> int:
     from glm53.actors.step import SamplingParams
     from glm53.actors.weights import CheckpointError
     from glm53.raycluster.config import EngineConfig
-    from glm53.raycluster.engine import LLMEngine
-    from glm53.raycluster.executor import InProcessExecutor
+    from glm53.raycluster.engine import EngineDeadError, LLMEngine
+    from glm53.raycluster.executor import InProcessExecutor, RayExecutor, WorkerError
     from glm53.raycluster.scheduler import RequestRejectedError
 
     from .tiny_model import embedded_tiny_model
@@ -234,11 +238,17 @@ def _generate(args: argparse.Namespace) -> int:
             max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
             max_model_len=args.max_model_len, block_size=args.block_size,
             num_blocks=args.num_blocks, cache_bytes=cache_bytes,
-            gpu_memory_utilization=args.gpu_memory_utilization)
-        engine = LLMEngine(config, InProcessExecutor(config, progress=not args.json))
-        outputs = engine.generate(prompts, params)
+            gpu_memory_utilization=args.gpu_memory_utilization, tensor_parallel_size=args.tp,
+            expert_parallel_size=args.ep, decode_context_parallel_size=args.dcp)
+        executor = (RayExecutor(config, progress=not args.json) if config.world_size > 1
+                    else InProcessExecutor(config, progress=not args.json))
+        engine = LLMEngine(config, executor)
+        try:
+            outputs = engine.generate(prompts, params)
+        finally:
+            engine.shutdown()
     except (FileNotFoundError, CheckpointError, UnsupportedConfigError, RequestRejectedError,
-            ValueError) as exc:
+            WorkerError, EngineDeadError, ValueError) as exc:
         raise SystemExit(f"error: {exc}") from exc
     for prompt_ids, out in zip(prompts, outputs, strict=True):
         text = decode(tokenizer, out)
