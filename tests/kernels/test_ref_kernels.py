@@ -69,12 +69,30 @@ def test_sparse_mla_attention_with_every_token_selected_is_dense_causal_attentio
     query_seq = torch.tensor([0] * 9 + [1] * 6)
     pos = torch.cat([torch.arange(9), torch.arange(6)])
     sel = torch.where(torch.arange(12)[None] <= pos[:, None], torch.arange(12)[None], -1)
-    out = sparse_mla.sparse_mla_attention(q, cache, tables, query_seq, sel, scale=0.3)
+    out, lse = sparse_mla.sparse_mla_attention(q, cache, tables, query_seq, sel, scale=0.3)
     for i, (start, n) in enumerate([(0, 9), (9, 6)]):
         kv = latents[i][None, None].expand(1, h, n, c)
         ref = F.scaled_dot_product_attention(q[start:start + n].transpose(0, 1)[None], kv, kv,
                                              is_causal=True, scale=0.3)[0].transpose(0, 1)
         assert torch.allclose(out[start:start + n], ref, atol=1e-5)
+        scores = torch.einsum("thc,sc->ths", q[start:start + n], latents[i]) * 0.3
+        causal = torch.arange(n)[None, :] <= torch.arange(n)[:, None]
+        want = torch.logsumexp(scores.masked_fill(~causal[:, None], float("-inf")), dim=-1)
+        assert torch.allclose(lse[start:start + n], want, atol=1e-5)
+    # decode context parallel: 3 ranks each store every third row; merged = unsplit
+    dcp = 3
+    parts = []
+    for rank in range(dcp):
+        local = torch.zeros(8, 2, c)  # logical block of 6 tokens = 2 rows on each of 3 ranks
+        for i, lat in enumerate(latents):
+            p = torch.arange(lens[i])
+            slots = tables[i, p // 6] * 6 + p % 6
+            sparse_mla.store_rows(lat, local, slots, rank, dcp)
+        parts.append(sparse_mla.sparse_mla_attention(q, local, tables, query_seq, sel, 0.3,
+                                                     rank, dcp))
+    merged = sparse_mla.merge_attention_states(torch.stack([o for o, _ in parts]),
+                                               torch.stack([lse for _, lse in parts]))
+    assert torch.allclose(merged, out, atol=1e-5)
 
 
 def test_indexer_update_and_topk_match_brute_force():
