@@ -29,18 +29,24 @@ class KDAState:
 class DSAState:
     latent: torch.Tensor  # [blocks, block_size, kv_lora_rank]
     pool_keys: torch.Tensor  # [blocks, block_size // kpool, index_head_dim]
-    open_rows: torch.Tensor  # [slots, kpool, 2 * index_head_dim] raw key | pooling logit
+    open_rows: torch.Tensor  # [slots, ring, 2 * index_head_dim] raw key | pooling logit
+
+
+def open_ring_size(cfg: ModelConfig, num_spec: int) -> int:
+    """Rows of the per-slot indexer ring: the open pool plus the drafts a step may reject."""
+    return cfg.index_kpool * -(-(cfg.index_kpool + num_spec) // cfg.index_kpool)
 
 
 def _dsa_state(cfg: ModelConfig, num_blocks: int, block_size: int, num_slots: int,
-               dtype: torch.dtype, device: torch.device | str, dcp: int) -> DSAState:
+               dtype: torch.dtype, device: torch.device | str, dcp: int,
+               num_spec: int) -> DSAState:
     return DSAState(
         latent=torch.zeros(num_blocks, block_size // dcp, cfg.kv_lora_rank, dtype=dtype,
                            device=device),
         pool_keys=torch.zeros(num_blocks, block_size // cfg.index_kpool, cfg.index_head_dim,
                               dtype=dtype, device=device),
-        open_rows=torch.zeros(num_slots, cfg.index_kpool, 2 * cfg.index_head_dim, dtype=dtype,
-                              device=device),
+        open_rows=torch.zeros(num_slots, open_ring_size(cfg, num_spec), 2 * cfg.index_head_dim,
+                              dtype=dtype, device=device),
     )
 
 
@@ -63,6 +69,7 @@ class ModelCaches:
         device: torch.device | str = "cpu",
         with_mtp: bool = False,
         ps: ParallelState | None = None,
+        num_spec: int = 0,
     ) -> ModelCaches:
         """`block_size` counts logical tokens per block (a multiple of index_kpool and of the
         DCP size)."""
@@ -81,9 +88,9 @@ class ModelCaches:
                 ))
             else:
                 layers.append(_dsa_state(cfg, num_blocks, block_size, num_slots, dtype, device,
-                                         ps.dcp_size))
-        mtp = (_dsa_state(cfg, num_blocks, block_size, num_slots, dtype, device, ps.dcp_size)
-               if with_mtp else None)
+                                         ps.dcp_size, num_spec))
+        mtp = (_dsa_state(cfg, num_blocks, block_size, num_slots, dtype, device, ps.dcp_size,
+                          num_spec) if with_mtp else None)
         return cls(layers=tuple(layers), mtp=mtp, block_size=block_size)
 
 
@@ -120,7 +127,7 @@ class CachePlan:
 
 
 def cache_bytes(cfg: ModelConfig, block_size: int, dtype: torch.dtype, with_mtp: bool,
-                ps: ParallelState | None = None) -> tuple[int, int]:
+                ps: ParallelState | None = None, num_spec: int = 0) -> tuple[int, int]:
     """(bytes per paged block, bytes per state slot) over all layers, on one rank."""
     ps = ps or ParallelState()
     item = torch.empty(0, dtype=dtype).element_size()
@@ -130,19 +137,20 @@ def cache_bytes(cfg: ModelConfig, block_size: int, dtype: torch.dtype, with_mtp:
     heads = cfg.linear_num_heads // ps.tp_size
     kda_slot = (3 * heads * cfg.linear_head_dim * (cfg.linear_conv_kernel - 1) * item
                 + heads * cfg.linear_head_dim**2 * 4)
-    open_pool = cfg.index_kpool * 2 * cfg.index_head_dim * item
+    open_pool = open_ring_size(cfg, num_spec) * 2 * cfg.index_head_dim * item
     per_slot = len(cfg.kda_layers) * kda_slot + n_dsa * open_pool
     return per_block, per_slot
 
 
 def plan_cache(cfg: ModelConfig, block_size: int, num_slots: int, dtype: torch.dtype,
                with_mtp: bool, *, num_blocks: int | None = None,
-               budget_bytes: int | None = None, ps: ParallelState | None = None) -> CachePlan:
+               budget_bytes: int | None = None, ps: ParallelState | None = None,
+               num_spec: int = 0) -> CachePlan:
     """Size one rank's caches from an explicit block count or a byte budget (slots are paid
     first). `block_size` counts logical tokens per block."""
     ps = ps or ParallelState()
     _check_block_size(cfg, block_size, ps.dcp_size)
-    per_block, per_slot = cache_bytes(cfg, block_size, dtype, with_mtp, ps)
+    per_block, per_slot = cache_bytes(cfg, block_size, dtype, with_mtp, ps, num_spec)
     if (num_blocks is None) == (budget_bytes is None):
         raise ValueError("give exactly one of num_blocks or budget_bytes")
     if num_blocks is None:

@@ -31,6 +31,8 @@ class ForwardBatch:
     has_initial_state: torch.Tensor  # [N] bool, False when the step starts at position 0
     block_tables: torch.Tensor  # [N, max_blocks] int64
     slot_mapping: torch.Tensor  # [T] int64, flat paged slot of each token
+    # [N] bool: sequences verifying drafts; their KDA state is written after acceptance
+    defer_state: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -39,7 +41,8 @@ class ForwardBatch:
     @classmethod
     def from_arrays(cls, positions: np.ndarray, cu_seqlens: np.ndarray, block_tables: np.ndarray,
                     slot_mapping: np.ndarray, state_ids: np.ndarray,
-                    device: torch.device | str = "cpu") -> ForwardBatch:
+                    device: torch.device | str = "cpu",
+                    num_drafts: np.ndarray | None = None) -> ForwardBatch:
         """From host arrays (positions [T], cu_seqlens [N+1], block_tables [N, B], ...)."""
         lengths = np.diff(cu_seqlens)
         first = positions[np.minimum(cu_seqlens[:-1], max(len(positions) - 1, 0))]
@@ -55,6 +58,8 @@ class ForwardBatch:
             has_initial_state=as_t((first > 0) & (lengths > 0)),
             block_tables=as_t(block_tables.astype(np.int64)),
             slot_mapping=as_t(slot_mapping.astype(np.int64)),
+            defer_state=(as_t(num_drafts > 0) if num_drafts is not None and num_drafts.any()
+                         else None),
         )
 
     @classmethod

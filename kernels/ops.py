@@ -3,7 +3,14 @@ Triton kernels bind here under the same names and signatures when they land."""
 
 from __future__ import annotations
 
-from .ref.kda import causal_conv1d, gated_rms_norm, kda_attention, kda_gate
+from .ref.kda import (
+    causal_conv1d,
+    conv_commit,
+    gated_rms_norm,
+    kda_attention,
+    kda_commit,
+    kda_gate,
+)
 from .ref.mhc import hc_post, hc_pre
 from .ref.moe import fused_moe, route_topk, swiglu
 from .ref.norm import rms_norm
@@ -19,6 +26,7 @@ from .ref.sparse_mla import (
 __all__ = [
     "apply_penalties",
     "causal_conv1d",
+    "conv_commit",
     "fused_moe",
     "gated_rms_norm",
     "hc_post",
@@ -26,6 +34,7 @@ __all__ = [
     "indexer_topk",
     "indexer_update",
     "kda_attention",
+    "kda_commit",
     "kda_gate",
     "merge_attention_states",
     "process_logits",

@@ -50,20 +50,41 @@ class KDAttention(nn.Module):
         self.o_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)  # weight only: gated norm below
         self.o_proj = RowParallelLinear(width, d, ps)
         self.lower_bound = cfg.linear_lower_bound
+        self.pending: tuple[torch.Tensor, ...] | None = None
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, state: KDAState) -> torch.Tensor:
         """x: [T, D] (normed block input) -> [T, D]."""
         n_tok = x.shape[0]
         heads = (n_tok, self.num_heads, self.head_dim)
-        mixed = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
-        mixed = ops.causal_conv1d(mixed, self.conv_weight, state.conv, batch.cu_seqlens,
-                                  batch.state_ids, batch.has_initial_state)
+        pre = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
+        mixed = ops.causal_conv1d(pre, self.conv_weight, state.conv, batch.cu_seqlens,
+                                  batch.state_ids, batch.has_initial_state, batch.defer_state)
         q, k, v = (t.reshape(heads) for t in mixed.chunk(3, dim=-1))
         g = ops.kda_gate(self.f_b_proj(self.f_a_proj(x)), self.dt_bias, self.A_log,
                          self.lower_bound)
         beta = torch.sigmoid(self.b_proj(x).float())
         o = ops.kda_attention(q, k, v, g, beta, state.recurrent, batch.cu_seqlens,
-                              batch.state_ids, batch.has_initial_state)
+                              batch.state_ids, batch.has_initial_state, batch.defer_state)
+        # what `commit` replays once the accepted lengths are known
+        self.pending = (pre, q, k, v, g, beta) if batch.defer_state is not None else None
         gate = self.g_b_proj(self.g_a_proj(x)).reshape(heads)
         o = ops.gated_rms_norm(o, gate, self.o_norm.weight, self.o_norm.eps)
         return self.ps.tp_all_reduce(self.o_proj(o.reshape(n_tok, -1)))
+
+    def commit(self, batch: ForwardBatch, state: KDAState, num_accepted: torch.Tensor) -> None:
+        """After verification: advance the deferred sequences' conv windows and recurrent
+        states past their first num_accepted[i] tokens (other sequences were written already).
+        """
+        pre, q, k, v, g, beta = self.pending
+        self.pending = None
+        mine = batch.defer_state
+        ids, init = batch.state_ids[mine], batch.has_initial_state[mine]
+        bounds = batch.cu_seqlens
+        rows = torch.cat([torch.arange(int(bounds[i]), int(bounds[i + 1]))
+                          for i in mine.nonzero().flatten().tolist()])
+        cu = torch.cat([torch.zeros(1, dtype=torch.long),
+                        (bounds[1:] - bounds[:-1])[mine].cumsum(0)])
+        n = num_accepted[mine]
+        ops.conv_commit(pre[rows], state.conv, cu, ids, init, n)
+        ops.kda_commit(q[rows], k[rows], v[rows], g[rows], beta[rows], state.recurrent, cu, ids,
+                       init, n)

@@ -107,6 +107,15 @@ class Glm5NextForCausalLM(nn.Module):
         return self.norm(streams.mean(dim=1))
 
     @torch.inference_mode()
+    def commit_speculative(self, batch: ForwardBatch, caches: ModelCaches,
+                           num_accepted: torch.Tensor) -> None:
+        """After a verify step: KDA states of the verifying sequences advance past their
+        accepted tokens only (num_accepted [N], counted from the step's first token)."""
+        for layer, state in zip(self.layers, caches.layers, strict=True):
+            if layer.is_kda:
+                layer.self_attn.commit(batch, state, num_accepted)
+
+    @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [R, D] -> logits [R, vocab] in fp32."""
         return self.lm_head(hidden).float()

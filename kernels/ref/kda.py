@@ -3,6 +3,9 @@
 Sequences are concatenated along the token axis and delimited by `cu_seqlens`; sequence i reads
 and writes its recurrent state and conv window in slot `state_ids[i]`. A sequence whose
 `has_initial_state[i]` is False starts from zeros (a new request), so slots need no clearing.
+Speculative verification defers the state write of its sequences (`defer[i]`): the step runs
+over all draft tokens from the committed state, and `*_commit` later writes the state after the
+accepted prefix (a replay of the cheap recurrence), so a slot never holds more than one state.
 All math is fp32; the recurrence is the token-by-token definition (chunked kernels must equal it).
 """
 
@@ -24,11 +27,13 @@ def causal_conv1d(
     cu_seqlens: torch.Tensor,
     state_ids: torch.Tensor,
     has_initial_state: torch.Tensor,
+    defer: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Depthwise causal conv + SiLU per sequence, continuing from (and updating) its window.
 
     x: [T, C]; weight: [C, K] (tap K-1 multiplies the current token); conv_state: [S, C, K-1]
-    holds the last K-1 pre-conv inputs of each slot (oldest first). Returns [T, C] in x's dtype.
+    holds the last K-1 pre-conv inputs of each slot (oldest first), not updated for sequences
+    with `defer[i]` (see `conv_commit`). Returns [T, C] in x's dtype.
     """
     width = weight.shape[1] - 1
     out = torch.empty_like(x)
@@ -40,8 +45,28 @@ def causal_conv1d(
         seq = torch.cat([history.to(x.dtype), x[start:end].t()], dim=-1)  # [C, K-1+L]
         y = F.conv1d(seq.float().unsqueeze(0), w, groups=seq.shape[0])[0]  # [C, L]
         out[start:end] = F.silu(y).t().to(x.dtype)
-        conv_state[slot] = seq[:, seq.shape[1] - width:].to(conv_state.dtype)
+        if defer is None or not bool(defer[i]):
+            conv_state[slot] = seq[:, seq.shape[1] - width:].to(conv_state.dtype)
     return out
+
+
+def conv_commit(
+    x: torch.Tensor,
+    conv_state: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    state_ids: torch.Tensor,
+    has_initial_state: torch.Tensor,
+    num_accepted: torch.Tensor,
+) -> None:
+    """Advance deferred conv windows past the first `num_accepted[i]` rows of x ([T, C], the
+    pre-conv inputs the step ran on)."""
+    width = conv_state.shape[-1]
+    for i, (start, _) in enumerate(_seq_spans(cu_seqlens)):
+        slot, n = int(state_ids[i]), int(num_accepted[i])
+        history = conv_state[slot] if bool(has_initial_state[i]) else torch.zeros_like(
+            conv_state[slot])
+        seq = torch.cat([history.to(x.dtype), x[start:start + n].t()], dim=-1)
+        conv_state[slot] = seq[:, seq.shape[1] - width:].to(conv_state.dtype)
 
 
 def kda_gate(
@@ -75,12 +100,14 @@ def kda_attention(
     cu_seqlens: torch.Tensor,
     state_ids: torch.Tensor,
     has_initial_state: torch.Tensor,
+    defer: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Gated delta rule with per-channel decay; q and k are L2-normalised here (fp32).
 
     q, k: [T, H, dk]; v: [T, H, dv]; g: [T, H, dk] log-decay; beta: [T, H] in (0, 1);
-    state: [S, H, dk, dv] fp32, updated in place for the slots used. Returns o: [T, H, dv] in v's
-    dtype. Per token: S = diag(e^g) S; S += k (beta (v - S^T k))^T; o = S^T (q / sqrt(dk)).
+    state: [S, H, dk, dv] fp32, updated in place for the slots used (except sequences with
+    `defer[i]`, see `kda_commit`). Returns o: [T, H, dv] in v's dtype. Per token:
+    S = diag(e^g) S; S += k (beta (v - S^T k))^T; o = S^T (q / sqrt(dk)).
     """
     spans = _seq_spans(cu_seqlens)
     scale = q.shape[-1] ** -0.5
@@ -104,8 +131,32 @@ def kda_attention(
         s = s + kt.unsqueeze(-1) * delta.unsqueeze(-2)
         out[rows] = (s * qf[rows].unsqueeze(-1)).sum(dim=-2)
         cur[live] = s
-    state[slots] = cur.to(state.dtype)
+    keep = slice(None) if defer is None else ~defer.bool()
+    state[slots[keep]] = cur[keep].to(state.dtype)
     return out.to(v.dtype)
+
+
+def kda_commit(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    state_ids: torch.Tensor,
+    has_initial_state: torch.Tensor,
+    num_accepted: torch.Tensor,
+) -> None:
+    """Write the state after the first `num_accepted[i]` tokens of each (deferred) sequence:
+    the recurrence replayed from the committed state over the step's own inputs."""
+    bounds = cu_seqlens[:-1]
+    n = num_accepted.long()
+    kept = torch.cat([torch.arange(int(s), int(s) + int(c)) for s, c in zip(bounds, n,
+                                                                            strict=True)])
+    cu = torch.cat([torch.zeros(1, dtype=torch.long), n.cumsum(0)])
+    kda_attention(q[kept], k[kept], v[kept], g[kept], beta[kept], state, cu, state_ids,
+                  has_initial_state)
 
 
 def gated_rms_norm(

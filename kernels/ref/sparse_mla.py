@@ -6,7 +6,9 @@ Paged layout shared by all DSA ops: token `p` of sequence `i` lives in block
 `block * block_size + offset`. The pooled indexer key of pool `j` (tokens kpool*j ..
 kpool*j + kpool-1) lives in the same block at offset `(kpool*j % block_size) // kpool`, so a
 token's pool slot is `slot // kpool` (block_size is a multiple of kpool).
-The open (incomplete) pool's raw rows live per state slot in `open_rows[slot, p % kpool]`.
+The raw indexer rows of recent tokens live per state slot in a ring `open_rows[slot, p % R]`
+(R >= kpool + the most draft tokens a step verifies), so after rejected drafts the open pool of
+the last accepted token can still be rebuilt from accepted rows.
 
 Decode context parallel (DCP, size W): a block holds block_size tokens of the sequence, but
 rank r stores only the latent rows of its tokens (p % W == r), block_size / W of them, at
@@ -55,14 +57,14 @@ def indexer_update(
     cu_seqlens: torch.Tensor,
     state_ids: torch.Tensor,
 ) -> None:
-    """Record this step's indexer keys: complete pools go to the paged pool cache, the rest of
-    the open pool stays in its state slot.
+    """Record this step's indexer keys: complete pools go to the paged pool cache, every row
+    also goes into its sequence's ring of recent rows.
 
-    keys, gates: [T, d] (LayerNorm'd index keys, raw pooling logits); open_rows: [S, kpool, 2d];
-    pool_cache: [B, bs/kpool, d]; positions, slot_mapping: [T]. A sequence's tokens in one step
-    are consecutive positions.
+    keys, gates: [T, d] (LayerNorm'd index keys, raw pooling logits); ape: [kpool, d];
+    open_rows: [S, R, 2d] ring; pool_cache: [B, bs/kpool, d]; positions, slot_mapping: [T].
+    A sequence's tokens in one step are consecutive positions.
     """
-    kpool = open_rows.shape[1]
+    kpool, ring = ape.shape[0], open_rows.shape[1]
     d = keys.shape[-1]
     rows = torch.cat([keys, gates.to(keys.dtype)], dim=-1)
     bounds = cu_seqlens.tolist()
@@ -71,8 +73,9 @@ def indexer_update(
             continue
         slot = int(state_ids[i])
         first = int(positions[start])
-        carried = open_rows[slot, : first % kpool].to(rows.dtype)  # earlier tokens of the open pool
-        seq_rows = torch.cat([carried, rows[start:end]], dim=0)
+        # earlier tokens of the open pool, from the ring
+        carried = open_rows[slot, (torch.arange(first - first % kpool, first)) % ring]
+        seq_rows = torch.cat([carried.to(rows.dtype), rows[start:end]], dim=0)
         n_full = seq_rows.shape[0] // kpool
         if n_full:
             full = seq_rows[: n_full * kpool].view(n_full, kpool, 2 * d)
@@ -81,8 +84,9 @@ def indexer_update(
             closing = start - carried.shape[0] + kpool * torch.arange(1, n_full + 1) - 1
             pool_slots = slot_mapping[closing].long() // kpool
             pool_cache.view(-1, d)[pool_slots] = pooled.to(pool_cache.dtype)
-        tail = seq_rows[n_full * kpool:]
-        open_rows[slot, : tail.shape[0]] = tail.to(open_rows.dtype)
+        keep = min(end - start, ring)  # only the last R rows can still be needed
+        open_rows[slot, positions[end - keep:end].long() % ring] = rows[end - keep:end].to(
+            open_rows.dtype)
 
 
 def _gather_pools(pool_cache: torch.Tensor, block_row: torch.Tensor, n_pools: int) -> torch.Tensor:

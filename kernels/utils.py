@@ -1,0 +1,40 @@
+"""Helpers shared by the Triton kernels: interpreter detection and varlen index math.
+
+Kernels here run compiled on CUDA tensors and in Triton's interpreter (TRITON_INTERPRET=1) on
+CPU tensors, which is how CI checks them against `kernels/ref`. The interpreter computes bf16
+arithmetic on bit patterns, so kernels cast loads to fp32 before math whenever `INTERPRET` is
+set (on the GPU they keep bf16 operands for tl.dot).
+"""
+
+from __future__ import annotations
+
+import os
+
+import triton
+import triton.language as tl
+
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def next_pow2(n: int) -> int:
+    return triton.next_power_of_2(max(int(n), 1))
+
+
+def log2_ceil(n: int) -> int:
+    """Steps of a binary search over n + 1 boundaries (at least 1)."""
+    return max(1, (int(n)).bit_length())
+
+
+@triton.jit
+def seq_of_token(o_t, cu_seqlens, N, LOG_N: tl.constexpr):
+    """Sequence index of each token in `o_t` ([BT] int): the largest i < N with
+    cu_seqlens[i] <= t (so an empty sequence never owns a token)."""
+    i_lo = tl.zeros_like(o_t)
+    i_hi = tl.zeros_like(o_t) + (N - 1)
+    for _ in tl.static_range(LOG_N):
+        i_mid = (i_lo + i_hi + 1) // 2
+        b_b = tl.load(cu_seqlens + i_mid, mask=i_mid <= N, other=0)
+        ok = b_b <= o_t
+        i_lo = tl.where(ok, i_mid, i_lo)
+        i_hi = tl.where(ok, i_hi, i_mid - 1)
+    return i_lo
