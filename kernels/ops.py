@@ -1,7 +1,18 @@
-"""The ops the model calls. Today every op is the pure-torch reference (`kernels/ref`); the
-Triton kernels bind here under the same names and signatures when they land."""
+"""The ops the model calls, with a backend switch: the Triton kernel (`kernels/<module>.py`) on
+CUDA tensors and the pure-torch reference (`kernels/ref/<module>.py`) otherwise, under the same
+names and signatures. An op without a Triton twin always runs its reference.
+
+The choice is per call, from the device of the op's first argument (`use("auto")`, the
+default); `use("triton")` forces the kernels (CPU tests run them under TRITON_INTERPRET=1) and
+`use("ref")` forces the references. Triton is imported only when a kernel is first needed, so a
+CPU box without it runs the references.
+"""
 
 from __future__ import annotations
+
+import functools
+import importlib
+from collections.abc import Callable
 
 from .ref.kda import (
     causal_conv1d,
@@ -45,3 +56,59 @@ __all__ = [
     "store_rows",
     "swiglu",
 ]
+
+
+# --- backend switch ---------------------------------------------------------------------------
+
+# kernel modules: kernels/<name>.py holds the Triton twins of kernels/ref/<name>.py
+KERNEL_MODULES = ("kda",)
+BACKENDS = ("auto", "triton", "ref")
+_backend = "auto"
+_triton: dict[str, Callable] | None = None
+
+
+def use(backend: str) -> None:
+    """Pick the backend for every op: "auto" (Triton on CUDA tensors), "triton" or "ref"."""
+    global _backend
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown kernel backend {backend!r}; expected one of {BACKENDS}")
+    _backend = backend
+
+
+def backend() -> str:
+    return _backend
+
+
+def triton_kernels() -> dict[str, Callable]:
+    """name -> Triton implementation of every op that has one (empty without Triton)."""
+    global _triton
+    if _triton is None:
+        found: dict[str, Callable] = {}
+        for mod in KERNEL_MODULES:
+            try:
+                module = importlib.import_module(f"{__package__}.{mod}")
+            except ImportError:
+                continue
+            found.update({name: getattr(module, name) for name in module.__all__})
+        _triton = found
+    return _triton
+
+
+def _dispatching(name: str, ref: Callable) -> Callable:
+    @functools.wraps(ref)
+    def op(*args, **kwargs):
+        if _backend != "ref" and (_backend == "triton" or getattr(args[0], "is_cuda", False)):
+            fast = triton_kernels().get(name)
+            if fast is not None:
+                return fast(*args, **kwargs)
+        return ref(*args, **kwargs)
+
+    op.ref = ref
+    return op
+
+
+for _name in __all__:
+    _ref = globals()[_name]
+    if _ref.__module__.rsplit(".", 1)[-1] in KERNEL_MODULES:
+        globals()[_name] = _dispatching(_name, _ref)
+del _name, _ref
