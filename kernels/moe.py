@@ -1,0 +1,92 @@
+"""Routed experts as a grouped GEMM, and the clamped SwiGLU (twins of `kernels/ref/moe.py`).
+
+`fused_moe` permutes the (token, expert) pairs into expert order (stable sort; experts of other
+EP ranks sort last and drop out), runs gate|up and down as two grouped GEMMs over the expert
+groups (`torch._grouped_mm`: bf16 on Hopper, any float on CPU; a per-group matmul otherwise),
+applies the SwiGLU in between (Triton), and scatters the weighted rows back with an fp32
+index_add. No host sync on the grouped path, so it can be captured in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .utils import next_pow2
+
+__all__ = ["fused_moe", "swiglu"]
+
+
+@triton.jit
+def swiglu_kernel(gate, up, out, n_cols, stride_g, stride_u, limit, BN: tl.constexpr):
+    i_r, i_n = tl.program_id(0), tl.program_id(1)
+    o_n = i_n * BN + tl.arange(0, BN)
+    m_n = o_n < n_cols
+    b_g = tl.load(gate + i_r * stride_g + o_n, mask=m_n, other=0.0).to(tl.float32)
+    b_u = tl.load(up + i_r * stride_u + o_n, mask=m_n, other=0.0).to(tl.float32)
+    b_g = tl.minimum(b_g, limit)
+    b_u = tl.minimum(tl.maximum(b_u, -limit), limit)
+    b_y = b_g * tl.sigmoid(b_g) * b_u
+    tl.store(out + i_r * n_cols + o_n, b_y.to(out.dtype.element_ty), mask=m_n)
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
+    """silu(min(gate, limit)) * clamp(up, -limit, limit). gate, up: [..., I] (rows may be
+    strided, e.g. the two halves of one projection). Returns [..., I] contiguous."""
+    n_cols = gate.shape[-1]
+    g2, u2 = gate.reshape(-1, n_cols), up.reshape(-1, n_cols)
+    if g2.stride(-1) != 1:
+        g2 = g2.contiguous()
+    if u2.stride(-1) != 1:
+        u2 = u2.contiguous()
+    out = torch.empty(gate.shape, dtype=torch.promote_types(gate.dtype, up.dtype),
+                      device=gate.device)
+    bn = min(next_pow2(n_cols), 1024)
+    if g2.shape[0]:
+        swiglu_kernel[(g2.shape[0], triton.cdiv(n_cols, bn))](
+            g2, u2, out, n_cols, g2.stride(0), u2.stride(0), float(limit), BN=bn)
+    return out
+
+
+def _grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """a: [M, K] rows grouped by expert (group e ends at offs[e]); b: [E, K, N]. Rows past
+    offs[-1] are undefined."""
+    if not a.is_cuda or a.dtype == torch.bfloat16:
+        return torch._grouped_mm(a, b, offs=offs)
+    out = torch.empty((a.shape[0], b.shape[-1]), dtype=a.dtype, device=a.device)
+    start = 0
+    for e, end in enumerate(offs.tolist()):
+        out[start:end] = a[start:end] @ b[e]
+        start = end
+    return out
+
+
+def fused_moe(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    swiglu_limit: float,
+    expert_offset: int = 0,
+) -> torch.Tensor:
+    """x: [T, D]; w13: [E_local, 2I, D] (gate rows, then up rows); w2: [E_local, D, I];
+    topk_weights, topk_ids: [T, k] (global ids; experts outside [expert_offset,
+    expert_offset + E_local) are another EP rank's). Returns [T, D] in x's dtype."""
+    n_tok, k = topk_ids.shape
+    n_local, two_i, _ = w13.shape
+    local = topk_ids.reshape(-1) - expert_offset
+    valid = (local >= 0) & (local < n_local)
+    key = torch.where(valid, local, n_local)
+    order = torch.argsort(key, stable=True)
+    offs = torch.cumsum(torch.bincount(key, minlength=n_local + 1)[:n_local], 0,
+                        dtype=torch.int32)
+    tok = order // k
+    h = _grouped_mm(x[tok], w13.transpose(1, 2), offs)  # [T*k, 2I]
+    a = swiglu(h[:, : two_i // 2], h[:, two_i // 2:], swiglu_limit)
+    y = _grouped_mm(a, w2.transpose(1, 2), offs)  # [T*k, D]
+    wts = topk_weights.reshape(-1)[order].float().unsqueeze(1)
+    y = torch.where(valid[order].unsqueeze(1), y.float() * wts, 0.0)
+    out = torch.zeros((n_tok, x.shape[1]), dtype=torch.float32, device=x.device)
+    return out.index_add_(0, tok, y).to(x.dtype)
