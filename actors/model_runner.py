@@ -15,6 +15,8 @@ from .forward_batch import ForwardBatch
 from .loader import DTYPES, load_model
 from .parallel import ParallelState
 from .sampler import Sampler, gather_logprobs
+from .spec.mtp import MTPProposer
+from .spec.verify import accept_drafts
 from .step import StepInput, StepOutput
 
 logger = logging.getLogger(__name__)
@@ -25,7 +27,7 @@ class ModelRunner:
                  block_size: int = 16, num_slots: int = 16, num_blocks: int | None = None,
                  cache_bytes: int | None = None, gpu_memory_utilization: float = 0.9,
                  with_mtp: bool = False, progress: bool = False,
-                 ps: ParallelState | None = None) -> None:
+                 ps: ParallelState | None = None, num_spec: int = 0) -> None:
         """`block_size` counts logical tokens per block (latent rows per rank x DCP size)."""
         self.device = torch.device(device)
         self.ps = ps or ParallelState()
@@ -36,11 +38,13 @@ class ModelRunner:
         cache_dtype = self.model.embed_tokens.weight.dtype
         if num_blocks is None and cache_bytes is None:
             cache_bytes = self._free_memory_budget(gpu_memory_utilization)
-        self.with_mtp = with_mtp
+        self.with_mtp, self.num_spec = with_mtp, num_spec
+        self.proposer: MTPProposer | None = None  # any object with MTPProposer.propose
         # what this rank could hold; ranks agree on the smallest before allocating
         self.plan: CachePlan = plan_cache(self.config, block_size, num_slots, cache_dtype,
                                           with_mtp, num_blocks=num_blocks,
-                                          budget_bytes=cache_bytes, ps=self.ps)
+                                          budget_bytes=cache_bytes, ps=self.ps,
+                                          num_spec=num_spec)
         self.caches: ModelCaches | None = None
         self.sampler = Sampler()
 
@@ -52,7 +56,10 @@ class ModelRunner:
         self.plan = dataclasses.replace(self.plan, num_blocks=num_blocks)
         self.caches = ModelCaches.allocate(
             self.config, num_blocks, self.plan.block_size, self.plan.num_slots,
-            self.model.embed_tokens.weight.dtype, self.device, self.with_mtp, self.ps)
+            self.model.embed_tokens.weight.dtype, self.device, self.with_mtp, self.ps,
+            self.num_spec)
+        if self.with_mtp and self.num_spec:
+            self.proposer = MTPProposer(self.model, self.caches, self.num_spec)
         return self.plan
 
     def _free_memory_budget(self, utilization: float) -> int:
@@ -64,21 +71,43 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, step: StepInput) -> StepOutput | None:
-        """Run one step; rank 0 returns the StepOutput, other ranks None."""
+        """Run one step; rank 0 returns the StepOutput, other ranks None. Every rank samples
+        (the gathered logits are identical), so acceptance, the KDA commit and the MTP drafts
+        agree everywhere without a broadcast."""
         batch = ForwardBatch.from_arrays(step.positions, step.cu_seqlens, step.block_tables,
-                                         step.slot_mapping, step.state_ids, self.device)
+                                         step.slot_mapping, step.state_ids, self.device,
+                                         step.num_drafts)
         tokens = torch.tensor(step.token_ids, device=self.device)
         hidden = self.model(tokens, batch, self.caches)
         n_sample = len(step.sample_rows)
         rows = np.concatenate([step.sample_rows, step.prompt_logprob_rows])
         logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])
+        sampled, logprobs = self.sampler(logits[:n_sample], step.sampling)
+        sampled = sampled.cpu().numpy()
+        num_accepted = drafts = None
+        if step.num_drafts is not None:
+            num_accepted, emitted = accept_drafts(sampled, step.sample_seqs, step.num_drafts,
+                                                  step.draft_ids)
+            if batch.defer_state is not None:
+                self.model.commit_speculative(
+                    batch, self.caches, torch.tensor(1 + num_accepted, device=self.device))
+            if self.proposer is not None:
+                drafts = self._propose(step, hidden, num_accepted, emitted)
         if self.ps.rank != 0:
             return None
-        sampled, logprobs = self.sampler(logits[:n_sample], step.sampling)
         prompt_logprobs = None
         if len(step.prompt_logprob_rows):
             prompt_logprobs = gather_logprobs(
                 torch.log_softmax(logits[n_sample:], dim=-1),
                 torch.tensor(step.prompt_logprob_targets, device=self.device),
                 int(step.prompt_logprob_k.max()))
-        return StepOutput(step.step_id, sampled.cpu().numpy(), logprobs, prompt_logprobs)
+        return StepOutput(step.step_id, sampled, logprobs, prompt_logprobs, num_accepted, drafts)
+
+    def _propose(self, step: StepInput, hidden: torch.Tensor, num_accepted: np.ndarray,
+                 emitted: list[list[int]]) -> np.ndarray:
+        lengths = np.diff(step.cu_seqlens)
+        kept = np.where(step.num_drafts > 0, 1 + num_accepted, lengths)
+        next_tokens = step.next_tokens.copy()
+        for seq, tokens in zip(dict.fromkeys(step.sample_seqs.tolist()), emitted, strict=True):
+            next_tokens[seq] = tokens[-1]
+        return self.proposer.propose(step, hidden, kept, next_tokens)

@@ -108,6 +108,14 @@ class StepInput:
     prompt_logprob_targets: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
     prompt_logprob_seqs: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
     prompt_logprob_k: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
+    # speculative decoding: sequence i's last num_drafts[i] tokens are drafts to verify
+    # (draft_ids[i, :num_drafts[i]]); its sample rows are then all 1 + num_drafts[i] rows
+    num_drafts: np.ndarray | None = None  # [N] int64
+    draft_ids: np.ndarray | None = None  # [N, K] int64, -1 padded
+    # for the MTP proposer: the prompt token after a chunk that does not sample (-1 otherwise),
+    # and how many drafts each sequence wants for its next step
+    next_tokens: np.ndarray | None = None  # [N] int64
+    propose: np.ndarray | None = None  # [N] int64
 
     @property
     def num_tokens(self) -> int:
@@ -130,3 +138,5 @@ class StepOutput:
     sampled: np.ndarray  # [R] int64, one per sample row (StepInput.sample_seqs order)
     logprobs: Logprobs | None = None  # for sample rows (rows not asking have K = 0 / junk)
     prompt_logprobs: Logprobs | None = None  # for StepInput.prompt_logprob_rows
+    num_accepted: np.ndarray | None = None  # [N] drafts accepted (speculative steps)
+    draft_ids: np.ndarray | None = None  # [N, K] drafts for the next step, -1 padded

@@ -237,8 +237,8 @@ def _kda_chunk_fla(chunk, q, k, v, g, beta, state, cu_seqlens, state_ids, has_in
     """fla's chunked KDA over the varlen batch; states gathered from and scattered to slots."""
     slots = state_ids.long()
     h0 = state[slots] * has_initial_state.view(-1, 1, 1, 1).to(state.dtype)
-    o, ht = chunk(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), g.unsqueeze(0).to(q.dtype),
-                  beta.unsqueeze(0).to(q.dtype), scale=q.shape[-1] ** -0.5, initial_state=h0,
+    o, ht = chunk(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), g.unsqueeze(0),
+                  beta.unsqueeze(0), scale=q.shape[-1] ** -0.5, initial_state=h0,
                   output_final_state=True, use_qk_l2norm_in_kernel=True,
                   cu_seqlens=cu_seqlens)
     state[slots] = ht.to(state.dtype)

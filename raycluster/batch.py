@@ -12,16 +12,20 @@ from glm53.actors.step import StepInput
 from .scheduler import SchedulerOutput
 
 
-def _banned(request, eos_ids: tuple[int, ...]) -> tuple[int, ...]:
+def _banned(request, eos_ids: tuple[int, ...], n_out: int) -> tuple[int, ...]:
     """Stop tokens may not be drawn before min_tokens outputs exist."""
     params = request.params
-    if len(request.output_ids) >= params.min_tokens:
+    if n_out >= params.min_tokens:
         return ()
     return params.stop_token_ids + (() if params.ignore_eos else eos_ids)
 
 
 def build_step_input(step_id: int, out: SchedulerOutput, block_size: int,
-                     eos_ids: tuple[int, ...] = ()) -> StepInput:
+                     eos_ids: tuple[int, ...] = (), num_spec: int = 0,
+                     max_model_len: int | None = None) -> StepInput:
+    """With `num_spec` > 0 every sampling sequence samples each of its 1 + k verify rows (row j
+    as output token len(output) + j, after the drafts before it) and asks the proposer for up
+    to num_spec drafts."""
     scheduled = out.scheduled
     lengths = np.array([s.num_tokens for s in scheduled], dtype=np.int64)
     cu = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
@@ -37,11 +41,18 @@ def build_step_input(step_id: int, out: SchedulerOutput, block_size: int,
         tables[i, : len(s.request.block_ids)] = s.request.block_ids
     query_seq = np.repeat(np.arange(len(scheduled)), lengths)
 
-    samplers = [i for i, s in enumerate(scheduled) if s.samples]
-    sampling = build_sampling_inputs([
-        (r.params, r.seed, len(r.output_ids), r.prompt_ids, r.output_ids, _banned(r, eos_ids))
-        for r in (scheduled[i].request for i in samplers)
-    ])
+    sample_rows, sample_seqs, sampling_rows = [], [], []
+    for i, s in enumerate(scheduled):
+        if not s.samples:
+            continue
+        r, k = s.request, s.num_drafts
+        for j in range(k + 1):
+            n_out = len(r.output_ids) + j
+            sample_rows.append(cu[i + 1] - 1 - k + j)
+            sample_seqs.append(i)
+            sampling_rows.append((r.params, r.seed, n_out, r.prompt_ids,
+                                  r.output_ids + r.draft_ids[:j], _banned(r, eos_ids, n_out)))
+    sampling = build_sampling_inputs(sampling_rows)
 
     pl_rows, pl_targets, pl_seqs, pl_k = [], [], [], []
     for i, s in enumerate(scheduled):
@@ -70,11 +81,32 @@ def build_step_input(step_id: int, out: SchedulerOutput, block_size: int,
         block_tables=tables,
         slot_mapping=slot_mapping_for(pos, query_seq, tables, block_size),
         state_ids=np.array([s.request.state_slot for s in scheduled], dtype=np.int64),
-        sample_rows=(cu[1:] - 1)[samplers].astype(np.int64),
-        sample_seqs=np.asarray(samplers, dtype=np.int64),
+        sample_rows=np.asarray(sample_rows, dtype=np.int64),
+        sample_seqs=np.asarray(sample_seqs, dtype=np.int64),
         sampling=sampling,
         prompt_logprob_rows=cat(pl_rows, np.int64),
         prompt_logprob_targets=cat(pl_targets, np.int64),
         prompt_logprob_seqs=cat(pl_seqs, np.int64),
         prompt_logprob_k=cat(pl_k, np.int32),
+        **(_speculation(scheduled, num_spec, max_model_len) if num_spec else {}),
     )
+
+
+def _speculation(scheduled, num_spec: int, max_model_len: int) -> dict[str, np.ndarray]:
+    """Drafts to verify, the prompt token after each non-sampling chunk, and how many drafts
+    each sequence may get next (none past max_model_len or max_tokens)."""
+    n = len(scheduled)
+    draft_ids = np.full((n, num_spec), -1, dtype=np.int64)
+    next_tokens = np.full(n, -1, dtype=np.int64)
+    propose = np.zeros(n, dtype=np.int64)
+    for i, s in enumerate(scheduled):
+        r = s.request
+        draft_ids[i, : s.num_drafts] = r.draft_ids[: s.num_drafts]
+        end = r.num_computed_tokens + s.num_tokens
+        if not s.samples:
+            next_tokens[i] = r.token_ids(end, end + 1)[0]
+            continue
+        room = min(max_model_len - end - 1, r.params.max_tokens - len(r.output_ids) - 1)
+        propose[i] = max(0, min(num_spec, room))
+    return {"num_drafts": np.array([s.num_drafts for s in scheduled], dtype=np.int64),
+            "draft_ids": draft_ids, "next_tokens": next_tokens, "propose": propose}

@@ -61,6 +61,35 @@ def _token_logprobs(lp: Logprobs, row: int, k: int) -> TokenLogprob:
     return TokenLogprob(-1, float(lp.token_logprobs[row]), int(lp.ranks[row]), top)
 
 
+class SpecStats:
+    """Speculative decoding counters: drafts proposed / accepted, per draft position."""
+
+    def __init__(self, num_spec: int) -> None:
+        self.num_drafts = 0
+        self.num_accepted = 0
+        self.num_verify_steps = 0  # request-steps that verified at least one draft
+        self.accepted_per_position = [0] * num_spec
+        self.drafts_per_position = [0] * num_spec
+
+    def record(self, items, accepted: list[int] | None) -> None:
+        if accepted is None:
+            return
+        for item, a in zip(items, accepted, strict=True):
+            if not item.num_drafts or not item.samples:
+                continue
+            self.num_verify_steps += 1
+            self.num_drafts += item.num_drafts
+            self.num_accepted += a
+            for j in range(item.num_drafts):
+                self.drafts_per_position[j] += 1
+                self.accepted_per_position[j] += int(j < a)
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Tokens emitted per verify step (accepted drafts + the target's own token)."""
+        return 1 + self.num_accepted / self.num_verify_steps if self.num_verify_steps else 0.0
+
+
 class EngineDeadError(RuntimeError):
     """The engine's workers failed; start a new engine."""
 
@@ -85,7 +114,8 @@ class LLMEngine:
         self.scheduler = Scheduler(
             BlockPool(plan.num_blocks, plan.block_size, pool_tokens=self.model_config.index_kpool),
             StateSlotPool(plan.num_slots), config.max_num_batched_tokens, config.max_num_seqs,
-            self.max_model_len)
+            self.max_model_len, config.num_speculative_tokens)
+        self.spec_stats = SpecStats(config.num_speculative_tokens)
         self.eos_ids = self.model_config.eos_token_ids
         self._rng = random.Random(config.seed)
         self._ids = itertools.count()
@@ -122,26 +152,30 @@ class LLMEngine:
         if not scheduled.scheduled:
             return []
         step = build_step_input(next(self._step_ids), scheduled, self.scheduler.blocks.block_size,
-                                self.eos_ids)
+                                self.eos_ids, self.config.num_speculative_tokens,
+                                self.max_model_len)
         try:
             result = self.executor.execute(step)
         except Exception as exc:  # noqa: BLE001 - every request must end, with the reason
             return self._fail_all(f"engine step failed: {type(exc).__name__}: {exc}")
         items = scheduled.scheduled
         prompt_lps = self._prompt_logprobs(step, result.prompt_logprobs, items)
-        progressed = self.scheduler.update(items, result.sampled.tolist(), self.eos_ids)
+        accepted = None if result.num_accepted is None else result.num_accepted.tolist()
+        drafts = None if result.draft_ids is None else result.draft_ids.tolist()
+        self.spec_stats.record(items, accepted)
+        progressed = self.scheduler.update(items, result.sampled.tolist(), self.eos_ids,
+                                           accepted, drafts)
         outputs: list[RequestOutput] = []
-        by_request = {items[int(s)].request.request_id: r
-                      for r, s in enumerate(step.sample_seqs)}
-        for request in progressed:
-            row = by_request[request.request_id]
-            token = request.output_ids[-1]
-            logprobs = None
+        for p in progressed:
+            request, logprobs = p.request, None
             if result.logprobs is not None and request.params.logprobs is not None:
-                lp = _token_logprobs(result.logprobs, row, request.params.logprobs)
-                logprobs = [TokenLogprob(token, lp.logprob, lp.rank, lp.top)]
+                logprobs = []
+                for j, token in enumerate(p.tokens):
+                    lp = _token_logprobs(result.logprobs, p.first_row + j,
+                                         request.params.logprobs)
+                    logprobs.append(TokenLogprob(token, lp.logprob, lp.rank, lp.top))
             outputs.append(RequestOutput(
-                request.request_id, [token], request.finish_reason, logprobs,
+                request.request_id, p.tokens, request.finish_reason, logprobs,
                 prompt_lps.pop(request.request_id, None), len(request.prompt_ids),
                 len(request.output_ids)))
         for request_id, lps in prompt_lps.items():  # prompt chunks that sampled nothing yet

@@ -36,7 +36,9 @@ def runner_kwargs(config: EngineConfig) -> dict:
                 block_size=config.block_size * config.decode_context_parallel_size,
                 num_slots=config.max_num_seqs, num_blocks=config.num_blocks,
                 cache_bytes=config.cache_bytes,
-                gpu_memory_utilization=config.gpu_memory_utilization, with_mtp=config.with_mtp)
+                gpu_memory_utilization=config.gpu_memory_utilization,
+                with_mtp=config.with_mtp or config.speculative_method == "mtp",
+                num_spec=config.num_speculative_tokens)
 
 
 class InProcessExecutor:

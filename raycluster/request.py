@@ -43,6 +43,7 @@ class Request:
     num_preemptions: int = 0
     # prompt positions whose next-token logprob has been reported (not repeated on recompute)
     num_prompt_logprobs_done: int = 0
+    draft_ids: list[int] = field(default_factory=list)  # proposed tokens awaiting verification
 
     @property
     def num_tokens(self) -> int:
@@ -50,16 +51,18 @@ class Request:
 
     @property
     def num_pending_tokens(self) -> int:
-        """Tokens to compute before the next sample."""
-        return self.num_tokens - self.num_computed_tokens
+        """Tokens to compute before the next sample (drafts included)."""
+        return self.num_tokens + len(self.draft_ids) - self.num_computed_tokens
 
     def token_ids(self, start: int, end: int) -> list[int]:
+        """Tokens at positions start..end-1 of prompt + output + drafts."""
         n = len(self.prompt_ids)
         if end <= n:
             return self.prompt_ids[start:end]
+        tail = self.output_ids + self.draft_ids
         if start >= n:
-            return self.output_ids[start - n:end - n]
-        return self.prompt_ids[start:] + self.output_ids[:end - n]
+            return tail[start - n:end - n]
+        return self.prompt_ids[start:] + tail[:end - n]
 
     @property
     def finished(self) -> bool:

@@ -25,11 +25,27 @@ class RequestRejectedError(ValueError):
 class ScheduledRequest:
     request: Request
     num_tokens: int  # tokens computed this step, from request.num_computed_tokens
+    num_drafts: int = 0  # the last num_drafts of them are drafts to verify
 
     @property
     def samples(self) -> bool:
-        """The step reaches the request's last token, so its logits sample the next one."""
-        return self.request.num_computed_tokens + self.num_tokens == self.request.num_tokens
+        """The step reaches the request's last token, so its logits sample the next one (and
+        with drafts, every draft row is sampled too)."""
+        r = self.request
+        return r.num_computed_tokens + self.num_tokens == r.num_tokens + self.num_drafts
+
+    @property
+    def num_sample_rows(self) -> int:
+        return 1 + self.num_drafts if self.samples else 0
+
+
+@dataclass(frozen=True)
+class Progress:
+    """What a step gave one request: the tokens it emitted and its first sample row."""
+
+    request: Request
+    tokens: list[int]
+    first_row: int
 
 
 @dataclass
@@ -44,8 +60,9 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(self, blocks: BlockPool, slots: StateSlotPool, max_num_batched_tokens: int,
-                 max_num_seqs: int, max_model_len: int) -> None:
+                 max_num_seqs: int, max_model_len: int, num_spec: int = 0) -> None:
         self.blocks, self.slots = blocks, slots
+        self.num_spec = num_spec  # drafts per step: blocks are kept ahead for their positions
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = min(max_num_seqs, slots.num_slots)
         self.max_model_len = max_model_len
@@ -89,16 +106,18 @@ class Scheduler:
                 break
             if request.status != RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop
+            if request.num_pending_tokens > budget:
+                request.draft_ids = []  # a verify step is all or nothing
             n = min(request.num_pending_tokens, budget)
             if not self._grow(request, request.num_computed_tokens + n, out):
                 continue
-            out.scheduled.append(ScheduledRequest(request, n))
+            out.scheduled.append(ScheduledRequest(request, n, len(request.draft_ids)))
             budget -= n
         while self.waiting and budget > 0 and not out.preempted and (
                 len(self.running) < self.max_num_seqs):
             request = self.waiting[0]
             n = min(request.num_pending_tokens, budget)
-            need = self.blocks.blocks_for_tokens(n)
+            need = self.blocks.blocks_for_tokens(self._ahead(n))
             if not (self.blocks.can_allocate(need) and self.slots.can_allocate()):
                 break
             self.waiting.popleft()
@@ -110,9 +129,15 @@ class Scheduler:
             budget -= n
         return out
 
+    def _ahead(self, num_tokens: int) -> int:
+        """Tokens whose rows must have blocks: the computed ones plus the draft positions the
+        proposer writes after this step."""
+        return min(num_tokens + self.num_spec, self.max_model_len)
+
     def _grow(self, request: Request, num_tokens: int, out: SchedulerOutput) -> bool:
-        """Give `request` blocks for `num_tokens`, preempting later requests if needed."""
-        need = self.blocks.blocks_for_tokens(num_tokens) - len(request.block_ids)
+        """Give `request` blocks for `num_tokens` (+ lookahead), preempting later requests if
+        needed."""
+        need = self.blocks.blocks_for_tokens(self._ahead(num_tokens)) - len(request.block_ids)
         while need > 0 and not self.blocks.can_allocate(need):
             victim = self.running[-1]
             self._preempt(victim)
@@ -127,6 +152,7 @@ class Scheduler:
         self._release(request)
         request.status = RequestStatus.WAITING
         request.num_computed_tokens = 0
+        request.draft_ids = []
         request.num_preemptions += 1
         self.waiting.appendleft(request)
 
@@ -151,24 +177,38 @@ class Scheduler:
 
     # ----- after the step -----
     def update(self, scheduled: list[ScheduledRequest], sampled: list[int],
-               eos_ids: tuple[int, ...]) -> list[Request]:
-        """Advance counters, append sampled tokens (one per sampling request, in order), apply
-        stop rules and free finished requests. Returns the requests that got a token."""
-        tokens = iter(sampled)
-        progressed: list[Request] = []
-        for item in scheduled:
+               eos_ids: tuple[int, ...], num_accepted: list[int] | None = None,
+               drafts: list[list[int]] | None = None) -> list[Progress]:
+        """Advance counters, append each sampling request's emitted tokens (its target sample,
+        or its accepted drafts then the target's token), apply stop rules, keep the proposer's
+        next drafts, and free finished requests. `sampled` holds every sample row in order;
+        `num_accepted` / `drafts` are per scheduled request (speculative engines)."""
+        progressed: list[Progress] = []
+        row = 0
+        for i, item in enumerate(scheduled):
             request = item.request
-            token = next(tokens) if item.samples else None
+            first_row, rows = row, item.num_sample_rows
+            row += rows
             if request.status != RequestStatus.RUNNING:
                 continue  # aborted while the step ran
-            request.num_computed_tokens += item.num_tokens
-            if token is None:
+            accepted = num_accepted[i] if num_accepted is not None and rows else 0
+            request.num_computed_tokens += item.num_tokens - (item.num_drafts - accepted)
+            request.draft_ids = []
+            if not rows:
                 continue
-            request.output_ids.append(token)
-            progressed.append(request)
-            reason = self._stop_reason(request, token, eos_ids)
-            if reason is not None:
-                self.finish(request, reason)
+            emitted = []
+            for token in sampled[first_row:first_row + accepted + 1]:
+                request.output_ids.append(token)
+                emitted.append(token)
+                reason = self._stop_reason(request, token, eos_ids)
+                if reason is not None:
+                    self.finish(request, reason)
+                    break
+            progressed.append(Progress(request, emitted, first_row))
+            if drafts is not None and not request.finished:
+                room = min(request.params.max_tokens - len(request.output_ids),
+                           self.max_model_len - request.num_tokens) - 1
+                request.draft_ids = [d for d in drafts[i] if d >= 0][:max(room, 0)]
         return progressed
 
     def _stop_reason(self, request: Request, token: int,

@@ -89,7 +89,7 @@ def test_abort_while_the_step_runs_keeps_the_others_aligned():
     out = s.schedule()
     s.abort("a")
     progressed = s.update(out.scheduled, [11, 12], eos_ids=(0,))
-    assert [r.request_id for r in progressed] == ["b"]
+    assert [p.request.request_id for p in progressed] == ["b"] and progressed[0].tokens == [12]
     assert s.requests["b"].output_ids == [12]
 
 

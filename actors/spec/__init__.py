@@ -1,0 +1,1 @@
+"""Speculative decoding inside a worker: draft proposers and verification."""

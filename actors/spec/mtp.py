@@ -1,0 +1,78 @@
+"""MTP proposer: the checkpoint's multi-token-prediction layer drafts k tokens per request.
+
+Pass 0 runs the MTP layer over every row the target just computed and kept (its latent and
+indexer caches must cover every position), each row fed the target's final hidden state and the
+token that follows it; the last kept row of a drafting request yields draft 1. Passes 1..k-1
+feed the MTP layer its own output and the previous draft, one row per drafting request, at the
+next positions. Drafts are greedy (argmax), so verification is exact-match (see verify.py).
+Rows written at positions that end up rejected are simply overwritten later.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from ..caches import ModelCaches
+from ..forward_batch import ForwardBatch, slot_mapping_for
+from ..models.glm5_next import Glm5NextForCausalLM
+from ..step import StepInput
+
+
+class MTPProposer:
+    def __init__(self, model: Glm5NextForCausalLM, caches: ModelCaches, num_spec: int) -> None:
+        if model.mtp is None:
+            raise ValueError("MTP speculation needs the model's MTP layer (with_mtp)")
+        self.model, self.caches, self.num_spec = model, caches, num_spec
+
+    @torch.inference_mode()
+    def propose(self, step: StepInput, hidden: torch.Tensor, kept: np.ndarray,
+                next_tokens: np.ndarray) -> np.ndarray:
+        """Run the MTP passes of one step.
+
+        hidden: [T, D] target hidden of the step's rows; kept: [N] rows of each sequence that
+        stay (all, or 1 + accepted drafts); next_tokens: [N] token after each sequence's last
+        kept row. Proposes step.propose[i] drafts for sequence i. Returns draft ids
+        [N, num_spec], -1 where none.
+        """
+        token_ids, positions, cu_seqlens = step.token_ids, step.positions, step.cu_seqlens
+        block_tables, state_ids, wanted = step.block_tables, step.state_ids, step.propose
+        device = hidden.device
+        n = len(kept)
+        drafts = np.full((n, self.num_spec), -1, dtype=np.int64)
+        rows = np.concatenate([np.arange(s, s + c) for s, c in zip(cu_seqlens[:-1], kept,
+                                                                    strict=True)])
+        if rows.size == 0:
+            return drafts
+        cu = np.concatenate([[0], np.cumsum(kept)]).astype(np.int64)
+        nxt = np.append(token_ids[1:], -1)[rows]
+        nxt[cu[1:][kept > 0] - 1] = next_tokens[kept > 0]  # last kept row: the new token
+        pos = positions[rows]
+        seq_of_row = np.repeat(np.arange(n), kept)
+        bs = self.caches.block_size
+        batch = ForwardBatch.from_arrays(pos, cu, block_tables,
+                                         slot_mapping_for(pos, seq_of_row, block_tables, bs),
+                                         state_ids, device)
+        mtp_hidden = self.model.forward_mtp(hidden[torch.tensor(rows, device=device)],
+                                            torch.tensor(nxt, device=device), batch,
+                                            self.caches)
+        drafting = np.flatnonzero((wanted > 0) & (kept > 0))
+        if drafting.size == 0:
+            return drafts
+        last = torch.tensor(cu[1:][drafting] - 1, device=device)
+        h = mtp_hidden[last]
+        token = self.model.compute_logits(h).argmax(dim=-1)
+        drafts[drafting, 0] = token.cpu().numpy()
+        pos_last = pos[cu[1:][drafting] - 1]
+        tables, slots = block_tables[drafting], state_ids[drafting]
+        ones = np.arange(len(drafting) + 1, dtype=np.int64)
+        for j in range(1, int(wanted[drafting].max())):
+            p = pos_last + j
+            b = ForwardBatch.from_arrays(
+                p, ones, tables, slot_mapping_for(p, np.arange(len(drafting)), tables, bs),
+                slots, device)
+            h = self.model.forward_mtp(h, token, b, self.caches)
+            token = self.model.compute_logits(h).argmax(dim=-1)
+            drafts[drafting, j] = token.cpu().numpy()
+        drafts[np.arange(self.num_spec)[None, :] >= wanted[:, None]] = -1
+        return drafts
