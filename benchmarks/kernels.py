@@ -1,0 +1,230 @@
+# ruff: noqa: B023 (closures are timed immediately, inside their loop iteration)
+"""Kernel microbenchmarks on one GPU (performance.md, benchmark 1): each kernel's time, the
+bytes it must move and % of the measured copy bandwidth, against the reference and fla.
+
+Decode-sized calls are timed as CUDA-graph replays (what a graph-captured step pays); prefill
+calls with triton's do_bench (median). Prints a table and writes JSON.
+
+    python benchmarks/kernels.py [--json benchmarks/results/kernels_h200.json] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+from datetime import UTC, datetime
+
+import torch
+from triton.testing import do_bench, do_bench_cudagraph
+
+from glm53.kernels import kda, moe, sparse_mla
+from glm53.kernels.ref import kda as ref_kda
+
+DEV = "cuda"
+BW = 4.3e12  # measured device-to-device copy bandwidth of an H200 (read + write), B/s
+
+
+def _ms(fn, graph: bool) -> float:
+    if graph:
+        return float(do_bench_cudagraph(fn, rep=50, return_mode="median"))
+    return float(do_bench(fn, warmup=10, rep=100, return_mode="median"))
+
+
+def _fla():
+    try:
+        import fla.ops.kda as fla_kda
+    except ImportError:
+        return None
+    return fla_kda
+
+
+def _kda_inputs(t, heads, gen):
+    mixed = torch.randn(t, 3 * heads * 128, device=DEV, dtype=torch.bfloat16, generator=gen)
+    q, k, v = (c.view(t, heads, 128) for c in mixed.chunk(3, dim=-1))
+    g = -5 * torch.sigmoid(torch.randn(t, heads, 128, device=DEV, generator=gen))
+    beta = torch.sigmoid(torch.randn(t, heads, device=DEV, generator=gen))
+    return q, k, v, g, beta
+
+
+def bench_kda_decode(rows, gen, quick):
+    fla = _fla()
+    for heads in (32, 64):
+        for batch in (1, 8, 64) if not quick else (1, 64):
+            q, k, v, g, beta = _kda_inputs(batch, heads, gen)
+            slots = 256
+            state = torch.randn(slots, heads, 128, 128, device=DEV, generator=gen) * 0.01
+            ids = torch.randperm(slots, device=DEV, generator=gen)[:batch]
+            cu = torch.arange(batch + 1, device=DEV)
+            init = torch.ones(batch, dtype=torch.bool, device=DEV)
+            ours = _ms(lambda: kda.kda_attention(q, k, v, g, beta, state, cu, ids, init), True)
+            # state read + write (fp32) dominates; q/k/v/g/o are small
+            nbytes = batch * heads * 128 * 128 * 4 * 2
+            row = dict(kernel="kda_decode", heads=heads, batch=batch, ours_us=ours * 1e3,
+                       bytes=nbytes, bw_pct=100 * nbytes / (ours * 1e-3) / BW)
+            if fla is not None:
+                qc, kc, vc = (x.contiguous().unsqueeze(1) for x in (q, k, v))
+                gc, bc = g.unsqueeze(1), beta.unsqueeze(1)
+
+                def run_fla():
+                    fla.fused_recurrent_kda(qc, kc, vc, gc, bc, initial_state=state,
+                                            inplace_final_state=True, ssm_state_indices=ids,
+                                            use_qk_l2norm_in_kernel=True)
+                try:
+                    row["fla_us"] = _ms(run_fla, True) * 1e3
+                except Exception as exc:
+                    row["fla_error"] = repr(exc)[:300]
+            rows.append(row)
+            # the whole KDA decode prologue + recurrence: conv + gate + recurrence + gated norm
+            chans = 3 * heads * 128
+            x = torch.randn(batch, chans, device=DEV, dtype=torch.bfloat16, generator=gen)
+            w = torch.randn(chans, 4, device=DEV, generator=gen)
+            conv = torch.zeros(slots, chans, 3, device=DEV, dtype=torch.bfloat16)
+            logits = torch.randn(batch, heads * 128, device=DEV, dtype=torch.bfloat16,
+                                 generator=gen)
+            dt, alog = torch.zeros(heads * 128, device=DEV), torch.zeros(heads, device=DEV)
+            normw = torch.ones(128, device=DEV, dtype=torch.bfloat16)
+
+            def layer():
+                y = kda.causal_conv1d(x, w, conv, cu, ids, init)
+                qq, kk, vv = (c.view(batch, heads, 128) for c in y.chunk(3, dim=-1))
+                gg = kda.kda_gate(logits, dt, alog, -5.0)
+                o = kda.kda_attention(qq, kk, vv, gg, beta, state, cu, ids, init)
+                kda.gated_rms_norm(o, vv, normw, 1e-5)
+            rows.append(dict(kernel="kda_decode_layer_ops", heads=heads, batch=batch,
+                             ours_us=_ms(layer, True) * 1e3))
+
+
+def bench_kda_prefill(rows, gen, quick):
+    fla = _fla()
+    for heads in (32, 64):
+        for t in (4096, 16384) if not quick else (4096,):
+            q, k, v, g, beta = _kda_inputs(t, heads, gen)
+            state = torch.zeros(2, heads, 128, 128, device=DEV)
+            cu = torch.tensor([0, t], device=DEV)
+            ids = torch.tensor([1], device=DEV)
+            init = torch.zeros(1, dtype=torch.bool, device=DEV)
+            # our recurrent kernel, forced (kda_attention would hand long prefill to fla)
+            saved, kda.CHUNK_MIN_TOKENS_PER_SEQ = kda.CHUNK_MIN_TOKENS_PER_SEQ, 1 << 62
+            try:
+                ours = _ms(lambda: kda.kda_attention(q, k, v, g, beta, state, cu, ids, init),
+                           False)
+            finally:
+                kda.CHUNK_MIN_TOKENS_PER_SEQ = saved
+            row = dict(kernel="kda_prefill", heads=heads, tokens=t, ours_recurrent_ms=ours)
+            if fla is not None:
+                try:
+                    row["ours_dispatch_ms"] = _ms(
+                        lambda: kda.kda_attention(q, k, v, g, beta, state, cu, ids, init), False)
+                    qc, kc, vc = (x.contiguous().unsqueeze(0) for x in (q, k, v))
+                    gc, bc = g.unsqueeze(0), beta.unsqueeze(0)
+                    row["fla_chunk_ms"] = _ms(lambda: fla.chunk_kda(
+                        qc, kc, vc, gc, bc, initial_state=state[:1], output_final_state=True,
+                        use_qk_l2norm_in_kernel=True, cu_seqlens=cu), False)
+                    row["ours_vs_fla"] = row["fla_chunk_ms"] / row["ours_dispatch_ms"]
+                except Exception as exc:
+                    row["fla_error"] = repr(exc)[:300]
+            rows.append(row)
+
+
+def bench_sparse_mla(rows, gen, quick):
+    """Decode: indexer scoring + top-k + sparse attention over the selected latent rows."""
+    heads, bs = 64, 64
+    cases = [(1, 2048), (1, 32768), (1, 131072), (16, 32768), (64, 2048), (64, 32768),
+             (16, 131072)]
+    if quick:
+        cases = [(1, 32768), (64, 2048)]
+    for batch, ctx in cases:
+        blocks = -(-ctx // bs)
+        table = torch.randperm(batch * blocks, device=DEV, generator=gen).view(batch, blocks)
+        latent = torch.randn(batch * blocks, bs, 512, device=DEV, dtype=torch.bfloat16,
+                             generator=gen)
+        pools = torch.randn(batch * blocks, bs // 4, 128, device=DEV, dtype=torch.bfloat16,
+                            generator=gen)
+        q_lat = torch.randn(batch, heads, 512, device=DEV, dtype=torch.bfloat16, generator=gen)
+        q_idx = torch.randn(batch, 32, 128, device=DEV, dtype=torch.bfloat16, generator=gen)
+        w = torch.randn(batch, 32, device=DEV, generator=gen) * 32**-0.5
+        pos = torch.full((batch,), ctx - 1, device=DEV)
+        qs = torch.arange(batch, device=DEV)
+        tokens = sparse_mla.indexer_topk(q_idx, w, pools, table, qs, pos, 512, 4)
+        t_idx = _ms(lambda: sparse_mla.indexer_topk(q_idx, w, pools, table, qs, pos, 512, 4),
+                    True)
+        t_att = _ms(lambda: sparse_mla.sparse_mla_attention(q_lat, latent, table, qs, tokens,
+                                                             1 / 16), True)
+        sel = min(ctx, 2051)
+        att_bytes = batch * sel * 512 * 2
+        idx_bytes = batch * (ctx // 4) * 128 * 2
+        rows.append(dict(kernel="sparse_mla_decode", heads=heads, batch=batch, context=ctx,
+                         indexer_topk_us=t_idx * 1e3, attention_us=t_att * 1e3,
+                         total_us=(t_idx + t_att) * 1e3, bytes=att_bytes + idx_bytes,
+                         attention_bw_pct=100 * att_bytes / (t_att * 1e-3) / BW,
+                         indexer_bw_pct=100 * idx_bytes / (t_idx * 1e-3) / BW,
+                         total_bw_pct=100 * (att_bytes + idx_bytes) / ((t_idx + t_att) * 1e-3)
+                         / BW))
+
+
+def bench_moe(rows, gen, quick):
+    e, d, inter = 288, 4096, 2048
+    w13 = torch.randn(e, 2 * inter, d, device=DEV, dtype=torch.bfloat16, generator=gen) * 0.02
+    w2 = torch.randn(e, d, inter, device=DEV, dtype=torch.bfloat16, generator=gen) * 0.02
+    for tokens in (1, 16, 64, 512) if not quick else (1, 64):
+        x = torch.randn(tokens, d, device=DEV, dtype=torch.bfloat16, generator=gen)
+        ids = torch.stack([torch.randperm(e, device=DEV, generator=gen)[:8]
+                           for _ in range(tokens)])
+        wts = torch.rand(tokens, 8, device=DEV, generator=gen)
+        t = _ms(lambda: moe.fused_moe(x, w13, w2, wts, ids, 10.0), True)
+        n_exp = int(ids.unique().numel())
+        nbytes = n_exp * 3 * d * inter * 2
+        rows.append(dict(kernel="fused_moe_bf16", tokens=tokens, experts_hit=n_exp,
+                         ours_us=t * 1e3, bytes=nbytes, bw_pct=100 * nbytes / (t * 1e-3) / BW))
+
+
+def bench_ref_kda_decode(rows, gen):
+    """The reference recurrence at batch 1 (what the CPU path runs), for scale."""
+    q, k, v, g, beta = _kda_inputs(1, 64, gen)
+    state = torch.zeros(4, 64, 128, 128, device=DEV)
+    cu, ids = torch.tensor([0, 1], device=DEV), torch.tensor([2], device=DEV)
+    init = torch.ones(1, dtype=torch.bool, device=DEV)
+    t = _ms(lambda: ref_kda.kda_attention(q, k, v, g, beta, state, cu, ids, init), False)
+    rows.append(dict(kernel="kda_decode_ref_eager", heads=64, batch=1, ref_us=t * 1e3))
+
+
+def _git_commit() -> str | None:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                              text=True).stdout.strip() or None
+    except OSError:
+        return None
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--json")
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--commit", help="the commit measured (the device copy has no .git)")
+    args = ap.parse_args()
+    gen = torch.Generator(device=DEV).manual_seed(0)
+    rows: list[dict] = []
+    for part in (bench_kda_decode, bench_kda_prefill, bench_sparse_mla, bench_moe):
+        try:
+            part(rows, gen, args.quick)
+        except Exception as exc:  # keep the other numbers when one part fails
+            rows.append(dict(kernel=part.__name__, error=repr(exc)[:500]))
+        torch.cuda.empty_cache()
+    bench_ref_kda_decode(rows, gen)
+    for r in rows:
+        print(json.dumps({k: (round(v, 3) if isinstance(v, float) else v)
+                          for k, v in r.items()}))
+    if args.json:
+        commit = args.commit or _git_commit()
+        fla = _fla()
+        out = dict(benchmark="kernels", device=torch.cuda.get_device_name(), commit=commit,
+                   date=datetime.now(UTC).isoformat(timespec="seconds"),
+                   torch=torch.__version__, fla=getattr(fla, "__name__", None) and
+                   __import__("fla").__version__, bandwidth_ceiling_Bps=BW, results=rows)
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,226 @@
+"""The 4-layer full-width slice (performance.md, benchmark 2): our model over the paged caches
+vs transformers' eager Glm5Next, in the same run, on one GPU.
+
+Layers: KDA+dense, KDA+MoE, KDA+MoE, DSA+MoE (288 experts, top-8), full embedding and
+lm_head, bf16, random weights (fan-in scaled normals; each model its own). Ours: the model
+forward over a ForwardBatch built per step from host arrays (what the model runner does), the
+lm_head on the last rows and a greedy argmax, eager (and a CUDA-graph replay of the same decode
+step where capture works). Ours decodes over a cache of the stated context (zero-filled: the
+kernels read the same bytes whatever the values); transformers decodes after a real prefill
+of that context (skipped where its eager DSA attention would not fit). Prints a table and
+writes JSON.
+
+    python benchmarks/slice.py [--json benchmarks/results/slice_h200.json] [--commit SHA]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import math
+import time
+from datetime import UTC, datetime
+
+import torch
+
+from glm53.actors.caches import ModelCaches
+from glm53.actors.config import ModelConfig
+from glm53.actors.forward_batch import ForwardBatch
+from glm53.actors.loader import build_model
+from glm53.actors.tiny import release_config, tiny_text_config
+
+DEV = "cuda"
+BLOCK = 64
+FULL = dict(
+    vocab_size=154880, hidden_size=4096, intermediate_size=12288, moe_intermediate_size=2048,
+    num_attention_heads=64, num_key_value_heads=64, q_lora_rank=1536, kv_lora_rank=512,
+    qk_nope_head_dim=256, v_head_dim=256, index_n_heads=32, index_head_dim=128,
+    index_topk=2048, n_routed_experts=288, num_experts_per_tok=8,
+    max_position_embeddings=131072, dtype="bfloat16",
+)
+
+
+def slice_config(layers: int = 4) -> dict:
+    text = tiny_text_config(num_layers=layers, first_k_dense_replace=1, **FULL)
+    text["linear_attn_config"].update(num_heads=64, head_dim=128)
+    return release_config(text, eos_token_ids=[154820], pad_token_id=154820)
+
+
+@torch.no_grad()
+def randomize_(model: torch.nn.Module) -> None:
+    """Fan-in scaled normals on the device (norm weights ~1, biases / gate constants small)."""
+    for name, p in model.named_parameters():
+        leaf = name.rsplit(".", 1)[-1]
+        if p.ndim == 1 and (leaf == "weight" or name.endswith("scale")):
+            p.normal_(1.0, 0.1)
+        elif p.ndim <= 1:
+            p.normal_(0.0, 0.3)
+        elif "embed" in name:
+            p.normal_(0.0, 1.0)
+        else:
+            p.normal_(0.0, 1.0 / math.sqrt(p.shape[-1]))
+
+
+def _timed(fn, steps: int) -> float:
+    fn()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(steps):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) / steps * 1e3
+
+
+def bench_ours(cfg: ModelConfig, decode_cases, prefill_lens, rows, graphs: bool) -> None:
+    model = build_model(cfg, dtype=torch.bfloat16, device=DEV)
+    randomize_(model)
+    max_seqs = max(b for b, _ in decode_cases)
+    max_tokens = max(max(b * c for b, c in decode_cases), max(prefill_lens))
+    blocks = max_tokens // BLOCK + max_seqs + 1
+    caches = ModelCaches.allocate(cfg, num_blocks=blocks, block_size=BLOCK, num_slots=max_seqs,
+                                  dtype=torch.bfloat16, device=DEV)
+    vocab = cfg.vocab_size
+
+    def step(batch: ForwardBatch, ids: torch.Tensor) -> torch.Tensor:
+        hidden = model(ids, batch, caches)
+        last = batch.num_tokens - 1 if batch.cu_seqlens.numel() == 2 else None
+        rows_ = hidden[-1:] if last is not None else hidden
+        return model.compute_logits(rows_).argmax(-1)
+
+    with torch.inference_mode():
+        for batch_size, ctx in decode_cases:
+            per = -(-ctx // BLOCK)
+            tables = [list(range(1 + i * per, 1 + (i + 1) * per)) for i in range(batch_size)]
+            ids = torch.randint(0, vocab, (batch_size,), device=DEV)
+
+            def decode(ids=ids, tables=tables, batch_size=batch_size, ctx=ctx):
+                b = ForwardBatch.build([ctx - 1] * batch_size, [1] * batch_size,
+                                       list(range(batch_size)), tables, BLOCK, device=DEV)
+                return step(b, ids)
+            row = dict(model="ours", phase="decode", batch=batch_size, context=ctx,
+                       ms=_timed(decode, 10))
+            if graphs:
+                try:
+                    b = ForwardBatch.build([ctx - 1] * batch_size, [1] * batch_size,
+                                           list(range(batch_size)), tables, BLOCK, device=DEV)
+                    step(b, ids)
+                    torch.cuda.synchronize()
+                    graph = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(graph):
+                        step(b, ids)
+                    row["graph_ms"] = _timed(graph.replay, 20)
+                except Exception as exc:
+                    row["graph_error"] = repr(exc)[:300]
+            rows.append(row)
+            print(rows[-1], flush=True)
+        for n in prefill_lens:
+            tokens = torch.randint(0, vocab, (n,), device=DEV)
+            table = [list(range(1, 2 + n // BLOCK))]
+
+            def prefill(tokens=tokens, table=table, n=n):
+                b = ForwardBatch.build([0], [n], [0], table, BLOCK, device=DEV)
+                return step(b, tokens)
+            ms = _timed(prefill, 3)
+            rows.append(dict(model="ours", phase="prefill", batch=1, tokens=n, ms=ms,
+                             tok_per_s=n / ms * 1e3))
+            print(rows[-1], flush=True)
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+def bench_transformers(config: dict, decode_cases, prefill_lens, rows) -> None:
+    import transformers
+    from transformers import DynamicCache, Glm5NextConfig, Glm5NextForConditionalGeneration
+
+    hf_cfg = Glm5NextConfig.from_dict(config)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with torch.device(DEV):
+            hf = Glm5NextForConditionalGeneration(hf_cfg)
+    finally:
+        torch.set_default_dtype(previous)
+    hf = hf.eval().requires_grad_(False)
+    randomize_(hf)
+    text_cfg = hf.config.text_config
+    vocab = text_cfg.vocab_size
+    info = dict(model="transformers", version=transformers.__version__)
+    with torch.inference_mode():
+        for batch_size, ctx in decode_cases:
+            row = dict(info, phase="decode", batch=batch_size, context=ctx)
+            try:
+                cache = DynamicCache(config=text_cfg)
+                prompt = torch.randint(0, vocab, (batch_size, ctx - 1), device=DEV)
+                out = hf(input_ids=prompt, cache=cache, use_cache=True, logits_to_keep=1)
+                state = {"cache": out.cache, "next": out.logits[:, -1].argmax(-1, keepdim=True)}
+
+                def decode(state=state):
+                    o = hf(input_ids=state["next"], cache=state["cache"], use_cache=True)
+                    state["cache"], state["next"] = o.cache, o.logits[:, -1].argmax(-1,
+                                                                                   keepdim=True)
+                row["ms"] = _timed(decode, 5)
+            except torch.OutOfMemoryError as exc:
+                row["error"] = "out of memory: " + str(exc)[:200]
+            rows.append(row)
+            print(rows[-1], flush=True)
+            gc.collect()
+            torch.cuda.empty_cache()
+        for n in prefill_lens:
+            row = dict(info, phase="prefill", batch=1, tokens=n)
+            try:
+                prompt = torch.randint(0, vocab, (1, n), device=DEV)
+                row["ms"] = _timed(lambda prompt=prompt: hf(input_ids=prompt, logits_to_keep=1),
+                                   2)
+                row["tok_per_s"] = n / row["ms"] * 1e3
+            except torch.OutOfMemoryError as exc:
+                row["error"] = "out of memory: " + str(exc)[:200]
+            rows.append(row)
+            print(rows[-1], flush=True)
+            gc.collect()
+            torch.cuda.empty_cache()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--json")
+    ap.add_argument("--commit")
+    ap.add_argument("--no-graphs", action="store_true")
+    ap.add_argument("--hf-decode", default="1x2048,16x2048",
+                    help="transformers decode cases BATCHxCONTEXT (it prefills each first)")
+    args = ap.parse_args()
+    config = slice_config()
+    cfg = ModelConfig.from_hf(config)
+    ours_decode = [(b, c) for c in (2048, 32768) for b in (1, 16, 64)]
+    hf_decode = [tuple(int(v) for v in case.split("x")) for case in args.hf_decode.split(",")]
+    prefill = [4096, 16384]
+    rows: list[dict] = []
+    bench_ours(cfg, ours_decode, prefill, rows, graphs=not args.no_graphs)
+    try:
+        bench_transformers(config, hf_decode, prefill, rows)
+    except Exception as exc:
+        rows.append(dict(model="transformers", error=repr(exc)[:500]))
+    speedups = {}
+    for r in rows:
+        if r.get("model") == "transformers" and "ms" in r:
+            key = ("context", "batch") if r["phase"] == "decode" else ("tokens", "batch")
+            mine = [o for o in rows if o.get("model") == "ours" and o["phase"] == r["phase"]
+                    and all(o.get(k) == r.get(k) for k in key)]
+            if mine:
+                name = f"{r['phase']}_b{r['batch']}_" + (
+                    f"ctx{r['context']}" if r["phase"] == "decode" else f"n{r['tokens']}")
+                speedups[name] = dict(eager=r["ms"] / mine[0]["ms"])
+                if "graph_ms" in mine[0]:
+                    speedups[name]["graph"] = r["ms"] / mine[0]["graph_ms"]
+    print(json.dumps(speedups, indent=1))
+    if args.json:
+        out = dict(benchmark="slice", layers="KDA+dense, KDA+MoE, KDA+MoE, DSA+MoE",
+                   device=torch.cuda.get_device_name(), commit=args.commit,
+                   date=datetime.now(UTC).isoformat(timespec="seconds"),
+                   torch=torch.__version__, results=rows, speedup_vs_transformers=speedups)
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
