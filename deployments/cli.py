@@ -24,6 +24,20 @@ def _parse_ids(text: str) -> list[int]:
     return ids
 
 
+def _parse_speculative(text: str) -> tuple[str | None, int]:
+    """'mtp:K' (or 'mtp' = mtp:3, 'none') -> (method, K)."""
+    method, _, k = text.partition(":")
+    if method == "none" and not k:
+        return None, 0
+    if method != "mtp":
+        raise argparse.ArgumentTypeError(
+            f"--speculative {text!r}: only mtp[:K] is supported yet (dflash is not)")
+    try:
+        return method, int(k) if k else 3
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"--speculative {text!r}: K must be an int") from exc
+
+
 def _parse_bytes(text: str) -> int:
     m = re.fullmatch(r"(\d+)\s*([KMGT]?)(i?B)?", text.strip(), flags=re.I)
     if not m:
@@ -84,6 +98,8 @@ def _parser() -> argparse.ArgumentParser:
     par.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
     par.add_argument("--ep", type=int, default=1, help="expert-parallel size")
     par.add_argument("--dcp", type=int, default=1, help="decode-context-parallel size")
+    gen.add_argument("--speculative", type=_parse_speculative, default=(None, 0),
+                     metavar="mtp:K", help="speculative decoding with the MTP layer, K drafts")
     _serve_parser(sub)
     return parser
 
@@ -239,7 +255,8 @@ def _generate(args: argparse.Namespace) -> int:
             max_model_len=args.max_model_len, block_size=args.block_size,
             num_blocks=args.num_blocks, cache_bytes=cache_bytes,
             gpu_memory_utilization=args.gpu_memory_utilization, tensor_parallel_size=args.tp,
-            expert_parallel_size=args.ep, decode_context_parallel_size=args.dcp)
+            expert_parallel_size=args.ep, decode_context_parallel_size=args.dcp,
+            speculative_method=args.speculative[0], num_speculative_tokens=args.speculative[1])
         executor = (RayExecutor(config, progress=not args.json) if config.world_size > 1
                     else InProcessExecutor(config, progress=not args.json))
         engine = LLMEngine(config, executor)
