@@ -27,8 +27,7 @@ PYTEST_ARGS ?=
 MODEL ?=
 HOST ?= 127.0.0.1
 PORT ?= 8000
-# speculative decoding is not implemented yet; the default profile (lang-mtp3) asks for MTP
-SERVE_ARGS ?= --speculative none
+SERVE_ARGS ?=
 
 .PHONY: setup test serve lint clean distclean
 

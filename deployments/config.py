@@ -7,8 +7,8 @@ explicitly overrides it. Fields that a profile supplied are remembered, because 
 `max_model_len` is a ceiling (clamped to what the model and cache allow, with a log line),
 whereas an explicit one is a hard requirement.
 
-Features that are configured here but not implemented yet (speculative decoding, vision,
-quantised KV cache) make `check_supported` fail with a clear "not supported yet" message;
+Features that are configured here but not implemented yet (DFlash drafting, vision, quantised
+KV cache) make `check_supported` fail with a clear "not supported yet" message;
 nothing is silently ignored. Parallel sizes pass through to `EngineConfig`.
 """
 
@@ -160,11 +160,10 @@ class ServingConfig(BaseModel):
         def origin(field: str) -> str:
             return f" (from profile {self.profile})" if self.from_profile(field) else ""
 
-        if self.speculative.enabled:
+        if self.speculative.method == "dflash":
             problems.append(
-                f"speculative decoding ({self.speculative.method}, "
-                f"k={self.speculative.num_speculative_tokens}){origin('speculative')} is not "
-                "supported yet; pass --speculative none (speculative: none)")
+                f"speculative decoding with dflash{origin('speculative')} is not supported yet; "
+                "pass --speculative mtp or --speculative none")
         if self.vision:
             problems.append(f"vision input{origin('vision')} is not supported yet; use a "
                             "lang-* profile or --no-vision")
@@ -187,6 +186,9 @@ class ServingConfig(BaseModel):
             block_size=self.block_size, num_blocks=self.num_blocks, cache_bytes=cache_bytes,
             gpu_memory_utilization=self.gpu_memory_utilization,
             with_mtp=self.speculative.method == "mtp", seed=self.seed,
+            speculative_method="mtp" if self.speculative.method == "mtp" else None,
+            num_speculative_tokens=(self.speculative.num_speculative_tokens
+                                    if self.speculative.method == "mtp" else 0),
             tensor_parallel_size=self.tensor_parallel_size,
             expert_parallel_size=self.expert_parallel_size,
             decode_context_parallel_size=self.decode_context_parallel_size,

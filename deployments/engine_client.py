@@ -83,6 +83,15 @@ class _TrackedEngine(LLMEngine):
         return request_id
 
 
+def _spec_totals(engine: LLMEngine) -> dict:
+    spec = getattr(engine, "spec_stats", None)
+    if spec is None:
+        return {}
+    return {"spec_num_drafts": spec.num_verify_steps, "spec_num_draft_tokens": spec.num_drafts,
+            "spec_num_accepted_tokens": spec.num_accepted,
+            "spec_accepted_per_pos": tuple(spec.accepted_per_position)}
+
+
 def make_executor(config: EngineConfig):
     """The engine's executor for `config` (the Ray executor when it spans several GPUs)."""
     from glm53.raycluster import engine as engine_module
@@ -135,7 +144,7 @@ class LocalEngine:
             num_running=len(scheduler.running), num_waiting=len(scheduler.waiting),
             kv_cache_usage=scheduler.blocks.usage,
             state_slot_usage=slots.num_allocated / slots.num_slots,
-            num_preemptions=self.engine.num_preemptions)
+            num_preemptions=self.engine.num_preemptions, **_spec_totals(self.engine))
 
     def pop_times(self, request_id: str) -> tuple[float | None, float | None]:
         entry = self.engine.times.pop(request_id, None)

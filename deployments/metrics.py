@@ -43,6 +43,12 @@ class EngineStats:
     kv_cache_usage: float = 0.0  # fraction of usable KV blocks handed out
     state_slot_usage: float = 0.0  # fraction of KDA state slots handed out
     num_preemptions: int = 0  # cumulative
+    # speculative decoding, cumulative (vLLM meanings): verify steps that carried drafts,
+    # draft tokens proposed, draft tokens accepted, accepted tokens by draft position
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_accepted_per_pos: tuple[int, ...] = ()
 
 
 @dataclass
@@ -80,7 +86,7 @@ class ServingMetrics:
         self.slot_usage = gauge("glm53:kda_state_slot_usage_perc",
                                 "KDA state-slot usage: fraction of state slots in use (0-1).")
         self.preemptions = counter("vllm:num_preemptions", "Cumulative preemptions.")
-        self._preemptions_seen = 0
+        self._seen: dict[int, int] = {}  # engine totals already counted, by counter
         self.prompt_tokens = counter("vllm:prompt_tokens", "Prefill tokens processed.")
         self.generation_tokens = counter("vllm:generation_tokens", "Generation tokens produced.")
         success = Counter("vllm:request_success", "Finished requests, by finish reason.",
@@ -108,7 +114,7 @@ class ServingMetrics:
                              [1, 2, 5, 10, 20])
         self.params_max_tokens = hist("vllm:request_params_max_tokens",
                                       "The max_tokens parameter of requests.", TOKEN_BUCKETS)
-        # speculative decoding: zero until it lands, but exported so dashboards resolve
+        # speculative decoding (zero without it, but exported so dashboards resolve)
         self.spec_drafts = counter("vllm:spec_decode_num_drafts", "Speculative drafts.")
         self.spec_draft_tokens = counter("vllm:spec_decode_num_draft_tokens",
                                          "Speculative draft tokens.")
@@ -125,9 +131,16 @@ class ServingMetrics:
         self.waiting.set(stats.num_waiting)
         self.kv_usage.set(stats.kv_cache_usage)
         self.slot_usage.set(stats.state_slot_usage)
-        if stats.num_preemptions > self._preemptions_seen:
-            self.preemptions.inc(stats.num_preemptions - self._preemptions_seen)
-            self._preemptions_seen = stats.num_preemptions
+        # engine counters are cumulative: advance ours by what is new since the last scrape
+        totals = [(self.preemptions, stats.num_preemptions),
+                  (self.spec_drafts, stats.spec_num_drafts),
+                  (self.spec_draft_tokens, stats.spec_num_draft_tokens),
+                  (self.spec_accepted, stats.spec_num_accepted_tokens),
+                  *zip(self.spec_per_pos, stats.spec_accepted_per_pos, strict=False)]
+        for i, (counter, total) in enumerate(totals):
+            if total > self._seen.get(i, 0):
+                counter.inc(total - self._seen.get(i, 0))
+                self._seen[i] = total
 
     def request_params(self, n: int, max_tokens: int) -> None:
         self.params_n.observe(n)

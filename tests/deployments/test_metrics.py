@@ -39,7 +39,9 @@ def test_names_and_a_request_lifecycle():
     m.tokens(t, 2, 7, now=10.8)
     m.finished(t, "length", now=11.0)
     m.set_engine_stats(EngineStats(3, 2, 0.25, 0.5, num_preemptions=4))
-    m.set_engine_stats(EngineStats(3, 2, 0.25, 0.5, num_preemptions=5))
+    m.set_engine_stats(EngineStats(3, 2, 0.25, 0.5, num_preemptions=5, spec_num_drafts=2,
+                                   spec_num_draft_tokens=4, spec_num_accepted_tokens=3,
+                                   spec_accepted_per_pos=(2, 1)))
     s = samples(m.render())
     tiny = (("model_name", "tiny"),)
     assert s[("vllm:prompt_tokens_total", tiny)] == 7
@@ -55,8 +57,11 @@ def test_names_and_a_request_lifecycle():
     assert s[("vllm:num_requests_running", tiny)] == 3
     assert s[("vllm:kv_cache_usage_perc", tiny)] == 0.25
     assert s[("glm53:kda_state_slot_usage_perc", tiny)] == 0.5
+    assert s[("vllm:spec_decode_num_drafts_total", tiny)] == 2
+    assert s[("vllm:spec_decode_num_draft_tokens_total", tiny)] == 4
+    assert s[("vllm:spec_decode_num_accepted_tokens_total", tiny)] == 3
     per_pos = "vllm:spec_decode_num_accepted_tokens_per_pos_total"
-    assert s[(per_pos, (("model_name", "tiny"), ("position", "1")))] == 0
+    assert s[(per_pos, (("model_name", "tiny"), ("position", "1")))] == 1
 
 
 def test_merge_keeps_one_header_per_family():

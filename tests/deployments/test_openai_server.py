@@ -37,13 +37,15 @@ def _free_port() -> int:
 def base_url(ray_session, tmp_path_factory):
     from ray import serve
 
-    path = make_tiny(tmp_path_factory.mktemp("serve") / "tiny", seed=0)
+    path = make_tiny(tmp_path_factory.mktemp("serve") / "tiny", seed=0, mtp=True)
     port = _free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
-    common = {"model": str(path), "speculative": "none", "device": "cpu"}
+    common = {"model": str(path), "device": "cpu"}
+    # the default profile's speculative decoding (MTP), with 2 drafts
     tiny = ServingConfig(served_model_name="tiny", max_model_len=256, max_num_seqs=16,
-                         num_blocks=512, **common)
-    scripted = ServingConfig(served_model_name="scripted", max_waiting_requests=2, **common)
+                         num_blocks=512, speculative="mtp:2", **common)
+    scripted = ServingConfig(served_model_name="scripted", max_waiting_requests=2,
+                             speculative="none", **common)
     app = ingress_app({"tiny": server_app(tiny, "cpu"),
                        "scripted": server_app(scripted, "cpu", ScriptedEngine)})
     serve.run(app, name="openai-test", route_prefix="/",
@@ -472,5 +474,10 @@ def test_metrics_move_as_requests_run(http, client):
         assert delta(name) == 1, name
     assert delta("vllm:inter_token_latency_seconds_count") == 6
     assert metric(after, "vllm:num_preemptions_total") == 0
-    assert metric(after, "vllm:spec_decode_num_drafts_total") == 0
+    drafts = delta("vllm:spec_decode_num_draft_tokens_total")
+    accepted = delta("vllm:spec_decode_num_accepted_tokens_total")
+    assert delta("vllm:spec_decode_num_drafts_total") >= 1 and 0 <= accepted <= drafts
+    per_pos = sum(delta("vllm:spec_decode_num_accepted_tokens_per_pos_total", position=str(p))
+                  for p in range(2))
+    assert per_pos == accepted
     assert ("vllm:num_requests_waiting", (("model_name", "scripted"),)) in after

@@ -53,16 +53,16 @@ def test_invalid_configs_are_rejected(bad):
 
 
 def test_unimplemented_features_fail_clearly():
-    with pytest.raises(NotSupportedYetError, match=r"speculative decoding \(mtp, k=3\) \(from "
-                       r"profile lang-mtp3\) is not supported yet; pass --speculative none"):
-        ServingConfig().check_supported()
+    ServingConfig().check_supported()  # lang-mtp3: MTP speculative decoding is implemented
+    with pytest.raises(NotSupportedYetError, match=r"speculative decoding with dflash \(from "
+                       r"profile lang-dflash2\) is not supported yet"):
+        ServingConfig(profile="lang-dflash2").check_supported()
     with pytest.raises(NotSupportedYetError, match="vision input .*not supported yet"):
         ServingConfig(profile="mm-dflash2", speculative="none").check_supported()
     with pytest.raises(NotSupportedYetError, match="kv_cache_dtype fp8 is not supported yet"):
-        ServingConfig(speculative="none", kv_cache_dtype="fp8").check_supported()
+        ServingConfig(kv_cache_dtype="fp8").check_supported()
     with pytest.raises(NotSupportedYetError):  # before anything is deployed
         build_app({"profile": "lang-dflash2"})
-    ServingConfig(speculative="none").check_supported()
 
 
 def test_engine_config_and_deployment_options():
@@ -74,6 +74,9 @@ def test_engine_config_and_deployment_options():
     assert e.cache_bytes == CPU_CACHE_BYTES and e.num_blocks is None
     assert (e.tensor_parallel_size, e.decode_context_parallel_size, e.world_size) == (2, 2, 2)
     assert e.max_waiting_requests == c.max_waiting_requests and not e.with_mtp
+    assert (e.speculative_method, e.num_speculative_tokens) == (None, 0)
+    mtp = ServingConfig().engine_config("/ckpt", "cpu")
+    assert (mtp.speculative_method, mtp.num_speculative_tokens, mtp.with_mtp) == ("mtp", 3, True)
     assert c.engine_config("/ckpt", "cuda").cache_bytes is None  # sized from GPU memory
     assert c.server_deployment_options("cpu")["ray_actor_options"] == {"num_cpus": 0}
     # a pair's executor places its GPU workers itself (STRICT_PACK placement group)
@@ -107,8 +110,8 @@ def test_serve_flags_override_profile_only_when_given():
 
 
 def test_serve_refuses_unimplemented_profile_features_before_starting_ray():
-    with pytest.raises(SystemExit, match="not supported yet; pass --speculative none"):
-        main(["serve"])
+    with pytest.raises(SystemExit, match="dflash .*not supported yet; pass --speculative mtp"):
+        main(["serve", "--profile", "lang-dflash2"])
 
 
 def test_build_app_is_the_serve_import_path():
