@@ -15,6 +15,8 @@ from .forward_batch import ForwardBatch
 from .loader import DTYPES, load_model
 from .parallel import ParallelState
 from .sampler import Sampler, gather_logprobs
+from .spec.dflash import DFlashProposer
+from .spec.dflash_model import load_draft
 from .spec.mtp import MTPProposer
 from .spec.verify import accept_drafts
 from .step import StepInput, StepOutput
@@ -27,8 +29,11 @@ class ModelRunner:
                  block_size: int = 16, num_slots: int = 16, num_blocks: int | None = None,
                  cache_bytes: int | None = None, gpu_memory_utilization: float = 0.9,
                  with_mtp: bool = False, progress: bool = False,
-                 ps: ParallelState | None = None, num_spec: int = 0) -> None:
-        """`block_size` counts logical tokens per block (latent rows per rank x DCP size)."""
+                 ps: ParallelState | None = None, num_spec: int = 0,
+                 draft_model: str | None = None) -> None:
+        """`block_size` counts logical tokens per block (latent rows per rank x DCP size).
+        Speculation: `num_spec` drafts per step from the MTP layer (`with_mtp`) or from the
+        DFlash draft checkpoint `draft_model` (replicated on every rank)."""
         self.device = torch.device(device)
         self.ps = ps or ParallelState()
         self.model = load_model(model_dir, with_mtp=with_mtp,
@@ -39,7 +44,9 @@ class ModelRunner:
         if num_blocks is None and cache_bytes is None:
             cache_bytes = self._free_memory_budget(gpu_memory_utilization)
         self.with_mtp, self.num_spec = with_mtp, num_spec
-        self.proposer: MTPProposer | None = None  # any object with MTPProposer.propose
+        self.draft = (load_draft(draft_model, cache_dtype, self.device)
+                      if draft_model and num_spec else None)
+        self.proposer: MTPProposer | DFlashProposer | None = None
         # what this rank could hold; ranks agree on the smallest before allocating
         self.plan: CachePlan = plan_cache(self.config, block_size, num_slots, cache_dtype,
                                           with_mtp, num_blocks=num_blocks,
@@ -58,7 +65,10 @@ class ModelRunner:
             self.config, num_blocks, self.plan.block_size, self.plan.num_slots,
             self.model.embed_tokens.weight.dtype, self.device, self.with_mtp, self.ps,
             self.num_spec)
-        if self.with_mtp and self.num_spec:
+        if self.draft is not None:
+            self.proposer = DFlashProposer(self.model, self.draft, self.plan.num_slots,
+                                           self.num_spec)
+        elif self.with_mtp and self.num_spec:
             self.proposer = MTPProposer(self.model, self.caches, self.num_spec)
         return self.plan
 
@@ -78,7 +88,9 @@ class ModelRunner:
                                          step.slot_mapping, step.state_ids, self.device,
                                          step.num_drafts)
         tokens = torch.tensor(step.token_ids, device=self.device)
-        hidden = self.model(tokens, batch, self.caches)
+        tap_layers = getattr(self.proposer, "tap_layers", ())
+        hidden = self.model(tokens, batch, self.caches, tap_layers)
+        hidden, taps = hidden if tap_layers else (hidden, None)
         n_sample = len(step.sample_rows)
         rows = np.concatenate([step.sample_rows, step.prompt_logprob_rows])
         logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])
@@ -92,7 +104,7 @@ class ModelRunner:
                 self.model.commit_speculative(
                     batch, self.caches, torch.tensor(1 + num_accepted, device=self.device))
             if self.proposer is not None:
-                drafts = self._propose(step, hidden, num_accepted, emitted)
+                drafts = self._propose(step, hidden, taps, num_accepted, emitted)
         if self.ps.rank != 0:
             return None
         prompt_logprobs = None
@@ -103,11 +115,11 @@ class ModelRunner:
                 int(step.prompt_logprob_k.max()))
         return StepOutput(step.step_id, sampled, logprobs, prompt_logprobs, num_accepted, drafts)
 
-    def _propose(self, step: StepInput, hidden: torch.Tensor, num_accepted: np.ndarray,
-                 emitted: list[list[int]]) -> np.ndarray:
+    def _propose(self, step: StepInput, hidden: torch.Tensor, taps: torch.Tensor | None,
+                 num_accepted: np.ndarray, emitted: list[list[int]]) -> np.ndarray:
         lengths = np.diff(step.cu_seqlens)
         kept = np.where(step.num_drafts > 0, 1 + num_accepted, lengths)
         next_tokens = step.next_tokens.copy()
         for seq, tokens in zip(dict.fromkeys(step.sample_seqs.tolist()), emitted, strict=True):
             next_tokens[seq] = tokens[-1]
-        return self.proposer.propose(step, hidden, kept, next_tokens)
+        return self.proposer.propose(step, hidden, kept, next_tokens, taps)

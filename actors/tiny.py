@@ -148,3 +148,41 @@ def write_tiny_checkpoint(out_dir: str | Path, config: dict[str, Any], seed: int
                   "do_sample": True, "temperature": 1.0, "top_p": 0.95}
     (out / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
     return out
+
+
+def write_tiny_draft(out_dir: str | Path, target: ModelConfig, seed: int = 0,
+                     block_size: int = 8) -> Path:
+    """A tiny DFlash2 draft checkpoint (HF layout) matching `target`'s hidden size and
+    vocabulary: 2 layers, a 16-token sliding window (so tests cross it), block_size drafts."""
+    from .spec.dflash_model import DFlashConfig, DFlashDraftModel
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    taps = [i for i in (1, target.num_hidden_layers - 2) if i < target.num_hidden_layers]
+    config = {
+        "architectures": ["DFlash2DraftModel"], "model_type": "qwen3",
+        "hidden_size": target.hidden_size, "intermediate_size": 2 * target.hidden_size,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "head_dim": 16, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
+        "layer_types": ["sliding_attention"] * 2, "sliding_window": 16, "is_causal": False,
+        "num_target_layers": target.num_hidden_layers, "vocab_size": target.vocab_size,
+        "tie_word_embeddings": False, "dtype": "float32",
+        "dflash_config": {"block_size": block_size, "mask_token_id": target.vocab_size - 1,
+                          "target_layer_ids": taps, "conv_kernel_size": 2,
+                          "conv_group_size": 16, "selector_rank": 8, "selector_top_k": 4},
+    }
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    model = DFlashDraftModel(DFlashConfig.from_dir(out))
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.ndim == 1:
+                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=gen))
+            elif name.endswith("base_kernel"):
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.3 + torch.tensor([1.0, 0.0])
+                        .view(1, 2, 1))  # near identity: tap 0 ~ 1, tap 1 ~ 0
+            else:
+                p.copy_(torch.randn(p.shape, generator=gen) / math.sqrt(p.shape[-1]))
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()},
+              out / "model.safetensors", metadata={"format": "pt"})
+    return out

@@ -24,18 +24,22 @@ def _parse_ids(text: str) -> list[int]:
     return ids
 
 
-def _parse_speculative(text: str) -> tuple[str | None, int]:
-    """'mtp:K' (or 'mtp' = mtp:3, 'none') -> (method, K)."""
-    method, _, k = text.partition(":")
-    if method == "none" and not k:
-        return None, 0
-    if method != "mtp":
-        raise argparse.ArgumentTypeError(
-            f"--speculative {text!r}: only mtp[:K] is supported yet (dflash is not)")
+def _parse_speculative(text: str) -> tuple[str | None, int, str | None]:
+    """'mtp[:K]' (K default 3), 'dflash:PATH[:K]' (K default 7) or 'none' ->
+    (method, K, draft path)."""
+    method, _, rest = text.partition(":")
     try:
-        return method, int(k) if k else 3
+        if method == "none" and not rest:
+            return None, 0, None
+        if method == "mtp":
+            return method, int(rest) if rest else 3, None
+        if method == "dflash" and rest:
+            path, _, k = rest.partition(":")
+            return method, int(k) if k else 7, path
     except ValueError as exc:
         raise argparse.ArgumentTypeError(f"--speculative {text!r}: K must be an int") from exc
+    raise argparse.ArgumentTypeError(
+        f"--speculative {text!r}: expected none, mtp[:K] or dflash:PATH[:K]")
 
 
 def _parse_bytes(text: str) -> int:
@@ -63,6 +67,10 @@ def _parser() -> argparse.ArgumentParser:
     tiny.add_argument("--seed", type=int, default=0)
     tiny.add_argument("--layers", type=int, default=5)
     tiny.add_argument("--mtp", action="store_true", help="include the MTP layer")
+    tiny.add_argument("--dflash", action="store_true",
+                      help="write a tiny DFlash2 draft checkpoint instead (for --target)")
+    tiny.add_argument("--target", type=Path, default=None,
+                      help="with --dflash: the target checkpoint (default: the embedded tiny)")
 
     gen = sub.add_parser("generate", help="generate tokens for one or more prompts")
     gen.add_argument("--model", type=Path, default=None,
@@ -98,8 +106,9 @@ def _parser() -> argparse.ArgumentParser:
     par.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
     par.add_argument("--ep", type=int, default=1, help="expert-parallel size")
     par.add_argument("--dcp", type=int, default=1, help="decode-context-parallel size")
-    gen.add_argument("--speculative", type=_parse_speculative, default=(None, 0),
-                     metavar="mtp:K", help="speculative decoding with the MTP layer, K drafts")
+    gen.add_argument("--speculative", type=_parse_speculative, default=(None, 0, None),
+                     metavar="mtp[:K]|dflash:PATH[:K]",
+                     help="speculative decoding: the MTP layer or a DFlash2 draft, K drafts")
     _serve_parser(sub)
     return parser
 
@@ -256,7 +265,8 @@ def _generate(args: argparse.Namespace) -> int:
             num_blocks=args.num_blocks, cache_bytes=cache_bytes,
             gpu_memory_utilization=args.gpu_memory_utilization, tensor_parallel_size=args.tp,
             expert_parallel_size=args.ep, decode_context_parallel_size=args.dcp,
-            speculative_method=args.speculative[0], num_speculative_tokens=args.speculative[1])
+            speculative_method=args.speculative[0], num_speculative_tokens=args.speculative[1],
+            draft_model=args.speculative[2])
         executor = (RayExecutor(config, progress=not args.json) if config.world_size > 1
                     else InProcessExecutor(config, progress=not args.json))
         engine = LLMEngine(config, executor)
@@ -281,9 +291,16 @@ def main(argv: list[str] | None = None) -> int:
     # progress and capacity lines go to stderr; stdout carries only the results
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
     if args.command == "make-tiny":
-        from .tiny_model import make_tiny
+        from .tiny_model import embedded_tiny_model, make_tiny
 
-        path = make_tiny(args.out, seed=args.seed, layers=args.layers, mtp=args.mtp)
+        if args.dflash:
+            from glm53.actors.loader import read_config
+            from glm53.actors.tiny import write_tiny_draft
+
+            target = read_config(args.target or embedded_tiny_model())
+            path = write_tiny_draft(args.out, target, seed=args.seed)
+        else:
+            path = make_tiny(args.out, seed=args.seed, layers=args.layers, mtp=args.mtp)
         print(f"wrote tiny checkpoint to {path}")
         return 0
     if args.command == "serve":

@@ -23,8 +23,9 @@ class EngineConfig:
     expert_parallel_size: int = 1
     decode_context_parallel_size: int = 1
     max_waiting_requests: int | None = None  # bound of the waiting queue (None = unbounded)
-    speculative_method: str | None = None  # "mtp" (the checkpoint's MTP layer drafts)
+    speculative_method: str | None = None  # "mtp" (the MTP layer) or "dflash" (draft_model)
     num_speculative_tokens: int = 0  # drafts verified per step and request
+    draft_model: str | None = None  # DFlash2 draft checkpoint directory
 
     def __post_init__(self) -> None:
         checks = [
@@ -43,8 +44,10 @@ class EngineConfig:
                  self.decode_context_parallel_size) >= 1, "parallel sizes must be >= 1"),
             (self.max_waiting_requests is None or self.max_waiting_requests >= 1,
              "max_waiting_requests must be >= 1"),
-            (self.speculative_method in (None, "mtp"),
-             f"speculative method {self.speculative_method!r} is not supported yet (mtp is)"),
+            (self.speculative_method in (None, "mtp", "dflash"),
+             f"unknown speculative method {self.speculative_method!r} (mtp or dflash)"),
+            ((self.speculative_method == "dflash") == (self.draft_model is not None),
+             "speculative method dflash needs draft_model (and only it uses one)"),
             ((self.speculative_method is None) == (self.num_speculative_tokens == 0),
              "a speculative method needs num_speculative_tokens >= 1, and vice versa"),
             (0 <= self.num_speculative_tokens <= 8, "num_speculative_tokens must be in 0..8"),

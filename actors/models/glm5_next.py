@@ -97,14 +97,22 @@ class Glm5NextForCausalLM(nn.Module):
         self.mtp = MTPLayer(cfg, ps) if with_mtp else None
 
     @torch.inference_mode()
-    def forward(self, token_ids: torch.Tensor, batch: ForwardBatch,
-                caches: ModelCaches) -> torch.Tensor:
-        """token_ids: [T] -> final-normed hidden states [T, D]."""
+    def forward(self, token_ids: torch.Tensor, batch: ForwardBatch, caches: ModelCaches,
+                tap_layers: tuple[int, ...] = ()) -> torch.Tensor | tuple[torch.Tensor,
+                                                                          torch.Tensor]:
+        """token_ids: [T] -> final-normed hidden states [T, D]; with `tap_layers`, also the
+        stream-averaged output of those layers, concatenated: [T, len(tap_layers) * D]."""
         x = self.embed_tokens(token_ids)
         streams = x.unsqueeze(1).expand(-1, self.config.hc_mult, -1).contiguous()
-        for layer, state in zip(self.layers, caches.layers, strict=True):
+        taps = {}
+        for i, (layer, state) in enumerate(zip(self.layers, caches.layers, strict=True)):
             streams = layer(streams, batch, state)
-        return self.norm(streams.mean(dim=1))
+            if i in tap_layers:
+                taps[i] = streams.mean(dim=1)
+        hidden = self.norm(streams.mean(dim=1))
+        if not tap_layers:
+            return hidden
+        return hidden, torch.cat([taps[i] for i in tap_layers], dim=-1)
 
     @torch.inference_mode()
     def commit_speculative(self, batch: ForwardBatch, caches: ModelCaches,

@@ -27,7 +27,7 @@ class MTPProposer:
 
     @torch.inference_mode()
     def propose(self, step: StepInput, hidden: torch.Tensor, kept: np.ndarray,
-                next_tokens: np.ndarray) -> np.ndarray:
+                next_tokens: np.ndarray, taps: torch.Tensor | None = None) -> np.ndarray:
         """Run the MTP passes of one step.
 
         hidden: [T, D] target hidden of the step's rows; kept: [N] rows of each sequence that

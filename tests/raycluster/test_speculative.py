@@ -79,7 +79,7 @@ class OracleProposer:
         return drafts
 
 
-@pytest.mark.parametrize("k", [1, 3])
+@pytest.mark.parametrize("k", [1, 3, 7])  # 7 = a DFlash2 block's drafts
 def test_forced_acceptance_patterns_keep_outputs_exact(tiny, plain, k):
     prompts = _prompts()
     engine = _engine(tiny, k)

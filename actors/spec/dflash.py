@@ -1,0 +1,90 @@
+"""DFlash proposer: one forward of the DFlash2 draft model yields up to block_size - 1 drafts.
+
+Every kept row's target tap states become context features whose per-layer keys/values go into
+a per-slot ring of the last `sliding_window` positions (the only draft state a sequence keeps:
+5 x 2048 x 2 x 8 x 128 values for GLM's drafter, far below one KDA state). The block
+[new token, MASK x (B-1)] at the next positions then attends the ring and itself, and the
+target's lm_head + the candidate selector pick the drafts (deterministic, so verification is
+exact-match; see verify.py).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from ..models.glm5_next import Glm5NextForCausalLM
+from ..step import StepInput
+from .dflash_model import DFlashDraftModel
+
+
+class DFlashProposer:
+    def __init__(self, target: Glm5NextForCausalLM, draft: DFlashDraftModel, num_slots: int,
+                 num_spec: int) -> None:
+        cfg = draft.config
+        if num_spec > cfg.block_size - 1:
+            raise ValueError(f"DFlash block {cfg.block_size} drafts at most "
+                             f"{cfg.block_size - 1} tokens, not {num_spec}")
+        self.target, self.draft, self.num_spec = target, draft, num_spec
+        self.tap_layers = cfg.target_layer_ids
+        device = target.embed_tokens.weight.device
+        dtype = draft.fc.weight.dtype
+        w = cfg.sliding_window
+        # per slot and layer: keys and values of the last W context positions
+        self.ring = torch.zeros(num_slots, cfg.num_layers, 2, w, cfg.num_kv_heads, cfg.head_dim,
+                                dtype=dtype, device=device)
+        self.ring_pos = torch.full((num_slots, w), -1, dtype=torch.long, device=device)
+
+    @property
+    def state_bytes_per_sequence(self) -> int:
+        return self.ring[0].numel() * self.ring.element_size() + self.ring_pos[0].numel() * 8
+
+    @torch.inference_mode()
+    def propose(self, step: StepInput, hidden: torch.Tensor, kept: np.ndarray,
+                next_tokens: np.ndarray, taps: torch.Tensor | None = None) -> np.ndarray:
+        """taps: [T, n_taps * H] target tap states of the step's rows. Returns [N, num_spec]."""
+        cfg, w = self.draft.config, self.draft.config.sliding_window
+        device = hidden.device
+        n = len(kept)
+        drafts = np.full((n, self.num_spec), -1, dtype=np.int64)
+        starts = step.cu_seqlens[:-1]
+        for i in range(n):  # write context K/V of the kept rows into the slot's ring
+            if not kept[i]:
+                continue
+            slot = int(step.state_ids[i])
+            rows = torch.arange(int(starts[i]), int(starts[i] + kept[i]), device=device)
+            pos = torch.as_tensor(step.positions[rows.cpu().numpy()], device=device)
+            if int(pos[0]) == 0:
+                self.ring_pos[slot] = -1  # a new sequence in this slot
+            c = self.draft.context(taps[rows])
+            for layer_id, layer in enumerate(self.draft.layers):
+                k, v = layer.context_kv(c, pos)
+                self.ring[slot, layer_id, 0, pos % w] = k
+                self.ring[slot, layer_id, 1, pos % w] = v
+            self.ring_pos[slot, pos % w] = pos
+        drafting = np.flatnonzero((step.propose > 0) & (kept > 0))
+        if drafting.size == 0:
+            return drafts
+        slots = torch.as_tensor(step.state_ids[drafting], device=device)
+        last = torch.as_tensor(step.positions[starts[drafting] + kept[drafting] - 1],
+                               device=device)
+        b = cfg.block_size
+        positions = last[:, None] + 1 + torch.arange(b, device=device)  # [N, B]
+        ids = torch.full((len(drafting), b), cfg.mask_token_id, dtype=torch.long, device=device)
+        ids[:, 0] = torch.as_tensor(next_tokens[drafting], device=device)
+        x = self.target.embed_tokens(ids)
+        ring_pos = self.ring_pos[slots]  # [N, W]
+        visible = ((ring_pos[:, None, :] >= 0) & (ring_pos[:, None, :] <= last[:, None, None])
+                   & (positions[:, :, None] - ring_pos[:, None, :] <= w - 1))
+        for layer_id, layer in enumerate(self.draft.layers):
+            kv = self.ring[slots, layer_id]
+            x = layer(x, positions, kv[:, 0], kv[:, 1], visible)
+        h = self.draft.norm(x)[:, 1:]
+        logits = self.target.compute_logits(h.reshape(-1, h.shape[-1])).view(*h.shape[:2], -1)
+        anchor = ids[:, 0]
+        chosen = (self.draft.candidate_selector(h, logits, anchor)
+                  if self.draft.candidate_selector is not None else logits.argmax(-1))
+        drafts[drafting] = chosen[:, : self.num_spec].cpu().numpy()
+        wanted = step.propose
+        drafts[np.arange(self.num_spec)[None, :] >= wanted[:, None]] = -1
+        return drafts
