@@ -14,6 +14,7 @@ nothing is silently ignored. Parallel sizes pass through to `EngineConfig`.
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any, Literal
 
@@ -24,6 +25,11 @@ from glm53.raycluster.config import EngineConfig
 CPU_CACHE_BYTES = 256 * 2**20  # default KV/state budget on CPU when no size is given
 DEFAULT_PROFILE = "lang-mtp3"
 TINY_MODEL_NAME = "glm53-tiny"
+
+
+def _engine_has(field: str) -> bool:
+    """Whether this build's EngineConfig has `field` (features land there first)."""
+    return field in {f.name for f in dataclasses.fields(EngineConfig)}
 
 
 class NotSupportedYetError(ValueError):
@@ -161,9 +167,13 @@ class ServingConfig(BaseModel):
             return f" (from profile {self.profile})" if self.from_profile(field) else ""
 
         if self.speculative.method == "dflash":
-            problems.append(
-                f"speculative decoding with dflash{origin('speculative')} is not supported yet; "
-                "pass --speculative mtp or --speculative none")
+            if not _engine_has("draft_model"):
+                problems.append(
+                    f"speculative decoding with dflash{origin('speculative')} is not supported "
+                    "yet; pass --speculative mtp or --speculative none")
+            elif not self.speculative.draft_model:
+                problems.append(f"speculative decoding with dflash{origin('speculative')} "
+                                "needs the drafter checkpoint (--draft-model DIR)")
         if self.vision:
             problems.append(f"vision input{origin('vision')} is not supported yet; use a "
                             "lang-* profile or --no-vision")
@@ -186,13 +196,14 @@ class ServingConfig(BaseModel):
             block_size=self.block_size, num_blocks=self.num_blocks, cache_bytes=cache_bytes,
             gpu_memory_utilization=self.gpu_memory_utilization,
             with_mtp=self.speculative.method == "mtp", seed=self.seed,
-            speculative_method="mtp" if self.speculative.method == "mtp" else None,
-            num_speculative_tokens=(self.speculative.num_speculative_tokens
-                                    if self.speculative.method == "mtp" else 0),
+            speculative_method=self.speculative.method if self.speculative.enabled else None,
+            num_speculative_tokens=self.speculative.num_speculative_tokens,
             tensor_parallel_size=self.tensor_parallel_size,
             expert_parallel_size=self.expert_parallel_size,
             decode_context_parallel_size=self.decode_context_parallel_size,
-            max_waiting_requests=self.max_waiting_requests)
+            max_waiting_requests=self.max_waiting_requests,
+            **({"draft_model": self.speculative.draft_model}
+               if self.speculative.method == "dflash" else {}))
 
     def server_deployment_options(self, device: str) -> dict[str, Any]:
         """Ray Serve options of the LLM-server deployment on `device` (resolved by the caller:

@@ -54,8 +54,10 @@ def test_invalid_configs_are_rejected(bad):
 
 def test_unimplemented_features_fail_clearly():
     ServingConfig().check_supported()  # lang-mtp3: MTP speculative decoding is implemented
-    with pytest.raises(NotSupportedYetError, match=r"speculative decoding with dflash \(from "
-                       r"profile lang-dflash2\) is not supported yet"):
+    # until DFlash lands in the engine: not supported; after: it needs the drafter
+    dflash = (r"speculative decoding with dflash \(from profile lang-dflash2\) (is not "
+              r"supported yet|needs the drafter checkpoint)")
+    with pytest.raises(NotSupportedYetError, match=dflash):
         ServingConfig(profile="lang-dflash2").check_supported()
     with pytest.raises(NotSupportedYetError, match="vision input .*not supported yet"):
         ServingConfig(profile="mm-dflash2", speculative="none").check_supported()
@@ -110,7 +112,7 @@ def test_serve_flags_override_profile_only_when_given():
 
 
 def test_serve_refuses_unimplemented_profile_features_before_starting_ray():
-    with pytest.raises(SystemExit, match="dflash .*not supported yet; pass --speculative mtp"):
+    with pytest.raises(SystemExit, match="dflash .*(not supported yet|drafter checkpoint)"):
         main(["serve", "--profile", "lang-dflash2"])
 
 
@@ -123,3 +125,16 @@ def test_build_app_is_the_serve_import_path():
     build = getattr(importlib.import_module(module), name)
     app = build({"model": "/ckpt/GLM", "speculative": "none", "device": "cpu"})
     assert isinstance(app, Application)
+
+
+def test_dflash_follows_what_the_engine_supports(monkeypatch):
+    from glm53.deployments import config as config_module
+
+    monkeypatch.setattr(config_module, "_engine_has", lambda field: False)
+    with pytest.raises(NotSupportedYetError, match="is not supported yet; pass --speculative"):
+        ServingConfig(profile="lang-dflash2").check_supported()
+    monkeypatch.setattr(config_module, "_engine_has", lambda field: True)
+    with pytest.raises(NotSupportedYetError, match="needs the drafter checkpoint"):
+        ServingConfig(profile="lang-dflash2").check_supported()
+    ServingConfig(profile="lang-dflash2", speculative={
+        "method": "dflash", "draft_model": "/drafts/dflash2"}).check_supported()
