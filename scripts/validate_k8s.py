@@ -1,0 +1,464 @@
+#!/usr/bin/env python3
+"""Offline validation of k8s/ (no cluster): run by CI through tests/k8s/test_validate_k8s.py,
+or by hand: `.venv/bin/python scripts/validate_k8s.py` (exit 1 on any error).
+
+1. YAML lint (yamllint) of every YAML file and of every embedded serveConfigV2.
+2. Schemas, strict (an unknown field is an error, as in kubeconform -strict):
+   - KubeRay kinds against the v1.7.0 CRDs in ../shared/k8s-crds/ (each CRD's
+     openAPIV3Schema converted to JSON Schema; never copied into the repository);
+   - built-in and Prometheus Operator kinds against JSON Schema generated from cloudcoil's
+     models, which are generated from the upstream OpenAPI specs and CRDs.
+   Plain files and each `kubectl kustomize` rendering (when kubectl exists) are checked.
+3. Every serveConfigV2 (and k8s/serve-config.*.yaml): Ray Serve's ServeDeploySchema; the app is
+   built offline and the `deployments:` overrides are applied with Ray's own code, so a wrong
+   deployment name or option fails; `args` must validate as glm53's ServingConfig. A config
+   that parses but asks for a feature this build does not have yet (`check_supported`, which
+   `build_app` calls at start-up) is reported as a note, not an error.
+4. Conventions (design/style.md §4.5 rule 10): rayVersion = image Ray = Dockerfile = pyproject
+   pin, image tag = Dockerfile label, head without GPUs, GPU requests = limits, named ports, one
+   pair per pod matching the engine's parallel size, Serve autoscaling bounds = worker group.
+5. Monitoring (monitoring.py beside this file): promtool check/test rules, PromQL of every
+   dashboard panel parses, and every vllm:/glm53: name exists in the app's registry.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import re
+import shutil
+import subprocess
+import sys
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import yaml
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import monitoring  # noqa: E402  (scripts/ is not a package)
+
+REPO = Path(__file__).resolve().parents[1]
+K8S = REPO / "k8s"
+CRD_DIR = REPO.parent / "shared" / "k8s-crds"
+YAMLLINT_CONFIG = """
+extends: default
+rules:
+  line-length: {max: 120}
+  document-start: disable
+  comments: {min-spaces-from-content: 1}
+  truthy: {check-keys: false}
+  braces: {max-spaces-inside: 1}
+"""
+_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+UPGRADE_TYPES = {"NewCluster", "NewClusterWithIncrementalUpgrade", "None"}
+APP_IMPORT_PATH = "glm53.deployments.app:build_app"
+
+
+@dataclass
+class Report:
+    errors: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+    def extend(self, other: Report) -> None:
+        self.errors += other.errors
+        self.notes += other.notes
+
+
+# ----- schemas ------------------------------------------------------------------------------
+
+
+def strict(schema: Any, override: bool = False) -> Any:
+    """A copy in which every object that lists properties forbids others (kubeconform -strict),
+    except where Kubernetes keeps unknown fields. `override` also turns an explicit
+    `additionalProperties: true` off (pydantic writes it for models that allow extras)."""
+    if isinstance(schema, dict):
+        out = {k: strict(v, override) for k, v in schema.items()}
+        if ("properties" in out and not out.get("x-kubernetes-preserve-unknown-fields")
+                and ("additionalProperties" not in out
+                     or (override and out["additionalProperties"] is True))):
+            out["additionalProperties"] = False
+        return out
+    if isinstance(schema, list):
+        return [strict(v, override) for v in schema]
+    return schema
+
+
+def _pin(schema: dict, api_version: str, kind: str) -> dict:
+    schema = copy.deepcopy(schema)
+    props = schema.setdefault("properties", {})
+    props["apiVersion"] = {"type": "string", "enum": [api_version]}
+    props["kind"] = {"type": "string", "enum": [kind]}
+    schema["required"] = sorted(set(schema.get("required", [])) | {"apiVersion", "kind"})
+    return schema
+
+
+def crd_schemas(crd_dir: Path = CRD_DIR) -> dict[tuple[str, str], dict]:
+    """(apiVersion, kind) -> strict JSON Schema, for every served version of every CRD file."""
+    schemas = {}
+    for path in sorted(crd_dir.glob("*.yaml")):
+        # libyaml's loader: the pure-Python one takes ~20 s for the 3 MB of CRDs
+        for crd in yaml.load_all(path.read_text(), Loader=_LOADER):
+            if not crd or crd.get("kind") != "CustomResourceDefinition":
+                continue
+            group, kind = crd["spec"]["group"], crd["spec"]["names"]["kind"]
+            for version in crd["spec"]["versions"]:
+                api_version = f"{group}/{version['name']}"
+                schema = strict(version["schema"]["openAPIV3Schema"])
+                schemas[(api_version, kind)] = _pin(schema, api_version, kind)
+    return schemas
+
+
+def model_schemas() -> dict[tuple[str, str], dict]:
+    """Built-in and Prometheus Operator kinds used under k8s/, from cloudcoil's models."""
+    from cloudcoil.models.kubernetes.core import v1 as core
+    from cloudcoil.models.prometheus_operator import v1 as monitoring_v1
+
+    kinds = {("v1", "PersistentVolumeClaim"): core.PersistentVolumeClaim,
+             ("v1", "ConfigMap"): core.ConfigMap, ("v1", "Secret"): core.Secret,
+             ("v1", "Service"): core.Service,
+             ("monitoring.coreos.com/v1", "PodMonitor"): monitoring_v1.PodMonitor,
+             ("monitoring.coreos.com/v1", "ServiceMonitor"): monitoring_v1.ServiceMonitor,
+             ("monitoring.coreos.com/v1", "PrometheusRule"): monitoring_v1.PrometheusRule}
+    return {key: _pin(strict(cls.model_json_schema(by_alias=True, mode="validation"), True),
+                      *key)
+            for key, cls in kinds.items()}
+
+
+@functools.cache
+def all_schemas() -> dict[tuple[str, str], dict]:
+    return {**model_schemas(), **crd_schemas()}
+
+
+def _path(error: jsonschema.ValidationError) -> str:
+    return "$" + "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in error.absolute_path)
+
+
+def _messages(schema: dict, instance: Any, source: str) -> list[str]:
+    """One line per error; for anyOf/oneOf (pydantic's Optional) the most specific sub-error."""
+    out = []
+    validator = jsonschema.Draft202012Validator(schema)
+    for error in sorted(validator.iter_errors(instance), key=lambda e: list(e.absolute_path)):
+        while error.context:  # skip the `null` branch of Optional fields
+            real = [e for e in error.context if not (e.validator == "type"
+                                                     and e.validator_value == "null")]
+            error = jsonschema.exceptions.best_match(real or error.context)
+        out.append(f"{source}: {_path(error)}: {error.message}")
+    return out
+
+
+def validate_document(doc: dict, source: str,
+                      schemas: dict[tuple[str, str], dict] | None = None) -> list[str]:
+    schemas = all_schemas() if schemas is None else schemas
+    key = (doc.get("apiVersion"), doc.get("kind"))
+    if key not in schemas:
+        return [f"{source}: no schema for apiVersion={key[0]} kind={key[1]}"]
+    return _messages(schemas[key], doc, source)
+
+
+@functools.cache
+def serve_schema() -> dict:
+    """Ray Serve's config schema, strict: Ray's pydantic models ignore unknown fields, so a
+    misspelt deployment option (autoscalling_config) would silently do nothing."""
+    from ray.serve.schema import ServeDeploySchema
+
+    return strict(ServeDeploySchema.model_json_schema(), True)
+
+
+# ----- YAML ---------------------------------------------------------------------------------
+
+
+def lint_yaml(text: str, source: str) -> list[str]:
+    from yamllint import linter
+    from yamllint.config import YamlLintConfig
+
+    config = YamlLintConfig(YAMLLINT_CONFIG)
+    return [f"{source}:{p.line}:{p.column}: {p.message} ({p.rule})"
+            for p in linter.run(text, config) if p.level == "error"]
+
+
+def load_documents(text: str) -> list[dict]:
+    return [d for d in yaml.safe_load_all(text) if d is not None]
+
+
+# ----- serveConfigV2 ------------------------------------------------------------------------
+
+
+def _built_deployment_infos(app_name: str, config: Any) -> dict[str, Any]:
+    """The DeploymentInfos the Serve controller would get from build_app, built offline (no Ray
+    cluster) and *without* build_app's `check_supported`, which is a start-up check."""
+    from ray.serve._private.build_app import build_app as serve_build_app
+    from ray.serve._private.deploy_utils import deploy_args_to_deployment_info
+
+    from glm53.deployments.app import ingress_app, server_app
+
+    device = config.device or "cuda"
+    app = ingress_app({config.model_name: server_app(config, device)})
+    built = serve_build_app(app, name=app_name)
+    return {d.name: deploy_args_to_deployment_info(
+                deployment_name=d.name,
+                deployment_config_proto_bytes=d._deployment_config.to_proto_bytes(),
+                replica_config_proto_bytes=d._replica_config.to_proto_bytes(),
+                deployer_job_id="offline-validation", app_name=app_name,
+                ingress=d.name == built.ingress_deployment_name)
+            for d in built.deployments}
+
+
+def check_serve_config(serve_config: Any, source: str) -> tuple[Report, dict[str, Any]]:
+    """Validate one Serve config (dict). Returns the report and, per app name, the
+    ServingConfig and the final DeploymentInfos (for the convention checks)."""
+    from pydantic import ValidationError
+    from ray.serve._private.application_state import override_deployment_info
+    from ray.serve.schema import ServeDeploySchema
+
+    from glm53.deployments.config import NotSupportedYetError, ServingConfig
+
+    report, apps = Report(), {}
+    unknown = _messages(serve_schema(), serve_config, f"{source}: Ray Serve config schema")
+    if unknown:
+        report.errors += unknown
+        return report, apps
+    try:
+        schema = ServeDeploySchema.model_validate(serve_config)
+    except ValidationError as exc:
+        report.errors.append(f"{source}: Ray Serve config schema: {exc}")
+        return report, apps
+    for app in schema.applications:
+        where = f"{source}: application {app.name!r}"
+        if app.import_path != APP_IMPORT_PATH:
+            report.errors.append(f"{where}: import_path {app.import_path!r}, expected "
+                                 f"{APP_IMPORT_PATH!r}")
+            continue
+        try:
+            config = ServingConfig.model_validate(app.args or {})
+        except ValidationError as exc:
+            report.errors.append(f"{where}: args are not a valid ServingConfig: {exc}")
+            continue
+        try:
+            config.check_supported()
+        except NotSupportedYetError as exc:
+            report.notes.append(f"{where}: schema-valid, but cannot start with this build "
+                                f"(feature not implemented yet): {exc}")
+        try:
+            infos = override_deployment_info(_built_deployment_infos(app.name, config), app)
+        except (ValueError, TypeError) as exc:
+            report.errors.append(f"{where}: deployments overrides: {exc}")
+            continue
+        apps[app.name] = (config, infos)
+    return report, apps
+
+
+# ----- conventions (style rule 10) ----------------------------------------------------------
+
+
+@functools.cache
+def expected_versions() -> dict[str, str]:
+    """Ray version and image tag, from pyproject.toml and the Dockerfile (which must agree)."""
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    pin = next(d for d in project["dependencies"] if d.startswith("ray["))
+    ray_version = pin.split("==")[1]
+    dockerfile = (REPO / "Dockerfile").read_text()
+    base = re.search(r"^FROM rayproject/ray:([0-9.]+)-\S+", dockerfile, re.M)
+    label = re.search(r'org\.opencontainers\.image\.version="([^"]+)"', dockerfile)
+    return {"ray": ray_version, "image": f"glm53:{project['version']}-ray{ray_version}",
+            "dockerfile_ray": base.group(1) if base else "",
+            "dockerfile_tag": f"glm53:{label.group(1)}" if label else ""}
+
+
+def check_versions() -> list[str]:
+    v = expected_versions()
+    errors = []
+    if v["dockerfile_ray"] != v["ray"]:
+        errors.append(f"Dockerfile: base image Ray {v['dockerfile_ray']!r} != pyproject pin "
+                      f"{v['ray']!r}")
+    if v["dockerfile_tag"] != v["image"]:
+        errors.append(f"Dockerfile: image version label gives {v['dockerfile_tag']!r}, "
+                      f"expected {v['image']!r}")
+    return errors
+
+
+def _containers(pod_template: dict) -> list[dict]:
+    spec = pod_template.get("spec", {})
+    return spec.get("containers", []) + spec.get("initContainers", [])
+
+
+def check_cluster_spec(spec: dict, where: str, image: str | None = None) -> list[str]:
+    """Rule 10 on a RayClusterSpec: versions, head without GPUs, requests = limits, named
+    ports, one GPU pair per worker pod with /dev/shm and a read-only model volume."""
+    v, errors = expected_versions(), []
+    image = image or v["image"]
+    if spec.get("rayVersion") != v["ray"]:
+        errors.append(f"{where}: rayVersion {spec.get('rayVersion')!r} != image Ray {v['ray']!r}")
+    head = spec.get("headGroupSpec", {})
+    if head.get("rayStartParams", {}).get("num-gpus") != "0":
+        errors.append(f"{where}: the head must start with num-gpus: \"0\"")
+    groups = [("head", head)] + [(g.get("groupName"), g) for g in spec.get("workerGroupSpecs", [])]
+    for name, group in groups:
+        template = group.get("template", {})
+        for c in _containers(template):
+            cw = f"{where}: group {name} container {c.get('name')}"
+            if c.get("image") != image:
+                errors.append(f"{cw}: image {c.get('image')!r}, expected {image!r}")
+            res = c.get("resources", {})
+            if res.get("requests") != res.get("limits"):
+                errors.append(f"{cw}: resources.requests != resources.limits")
+            errors += [f"{cw}: port {p.get('containerPort')} has no name"
+                       for p in c.get("ports", []) if not p.get("name")]
+        if name == "head":
+            continue
+        errors += _check_pair_pod(template, f"{where}: group {name}")
+    return errors
+
+
+def _check_pair_pod(template: dict, where: str) -> list[str]:
+    errors, spec = [], template.get("spec", {})
+    volumes = {v["name"]: v for v in spec.get("volumes", [])}
+    for c in spec.get("containers", []):
+        if c.get("resources", {}).get("limits", {}).get("nvidia.com/gpu") != "2":
+            errors.append(f"{where}: a worker pod is one GPU pair (nvidia.com/gpu: \"2\")")
+        mounts = {m["mountPath"]: m for m in c.get("volumeMounts", [])}
+        shm = volumes.get(mounts.get("/dev/shm", {}).get("name"), {})
+        if shm.get("emptyDir", {}).get("medium") != "Memory":
+            errors.append(f"{where}: /dev/shm must be a memory-backed emptyDir")
+        model = mounts.get("/model")
+        pvc = volumes.get(model["name"], {}).get("persistentVolumeClaim") if model else None
+        if not model or not model.get("readOnly") or not pvc or not pvc.get("readOnly"):
+            errors.append(f"{where}: /model must be a read-only mount of a read-only PVC")
+    return errors
+
+
+def check_serve_against_cluster(apps: dict[str, Any], cluster: dict, where: str) -> list[str]:
+    """Each engine replica = one pair pod: parallel size = GPUs per pod, the replica's custom
+    resource is offered by the worker group, autoscaling bounds = the group's bounds."""
+    errors = []
+    groups = cluster.get("workerGroupSpecs", [])
+    for app_name, (config, infos) in apps.items():
+        for name, info in infos.items():
+            if not name.startswith("LLMServer:"):
+                continue
+            dw = f"{where}: application {app_name!r} deployment {name!r}"
+            resources = (info.replica_config.ray_actor_options or {}).get("resources") or {}
+            group = next((g for g in groups if all(
+                f'\\"{r}\\"' in g.get("rayStartParams", {}).get("resources", "") or
+                f'"{r}"' in g.get("rayStartParams", {}).get("resources", "")
+                for r in resources)), None) if resources else None
+            if group is None:
+                errors.append(f"{dw}: ray_actor_options.resources {resources} are offered by no "
+                              "worker group (the engine could land on the head)")
+                continue
+            gpus = group["template"]["spec"]["containers"][0]["resources"]["limits"].get(
+                "nvidia.com/gpu")
+            if str(config.world_size) != gpus:
+                errors.append(f"{dw}: engine world size {config.world_size} != GPUs per pod "
+                              f"{gpus}")
+            auto = info.deployment_config.autoscaling_config
+            if auto is not None and (auto.min_replicas, auto.max_replicas) != (
+                    group.get("minReplicas", 0), group.get("maxReplicas")):
+                errors.append(f"{dw}: autoscaling {auto.min_replicas}..{auto.max_replicas} != "
+                              f"worker group {group.get('minReplicas', 0)}.."
+                              f"{group.get('maxReplicas')}")
+    return errors
+
+
+# ----- documents and files ------------------------------------------------------------------
+
+
+def check_document(doc: dict, source: str, image: str | None = None) -> Report:
+    report = Report(errors=validate_document(doc, source))
+    kind, spec = doc.get("kind"), doc.get("spec") or {}
+    where = f"{source}: {kind} {doc.get('metadata', {}).get('name')}"
+    if kind == "RayService":
+        if spec.get("upgradeStrategy", {}).get("type") not in UPGRADE_TYPES:
+            report.errors.append(f"{where}: upgradeStrategy.type must be one of "
+                                 f"{sorted(UPGRADE_TYPES)}")
+        text = spec.get("serveConfigV2", "")
+        report.errors += lint_yaml(text, f"{where} serveConfigV2")
+        serve_report, apps = check_serve_config(yaml.safe_load(text) or {},
+                                                f"{where} serveConfigV2")
+        report.extend(serve_report)
+        cluster = spec.get("rayClusterConfig", {})
+        report.errors += check_cluster_spec(cluster, where, image)
+        report.errors += check_serve_against_cluster(apps, cluster, where)
+    elif kind == "RayCluster":
+        report.errors += check_cluster_spec(spec, where, image)
+    elif kind == "PrometheusRule":
+        test_file = K8S / "monitoring" / "prometheus-rule.glm53.promtool-test.yaml"
+        rules_report = monitoring.check_rules(doc, test_file, where)
+        report.extend(Report(rules_report[0], rules_report[1]))
+    elif kind == "ConfigMap" and any(k.endswith(".json") for k in doc.get("data", {})):
+        for key, text in doc["data"].items():
+            report.errors += monitoring.check_dashboard_text(text, f"{where} {key}")
+    return report
+
+
+def manifest_files(root: Path = K8S) -> list[Path]:
+    return sorted(p for p in root.rglob("*.yaml")
+                  if p.name != "kustomization.yaml" and not p.name.startswith("serve-config.")
+                  and not p.name.endswith(".promtool-test.yaml"))
+
+
+def kustomize(directory: Path) -> str | None:
+    kubectl = shutil.which("kubectl")
+    if kubectl is None:
+        return None
+    proc = subprocess.run([kubectl, "kustomize", str(directory)], capture_output=True,
+                          text=True, timeout=120)
+    if proc.returncode != 0:
+        raise RuntimeError(f"kubectl kustomize {directory}: {proc.stderr.strip()}")
+    return proc.stdout
+
+
+def validate_repo(root: Path = K8S) -> Report:
+    report = Report(errors=check_versions())
+    for path in sorted(root.rglob("*.yaml")):
+        report.errors += lint_yaml(path.read_text(), str(path.relative_to(REPO)))
+    for path in manifest_files(root):
+        for i, doc in enumerate(load_documents(path.read_text())):
+            report.extend(check_document(doc, f"{path.relative_to(REPO)}#{i}"))
+    for path in sorted(root.rglob("serve-config.*.yaml")):
+        serve_report, _ = check_serve_config(yaml.safe_load(path.read_text()),
+                                             str(path.relative_to(REPO)))
+        report.extend(serve_report)
+    for path in sorted(root.rglob("*.json")):
+        report.errors += monitoring.check_dashboard_text(path.read_text(),
+                                                         str(path.relative_to(REPO)))
+    for kustomization in sorted(root.rglob("kustomization.yaml")):
+        directory = kustomization.parent
+        try:
+            rendered = kustomize(directory)
+        except RuntimeError as exc:
+            report.errors.append(str(exc))
+            continue
+        if rendered is None:
+            report.notes.append(f"kubectl not found: {directory.relative_to(REPO)} not rendered")
+            continue
+        where = f"kustomize {directory.relative_to(REPO)}"
+        images = {d["newName"] + ":" + d["newTag"] for d in
+                  yaml.safe_load(kustomization.read_text()).get("images", [])}
+        for i, doc in enumerate(load_documents(rendered)):
+            if doc.get("kind") in ("RayService", "RayCluster"):
+                # serveConfigV2 etc. were checked on the plain file; only the rendering is new
+                doc_report = Report(errors=validate_document(doc, f"{where}#{i}"))
+                spec = doc["spec"].get("rayClusterConfig", doc["spec"])
+                doc_report.errors += check_cluster_spec(spec, f"{where}#{i}",
+                                                        next(iter(images), None))
+            else:
+                doc_report = Report(errors=validate_document(doc, f"{where}#{i}"))
+            report.extend(doc_report)
+    return report
+
+
+def main() -> int:
+    report = validate_repo()
+    for note in report.notes:
+        print(f"note: {note}")
+    for error in report.errors:
+        print(f"error: {error}", file=sys.stderr)
+    print(f"validate_k8s: {len(report.errors)} error(s), {len(report.notes)} note(s)")
+    return 1 if report.errors else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
