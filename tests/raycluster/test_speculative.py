@@ -57,7 +57,7 @@ class OracleProposer:
     def __init__(self, full: dict[str, list[int]], k: int) -> None:
         self.full, self.k, self.calls = full, k, 0
 
-    def propose(self, step, hidden, kept, next_tokens):
+    def propose(self, step, hidden, kept, next_tokens, taps=None):
         self.calls += 1
         drafts = np.full((len(kept), self.k), -1, dtype=np.int64)
         starts = step.cu_seqlens[:-1]
@@ -104,7 +104,7 @@ def test_all_drafts_correct_gives_full_acceptance_statistics(tiny, plain):
     full = {i: p + o for i, p, o in zip(ids, prompts, plain, strict=True)}
 
     class Perfect(OracleProposer):
-        def propose(self, step, hidden, kept, next_tokens):
+        def propose(self, step, hidden, kept, next_tokens, taps=None):
             drafts = np.full((len(kept), self.k), -1, dtype=np.int64)
             for i, rid in enumerate(step.request_ids):
                 want = int(step.propose[i])
