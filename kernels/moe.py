@@ -80,8 +80,9 @@ def fused_moe(
     valid = (local >= 0) & (local < n_local)
     key = torch.where(valid, local, n_local)
     order = torch.argsort(key, stable=True)
-    offs = torch.cumsum(torch.bincount(key, minlength=n_local + 1)[:n_local], 0,
-                        dtype=torch.int32)
+    # group e ends after the last key <= e (searchsorted: no host sync, unlike bincount)
+    bounds = torch.arange(1, n_local + 1, device=key.device)
+    offs = torch.searchsorted(key[order], bounds, right=False).to(torch.int32)
     tok = order // k
     h = _grouped_mm(x[tok], w13.transpose(1, 2), offs)  # [T*k, 2I]
     a = swiglu(h[:, : two_i // 2], h[:, two_i // 2:], swiglu_limit)

@@ -179,7 +179,8 @@ def indexer_topk(
     out = torch.empty((n_tok, width), dtype=torch.long, device=q.device)
     if n_tok == 0:
         return out
-    assert q.is_contiguous() and head_weights.is_contiguous() and pool_cache.is_contiguous()
+    q, head_weights = q.contiguous(), head_weights.contiguous()
+    assert pool_cache.is_contiguous()
     scores = torch.empty((n_tok, n_pools), dtype=torch.float32, device=q.device)
     bp = 64 if n_pools >= 64 else max(16, next_pow2(n_pools))
     indexer_score_kernel[(triton.cdiv(n_pools, bp), n_tok)](
@@ -306,8 +307,8 @@ def sparse_mla_attention(
     lse [T, H] fp32 (-inf where a query has no row on this rank)."""
     n_tok, heads, lc = q_latent.shape
     width = token_indices.shape[1]
-    assert q_latent.is_contiguous() and latent_cache.is_contiguous()
-    assert token_indices.is_contiguous()
+    q_latent, token_indices = q_latent.contiguous(), token_indices.contiguous()
+    assert latent_cache.is_contiguous()
     out = torch.empty_like(q_latent)
     lse = torch.empty((n_tok, heads), dtype=torch.float32, device=q_latent.device)
     if n_tok == 0:
