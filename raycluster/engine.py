@@ -246,17 +246,17 @@ class AsyncEngine:
         done = loop.create_future()
         self._ops.append(("add", (prompt_ids, params, request_id), done))
         self._ensure_loop(loop)
+        finished = False
         try:
             await done  # raises the rejection, if any
-            while True:
+            while not finished:
                 out = await queue.get()
+                finished = out.finished
                 yield out
-                if out.finished:
-                    return
         finally:
             self._queues.pop(request_id, None)
-            if request_id in self.engine.scheduler.requests:  # consumer left early
-                self._ops.append(("abort", request_id, None))
+            if not finished:  # the consumer left early (maybe before the add was applied):
+                self._ops.append(("abort", request_id, None))  # ops run in order
                 self._ensure_loop(loop)
 
     async def abort(self, request_id: str) -> None:

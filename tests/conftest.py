@@ -21,7 +21,8 @@ def ray_session():
     import ray
 
     if not ray.is_initialized():
-        ray.init(num_cpus=8, num_gpus=FAKE_GPUS, include_dashboard=False, log_to_driver=False,
-                 logging_level=logging.WARNING)
+        # address="local": always a private cluster, never a `ray start` one on this machine
+        ray.init(address="local", num_cpus=8, num_gpus=FAKE_GPUS, include_dashboard=False,
+                 log_to_driver=False, logging_level=logging.WARNING)
     yield ray
     ray.shutdown()
