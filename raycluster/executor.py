@@ -136,6 +136,9 @@ class RayExecutor:
         self.channel.send(step)
         out = self.channel.receive_response(alive=self._check_alive)
         if isinstance(out, Exception):
+            # a peer that died makes rank 0's collective fail: name the dead rank if it is one
+            self._ray.wait(self._loops, num_returns=1, timeout=1.0)
+            self._check_alive()
             raise WorkerError(str(out))
         return out
 
