@@ -30,7 +30,7 @@ class ModelRunner:
                  cache_bytes: int | None = None, gpu_memory_utilization: float = 0.9,
                  with_mtp: bool = False, progress: bool = False,
                  ps: ParallelState | None = None, num_spec: int = 0,
-                 draft_model: str | None = None) -> None:
+                 draft_model: str | None = None, draft_sampling: str = "greedy") -> None:
         """`block_size` counts logical tokens per block (latent rows per rank x DCP size).
         Speculation: `num_spec` drafts per step from the MTP layer (`with_mtp`) or from the
         DFlash draft checkpoint `draft_model` (replicated on every rank)."""
@@ -44,6 +44,9 @@ class ModelRunner:
         if num_blocks is None and cache_bytes is None:
             cache_bytes = self._free_memory_budget(gpu_memory_utilization)
         self.with_mtp, self.num_spec = with_mtp, num_spec
+        if draft_sampling not in ("greedy", "probabilistic"):
+            raise ValueError(f"draft sampling {draft_sampling!r}: greedy or probabilistic")
+        self.draft_sampling = draft_sampling
         self.draft = (load_draft(draft_model, cache_dtype, self.device)
                       if draft_model and num_spec else None)
         self.proposer: MTPProposer | DFlashProposer | None = None
@@ -69,7 +72,8 @@ class ModelRunner:
             self.proposer = DFlashProposer(self.model, self.draft, self.plan.num_slots,
                                            self.num_spec)
         elif self.with_mtp and self.num_spec:
-            self.proposer = MTPProposer(self.model, self.caches, self.num_spec)
+            self.proposer = MTPProposer(self.model, self.caches, self.num_spec,
+                                        probabilistic=self.draft_sampling == "probabilistic")
         return self.plan
 
     def _free_memory_budget(self, utilization: float) -> int:
@@ -94,12 +98,24 @@ class ModelRunner:
         n_sample = len(step.sample_rows)
         rows = np.concatenate([step.sample_rows, step.prompt_logprob_rows])
         logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])
-        sampled, logprobs = self.sampler(logits[:n_sample], step.sampling)
+        draft_probs = self._draft_probs(step)
+        if draft_probs is None:
+            sampled, logprobs = self.sampler(logits[:n_sample], step.sampling)
+            probs = None
+        else:
+            sampled, logprobs, probs = self.sampler(logits[:n_sample], step.sampling,
+                                                    with_probs=True)
         sampled = sampled.cpu().numpy()
         num_accepted = drafts = None
         if step.num_drafts is not None:
-            num_accepted, emitted = accept_drafts(sampled, step.sample_seqs, step.num_drafts,
-                                                  step.draft_ids)
+            num_accepted, emitted = accept_drafts(
+                sampled, step.sample_seqs, step.num_drafts, step.draft_ids, probs, draft_probs,
+                step.sampling.seeds, step.sampling.positions)
+            row = 0  # the engine reads each sequence's emitted tokens from its sample rows
+            for seq, tokens in zip(dict.fromkeys(step.sample_seqs.tolist()), emitted,
+                                   strict=True):
+                sampled[row:row + len(tokens)] = tokens
+                row += 1 + int(step.num_drafts[seq])
             if batch.defer_state is not None:
                 self.model.commit_speculative(
                     batch, self.caches, torch.tensor(1 + num_accepted, device=self.device))
@@ -114,6 +130,14 @@ class ModelRunner:
                 torch.tensor(step.prompt_logprob_targets, device=self.device),
                 int(step.prompt_logprob_k.max()))
         return StepOutput(step.step_id, sampled, logprobs, prompt_logprobs, num_accepted, drafts)
+
+    def _draft_probs(self, step: StepInput) -> list[torch.Tensor | None] | None:
+        """Per sequence, the distributions its drafts were drawn from (probabilistic MTP)."""
+        kept = getattr(self.proposer, "draft_probs", None)
+        if not kept or step.num_drafts is None:
+            return None
+        return [kept.get(rid) if k else None
+                for rid, k in zip(step.request_ids, step.num_drafts, strict=True)]
 
     def _propose(self, step: StepInput, hidden: torch.Tensor, taps: torch.Tensor | None,
                  num_accepted: np.ndarray, emitted: list[list[int]]) -> np.ndarray:

@@ -11,6 +11,7 @@ from collections.abc import Sequence
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 from glm53.kernels import ops
 
@@ -94,9 +95,12 @@ class Sampler:
     """Samples one token per logits row; stateless, so one instance serves every step."""
 
     def __call__(
-        self, logits: torch.Tensor, inputs: SamplingInputs
-    ) -> tuple[torch.Tensor, Logprobs | None]:
-        """logits [R, V] -> ([R] int64 ids on logits' device, Logprobs or None).
+        self, logits: torch.Tensor, inputs: SamplingInputs, with_probs: bool = False
+    ) -> tuple[torch.Tensor, Logprobs | None] | tuple[torch.Tensor, Logprobs | None,
+                                                      torch.Tensor]:
+        """logits [R, V] -> ([R] int64 ids on logits' device, Logprobs or None), plus with
+        `with_probs` the distribution each row was drawn from ([R, V]; one-hot for greedy
+        rows), which speculative rejection sampling needs.
 
         Penalties run only if a row uses them, temperature/truncation and noise only if a row
         is not greedy. Logprobs (numpy) come only if a row asks (num_logprobs >= 0), from
@@ -127,7 +131,14 @@ class Sampler:
         else:
             processed = ops.process_logits(logits, temperature, top_k, top_p, min_p)
             ids = ops.sample(processed, temperature, seeds, positions)
-        if not np.any(s.num_logprobs >= 0):
-            return ids, None
-        logprobs = torch.log_softmax(processed, dim=-1)
-        return ids, gather_logprobs(logprobs, ids, int(s.num_logprobs.max()))
+        logprobs = None
+        if np.any(s.num_logprobs >= 0):
+            logprobs = gather_logprobs(torch.log_softmax(processed, dim=-1), ids,
+                                       int(s.num_logprobs.max()))
+        if not with_probs:
+            return ids, logprobs
+        probs = torch.softmax(processed, dim=-1)
+        greedy = temperature == 0
+        if greedy.any():
+            probs[greedy] = F.one_hot(ids[greedy], probs.shape[-1]).to(probs.dtype)
+        return ids, logprobs, probs

@@ -26,6 +26,7 @@ class EngineConfig:
     speculative_method: str | None = None  # "mtp" (the MTP layer) or "dflash" (draft_model)
     num_speculative_tokens: int = 0  # drafts verified per step and request
     draft_model: str | None = None  # DFlash2 draft checkpoint directory
+    draft_sampling: str = "greedy"  # MTP drafts: "greedy" or "probabilistic" (sampled, p/q)
 
     def __post_init__(self) -> None:
         checks = [
@@ -51,6 +52,8 @@ class EngineConfig:
             ((self.speculative_method is None) == (self.num_speculative_tokens == 0),
              "a speculative method needs num_speculative_tokens >= 1, and vice versa"),
             (0 <= self.num_speculative_tokens <= 8, "num_speculative_tokens must be in 0..8"),
+            (self.draft_sampling in ("greedy", "probabilistic"),
+             "draft_sampling must be greedy or probabilistic"),
         ]
         for ok, message in checks:
             if not ok:

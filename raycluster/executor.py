@@ -38,7 +38,8 @@ def runner_kwargs(config: EngineConfig) -> dict:
                 cache_bytes=config.cache_bytes,
                 gpu_memory_utilization=config.gpu_memory_utilization,
                 with_mtp=config.with_mtp or config.speculative_method == "mtp",
-                num_spec=config.num_speculative_tokens, draft_model=config.draft_model)
+                num_spec=config.num_speculative_tokens, draft_model=config.draft_model,
+                draft_sampling=config.draft_sampling)
 
 
 class InProcessExecutor:

@@ -4,7 +4,9 @@ Pass 0 runs the MTP layer over every row the target just computed and kept (its 
 indexer caches must cover every position), each row fed the target's final hidden state and the
 token that follows it; the last kept row of a drafting request yields draft 1. Passes 1..k-1
 feed the MTP layer its own output and the previous draft, one row per drafting request, at the
-next positions. Drafts are greedy (argmax), so verification is exact-match (see verify.py).
+next positions. Greedy drafts (argmax, the default) are verified by exact match; probabilistic
+drafts are drawn from the MTP distribution under the request's sampling settings, and their
+distributions are kept (per request, until the next step) for the min(1, p/q) rule.
 Rows written at positions that end up rejected are simply overwritten later.
 """
 
@@ -12,18 +14,25 @@ from __future__ import annotations
 
 import numpy as np
 import torch
+import torch.nn.functional as F
+
+from glm53.kernels import ops
 
 from ..caches import ModelCaches
 from ..forward_batch import ForwardBatch, slot_mapping_for
 from ..models.glm5_next import Glm5NextForCausalLM
 from ..step import StepInput
+from .verify import DRAFT_SALT
 
 
 class MTPProposer:
-    def __init__(self, model: Glm5NextForCausalLM, caches: ModelCaches, num_spec: int) -> None:
+    def __init__(self, model: Glm5NextForCausalLM, caches: ModelCaches, num_spec: int,
+                 probabilistic: bool = False) -> None:
         if model.mtp is None:
             raise ValueError("MTP speculation needs the model's MTP layer (with_mtp)")
         self.model, self.caches, self.num_spec = model, caches, num_spec
+        self.probabilistic = probabilistic
+        self.draft_probs: dict[str, torch.Tensor] = {}  # request id -> [k, V] of its drafts
 
     @torch.inference_mode()
     def propose(self, step: StepInput, hidden: torch.Tensor, kept: np.ndarray,
@@ -61,7 +70,9 @@ class MTPProposer:
             return drafts
         last = torch.tensor(cu[1:][drafting] - 1, device=device)
         h = mtp_hidden[last]
-        token = self.model.compute_logits(h).argmax(dim=-1)
+        draw = self._drawer(step, drafting, device)
+        token, q = draw(self.model.compute_logits(h), 0)
+        probs = [q]
         drafts[drafting, 0] = token.cpu().numpy()
         pos_last = pos[cu[1:][drafting] - 1]
         tables, slots = block_tables[drafting], state_ids[drafting]
@@ -72,7 +83,38 @@ class MTPProposer:
                 p, ones, tables, slot_mapping_for(p, np.arange(len(drafting)), tables, bs),
                 slots, device)
             h = self.model.forward_mtp(h, token, b, self.caches)
-            token = self.model.compute_logits(h).argmax(dim=-1)
+            token, q = draw(self.model.compute_logits(h), j)
+            probs.append(q)
             drafts[drafting, j] = token.cpu().numpy()
         drafts[np.arange(self.num_spec)[None, :] >= wanted[:, None]] = -1
+        self.draft_probs = ({} if not self.probabilistic else {
+            step.request_ids[i]: torch.stack([p[n] for p in probs])
+            for n, i in enumerate(drafting)})
         return drafts
+
+    def _drawer(self, step: StepInput, drafting: np.ndarray, device: torch.device):
+        """draw(logits [N, V], j) -> (draft tokens [N], their distributions [N, V] or None)."""
+        if not self.probabilistic:
+            return lambda logits, j: (logits.argmax(dim=-1), None)
+        # each drafting sequence's sampling settings and keys: its last sample row's
+        rows = np.array([np.flatnonzero(step.sample_seqs == i)[-1] for i in drafting])
+        s = step.sampling
+
+        def col(a: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
+            return torch.tensor(a[rows], dtype=dtype, device=device)
+
+        temp, top_k, top_p, min_p = (col(s.temperature, torch.float32),
+                                     col(s.top_k, torch.long), col(s.top_p, torch.float32),
+                                     col(s.min_p, torch.float32))
+        seeds = col(s.seeds, torch.long) ^ DRAFT_SALT
+        base = col(s.positions, torch.long) + 1
+
+        def draw(logits: torch.Tensor, j: int) -> tuple[torch.Tensor, torch.Tensor]:
+            processed = ops.process_logits(logits.float(), temp, top_k, top_p, min_p)
+            token = ops.sample(processed, temp, seeds, base + j)
+            q = torch.softmax(processed, dim=-1)
+            greedy = temp == 0
+            q[greedy] = F.one_hot(token[greedy], q.shape[-1]).to(q.dtype)
+            return token, q
+
+        return draw

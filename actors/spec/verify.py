@@ -1,36 +1,69 @@
-"""Verification of drafts against the target's own samples.
+"""Verification of drafts against the target.
 
 Every verify row is sampled exactly as plain decoding would sample that position (same seeded
-noise, same processing), and a draft is accepted while it equals the target's sample. For a
-deterministic draft (greedy MTP, DFlash) this *is* rejection sampling with q = one-hot: the
-draft survives with probability p(d), and on rejection the emitted token is the target's sample
-conditioned on differing from d, i.e. the normalised residual. It also makes speculative output
-token-identical to non-speculative output, greedy or seeded.
+noise, same processing). A deterministic draft (greedy MTP, DFlash) is accepted while it equals
+the target's sample: that *is* rejection sampling with q = one-hot (the draft survives with
+probability p(d); on rejection the emitted token is the target's sample conditioned on
+differing from d, i.e. the normalised residual), and it keeps speculative output
+token-identical to plain decoding. A draft drawn from a distribution q (probabilistic MTP)
+goes through the min(1, p/q) rule of kernels/ref/rejection.py with request-seeded uniforms.
 """
 
 from __future__ import annotations
 
 import numpy as np
+import torch
+
+from glm53.kernels.ref.rejection import rejection_sample
+from glm53.kernels.ref.sampling import random_uniform
+
+# seed streams of the acceptance tests and the residual draw, distinct from the sampler's
+ACCEPT_SALT, RESIDUAL_SALT, DRAFT_SALT = 0x5EED_ACCE, 0x5EED_2E51, 0x5EED_D2AF
 
 
 def accept_drafts(sampled: np.ndarray, sample_seqs: np.ndarray, num_drafts: np.ndarray,
-                  draft_ids: np.ndarray) -> tuple[np.ndarray, list[list[int]]]:
+                  draft_ids: np.ndarray, probs: torch.Tensor | None = None,
+                  draft_probs: list[torch.Tensor | None] | None = None,
+                  seeds: np.ndarray | None = None,
+                  positions: np.ndarray | None = None) -> tuple[np.ndarray, list[list[int]]]:
     """Per sequence: accepted draft count and the emitted tokens.
 
     sampled: [R] target samples of the sample rows (sequence s has 1 + num_drafts[s] rows, in
-    order); draft_ids: [N, K] drafts (-1 padded). Returns (accepted [N], emitted per sampling
-    sequence, in sample_seqs order: drafts d_1..d_a then the target's token at row a).
+    order); draft_ids: [N, K] drafts (-1 padded). For sequences with `draft_probs[s]` ([k, V],
+    the drafts' distributions) `probs` ([R, V] target distributions), `seeds` and `positions`
+    ([R], the sampler's keys) drive the rejection rule. Returns (accepted [N], emitted per
+    sampling sequence in sample_seqs order: accepted drafts, then the final token).
     """
     accepted = np.zeros(len(num_drafts), dtype=np.int64)
     emitted: list[list[int]] = []
     row = 0
     for seq in dict.fromkeys(sample_seqs.tolist()):
         k = int(num_drafts[seq])
-        rows = sampled[row:row + 1 + k]
-        a = 0
-        while a < k and rows[a] == draft_ids[seq, a]:
-            a += 1
+        q = draft_probs[seq] if draft_probs is not None and k else None
+        if q is not None:
+            a, tokens = _rejection(sampled, probs, q[:k], draft_ids[seq, :k], seeds, positions,
+                                   row, k)
+        else:
+            rows = sampled[row:row + 1 + k]
+            a = 0
+            while a < k and rows[a] == draft_ids[seq, a]:
+                a += 1
+            tokens = [int(t) for t in rows[: a + 1]]
         accepted[seq] = a
-        emitted.append([int(t) for t in rows[: a + 1]])
+        emitted.append(tokens)
         row += 1 + k
     return accepted, emitted
+
+
+def _rejection(sampled, probs, q, drafts, seeds, positions, row, k) -> tuple[int, list[int]]:
+    device = probs.device
+    seed = torch.tensor([int(seeds[row])], device=device)
+    keys = torch.tensor(positions[row:row + k], device=device)
+    uniform = random_uniform(seed.expand(k) ^ ACCEPT_SALT, keys, 1)[:, 0]
+    residual_u = random_uniform(seed ^ RESIDUAL_SALT, keys[:1], probs.shape[-1])
+    a, out = rejection_sample(probs[row:row + k + 1].unsqueeze(0), q.unsqueeze(0).to(probs),
+                              torch.as_tensor(drafts, device=device).unsqueeze(0),
+                              uniform.unsqueeze(0), residual_u,
+                              torch.tensor([int(sampled[row + k])], device=device))
+    a = int(a[0])
+    return a, [int(t) for t in out[0, : a + 1]]

@@ -38,3 +38,24 @@ def test_emitted_tokens_follow_the_target_distribution():
     assert abs(accepted.mean() - probs[0, draft]) < 0.03
     second = np.array([e[1] for e, a in zip(emitted, accepted, strict=True) if a == 1])
     assert _chi2_ok(np.bincount(second, minlength=vocab), probs[1])
+
+
+def test_probabilistic_drafts_follow_the_target_distribution():
+    vocab, n = 5, 6000
+    gen = torch.Generator().manual_seed(1)
+    logits = torch.randn(2, vocab, generator=gen)
+    q = torch.softmax(torch.randn(vocab, generator=gen), -1)  # the drafter's distribution
+    params = SamplingParams(temperature=1.0)
+    drafts = torch.multinomial(q, n, replacement=True, generator=gen).numpy()
+    rows, seqs = [], []
+    for s in range(n):
+        rows += [(params, s, 0, (), (), ()), (params, s, 1, (), (int(drafts[s]),), ())]
+        seqs += [s, s]
+    inputs = build_sampling_inputs(rows)
+    sampled, _, probs = Sampler()(logits.repeat(n, 1), inputs, with_probs=True)
+    accepted, emitted = accept_drafts(sampled.numpy(), np.asarray(seqs), np.ones(n, np.int64),
+                                      drafts[:, None], probs, [q[None]] * n, inputs.seeds,
+                                      inputs.positions)
+    p = torch.softmax(logits, -1).double().numpy()
+    assert _chi2_ok(np.bincount([e[0] for e in emitted], minlength=vocab), p[0])
+    assert 0 < accepted.mean() < 1

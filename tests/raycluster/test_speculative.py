@@ -145,9 +145,10 @@ def test_rejection_sampling_matches_the_target_distribution():
     q = torch.softmax(torch.randn(k, vocab, generator=gen) * 1.5, -1)
     drafts = torch.stack([torch.multinomial(q[j], n, replacement=True, generator=gen)
                           for j in range(k)], dim=1)
-    uniform = torch.rand(n, k, generator=gen)
+    bonus = torch.multinomial(p[k], n, replacement=True, generator=gen)
     accepted, emitted = rejection_sample(p.expand(n, -1, -1), q.expand(n, -1, -1), drafts,
-                                         uniform, gen)
+                                         torch.rand(n, k, generator=gen),
+                                         torch.rand(n, vocab, generator=gen), bonus)
     # the first emitted token is distributed as p_0 whatever the draft distribution
     counts = torch.bincount(emitted[:, 0], minlength=vocab).double()
     expected = p[0].double() * n
@@ -159,6 +160,21 @@ def test_rejection_sampling_matches_the_target_distribution():
     counts = torch.bincount(second, minlength=vocab).double()
     expected = p[1].double() * len(second)
     assert float(((counts - expected) ** 2 / expected).sum()) < _chi2_critical(vocab - 1)
+    assert (emitted[accepted == k, k] == bonus[accepted == k]).all()
+
+
+def test_probabilistic_mtp_drafts_keep_greedy_output_exact(tiny, plain):
+    engine = _engine(tiny, 3, draft_sampling="probabilistic")
+    assert engine.generate(_prompts(), GREEDY) == plain
+    assert engine.spec_stats.num_drafts > 0
+
+
+def test_probabilistic_mtp_sampled_run_completes_with_rejections(tiny):
+    engine = _engine(tiny, 3, draft_sampling="probabilistic")
+    params = SamplingParams(max_tokens=12, temperature=1.0, seed=3, ignore_eos=True)
+    outs = engine.generate(_prompts(4), params)
+    assert [len(o) for o in outs] == [12] * 4
+    assert engine.spec_stats.num_drafts > engine.spec_stats.num_accepted
 
 
 def test_state_memory_per_sequence_stays_within_two_kda_states(tiny):
