@@ -31,8 +31,6 @@ RULE = REPO / "k8s" / "monitoring" / "prometheus-rule.glm53.yaml"
 RATE = "20s"  # $__rate_interval here: scrapes every second, a short test
 # Targets whose series are legitimately absent today (asserted: the query succeeds).
 MAY_BE_EMPTY = {
-    ("Acceptance rate by draft position", "A"):
-        "no draft positions exist while speculation is off (`--speculative none`)",
     ("GPU utilization", "A"): "the session cluster's GPUs are fake; Ray reports no utilization",
 }
 
@@ -73,13 +71,14 @@ def _stop(proc: subprocess.Popen, sig: int = signal.SIGINT, timeout: float = 60)
 
 @pytest.fixture(scope="module")
 def serve_url(ray_session, tmp_path_factory):
-    """`glm53 serve` (tiny model, CPU, speculation off) joined to the session's Ray cluster."""
+    """`glm53 serve` (tiny model, CPU, default profile) joined to the session's Ray cluster."""
     node = ray_session._private.worker._global_node
     port = _free_port()
     log = tmp_path_factory.mktemp("serve") / "serve.log"
     env = {**os.environ, "RAY_ADDRESS": node.gcs_address}
-    cmd = [str(Path(sys.executable).parent / "glm53"), "serve", "--speculative", "none",
-           "--device", "cpu", "--host", "127.0.0.1", "--port", str(port)]
+    # the default profile (lang-mtp3): MTP speculation on the embedded tiny checkpoint
+    cmd = [str(Path(sys.executable).parent / "glm53"), "serve", "--device", "cpu",
+           "--host", "127.0.0.1", "--port", str(port)]
     with log.open("w") as out:
         proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
@@ -200,7 +199,7 @@ def test_dashboard_queries_return_data_and_render(serve_url, prometheus, tmp_pat
     data = render.query_panels(prometheus, dashboard, start - 30, end, 1.0,
                                {"__rate_interval": RATE})
     out = tmp_path / "dashboard.png"
-    render.render(dashboard, data, out, subtitle="(live: glm53 serve, tiny model, CPU)")
+    render.render(dashboard, data, out, subtitle="(live: glm53 serve, tiny model with MTP, CPU)")
     assert out.stat().st_size > 50_000
     if os.environ.get("GLM53_DASHBOARD_PNG"):
         target = Path(os.environ["GLM53_DASHBOARD_PNG"])
