@@ -10,6 +10,7 @@ are no-ops when TP is off (outputs are then already complete on every rank).
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -92,6 +93,9 @@ def init_process_group(rank: int, world_size: int, address: str, device: torch.d
     """Join the engine's process group (`address`: tcp://host:port of rank 0)."""
     if world_size == 1 or dist.is_initialized():
         return
+    # NVLink multicast (NVLS) off: on shared hosts it can take GPUs out of service; NCCL reads
+    # it when the communicator is created, in this process
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
     backend = "nccl" if device.type == "cuda" else "gloo"
     dist.init_process_group(backend, init_method=address, rank=rank, world_size=world_size)
 
