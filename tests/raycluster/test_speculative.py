@@ -54,8 +54,8 @@ class OracleProposer:
     """Drafts from the known greedy continuation, corrupted by a per-step pattern, so that
     steps with every draft accepted, none, some, and no drafts at all are all exercised."""
 
-    def __init__(self, full: dict[str, list[int]], k: int) -> None:
-        self.full, self.k, self.calls = full, k, 0
+    def __init__(self, full: dict[str, list[int]], k: int, corrupt: bool = True) -> None:
+        self.full, self.k, self.calls, self.corrupt = full, k, 0, corrupt
 
     def propose(self, step, hidden, kept, next_tokens, taps=None):
         self.calls += 1
@@ -67,7 +67,7 @@ class OracleProposer:
                 continue
             last = int(step.positions[starts[i] + kept[i] - 1])  # last kept position
             truth = self.full[rid][last + 2:last + 2 + want]
-            mode = (self.calls + i) % 4
+            mode = (self.calls + i) % 4 if self.corrupt else 0
             if mode == 1:  # no drafts for this request this step
                 continue
             guess = list(truth)
@@ -103,18 +103,7 @@ def test_all_drafts_correct_gives_full_acceptance_statistics(tiny, plain):
     ids = [engine.add_request(p, GREEDY) for p in prompts]
     full = {i: p + o for i, p, o in zip(ids, prompts, plain, strict=True)}
 
-    class Perfect(OracleProposer):
-        def propose(self, step, hidden, kept, next_tokens, taps=None):
-            drafts = np.full((len(kept), self.k), -1, dtype=np.int64)
-            for i, rid in enumerate(step.request_ids):
-                want = int(step.propose[i])
-                if want and kept[i]:
-                    last = int(step.positions[step.cu_seqlens[i] + kept[i] - 1])
-                    truth = self.full[rid][last + 2:last + 2 + want]
-                    drafts[i, : len(truth)] = truth
-            return drafts
-
-    engine.executor.runner.proposer = Perfect(full, k)
+    engine.executor.runner.proposer = OracleProposer(full, k, corrupt=False)
     out = {i: [] for i in ids}
     while engine.has_unfinished:
         for o in engine.step():
