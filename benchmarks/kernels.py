@@ -64,6 +64,12 @@ def bench_kda_decode(rows, gen, quick):
             nbytes = batch * heads * 128 * 128 * 4 * 2
             row = dict(kernel="kda_decode", heads=heads, batch=batch, ours_us=ours * 1e3,
                        bytes=nbytes, bw_pct=100 * nbytes / (ours * 1e-3) / BW)
+            if fla is None:  # graph replay (fla's wrapper was the suspect of the illegal access)
+                ours_g = _ms(lambda: kda.kda_attention(q, k, v, g, beta, state, cu, ids, init),
+                             True)
+                row.update(ours_graph_us=ours_g * 1e3,
+                           graph_bw_pct=100 * nbytes / (ours_g * 1e-3) / BW)
+            print(json.dumps(row), flush=True)
             if fla is not None:
                 qc, kc, vc = (x.contiguous().unsqueeze(1) for x in (q, k, v))
                 gc, bc = g.unsqueeze(1), beta.unsqueeze(1)

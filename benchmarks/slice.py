@@ -188,12 +188,16 @@ def main() -> None:
     ap.add_argument("--no-graphs", action="store_true")
     ap.add_argument("--hf-decode", default="1x2048,16x2048",
                     help="transformers decode cases BATCHxCONTEXT (it prefills each first)")
+    ap.add_argument("--decode", default="1x2048,16x2048,64x2048,1x32768,16x32768,64x32768",
+                    help="our decode cases BATCHxCONTEXT")
+    ap.add_argument("--prefill", default="4096,16384", help="prefill lengths (both models)")
     args = ap.parse_args()
     config = slice_config()
     cfg = ModelConfig.from_hf(config)
-    ours_decode = [(b, c) for c in (2048, 32768) for b in (1, 16, 64)]
-    hf_decode = [tuple(int(v) for v in case.split("x")) for case in args.hf_decode.split(",")]
-    prefill = [4096, 16384]
+    def cases(text: str) -> list[tuple[int, int]]:
+        return [tuple(int(v) for v in case.split("x")) for case in text.split(",") if case]
+    ours_decode, hf_decode = cases(args.decode), cases(args.hf_decode)
+    prefill = [int(n) for n in args.prefill.split(",") if n]
     rows: list[dict] = []
     bench_ours(cfg, ours_decode, prefill, rows, graphs=not args.no_graphs)
     try:
