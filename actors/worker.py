@@ -41,6 +41,11 @@ class Worker:
     def rendezvous_address(self) -> str:
         return free_address()
 
+    def node_id(self) -> str:
+        import ray
+
+        return ray.get_runtime_context().get_node_id()
+
     def setup(self, address: str, model_dir: str, runner_kwargs: dict) -> tuple[ModelConfig,
                                                                                 CachePlan]:
         """Join the group, load this rank's shard, and return (config, what it could hold)."""
