@@ -21,7 +21,8 @@ import triton.language as tl
 
 from .utils import INTERPRET, log2_ceil, next_pow2, seq_of_token
 
-__all__ = ["causal_conv1d", "gated_rms_norm", "kda_attention", "kda_gate"]
+__all__ = ["causal_conv1d", "conv_commit", "gated_rms_norm", "kda_attention", "kda_commit",
+           "kda_gate"]
 
 
 @triton.jit
@@ -56,10 +57,12 @@ def causal_conv1d_fwd_kernel(x, weight, conv_state, y, cu_seqlens, state_ids, ha
 
 @triton.jit
 def causal_conv1d_state_kernel(x, conv_state, cu_seqlens, state_ids, has_initial_state, defer,
-                               C, stride_x, W: tl.constexpr, BW: tl.constexpr, BC: tl.constexpr,
-                               HAS_DEFER: tl.constexpr):
+                               num_accepted, C, stride_x, W: tl.constexpr, BW: tl.constexpr,
+                               BC: tl.constexpr, HAS_DEFER: tl.constexpr, HAS_ACC: tl.constexpr):
     i_n, i_c = tl.program_id(0), tl.program_id(1)
     bos, eos = tl.load(cu_seqlens + i_n), tl.load(cu_seqlens + i_n + 1)
+    if HAS_ACC:  # commit after verification: only the accepted prefix enters the window
+        eos = bos + tl.load(num_accepted + i_n)
     i_s = tl.load(state_ids + i_n)
     init = tl.load(has_initial_state + i_n) != 0
     o_c = i_c * BC + tl.arange(0, BC)
@@ -108,9 +111,32 @@ def causal_conv1d(
                                        LOG_N=log2_ceil(n_seq), W=width, BT=bt, BC=bc)
     if n_seq:
         causal_conv1d_state_kernel[(n_seq, triton.cdiv(chans, bc))](
-            x, conv_state, cu_seqlens, state_ids, has_initial_state, defer, chans, x.stride(0),
-            W=width, BW=next_pow2(width), BC=bc, HAS_DEFER=defer is not None)
+            x, conv_state, cu_seqlens, state_ids, has_initial_state, defer, None, chans,
+            x.stride(0), W=width, BW=next_pow2(width), BC=bc, HAS_DEFER=defer is not None,
+            HAS_ACC=False)
     return y
+
+
+def conv_commit(
+    x: torch.Tensor,
+    conv_state: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    state_ids: torch.Tensor,
+    has_initial_state: torch.Tensor,
+    num_accepted: torch.Tensor,
+) -> None:
+    """Advance deferred conv windows past the first num_accepted[i] rows of each sequence.
+
+    x: [T, C] pre-conv inputs the verify step ran on; conv_state: [S, C, K-1]; cu_seqlens:
+    [N+1]; state_ids, has_initial_state, num_accepted: [N]."""
+    chans, width = conv_state.shape[1], conv_state.shape[2]
+    n_seq = cu_seqlens.shape[0] - 1
+    assert x.stride(1) == 1 and conv_state.is_contiguous()
+    if n_seq:
+        bc = 128 if INTERPRET else 256
+        causal_conv1d_state_kernel[(n_seq, triton.cdiv(chans, bc))](
+            x, conv_state, cu_seqlens, state_ids, has_initial_state, None, num_accepted, chans,
+            x.stride(0), W=width, BW=next_pow2(width), BC=bc, HAS_DEFER=False, HAS_ACC=True)
 
 
 @triton.jit
@@ -148,11 +174,13 @@ def kda_gate(
 
 @triton.jit
 def kda_recurrent_kernel(q, k, v, g, beta, state, o, cu_seqlens, state_ids, has_initial_state,
-                         defer, scale, stride_q, stride_k, stride_v, H: tl.constexpr,
-                         K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-                         HAS_DEFER: tl.constexpr):
+                         defer, num_accepted, scale, stride_q, stride_k, stride_v,
+                         H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
+                         BV: tl.constexpr, HAS_DEFER: tl.constexpr, HAS_ACC: tl.constexpr):
     i_v, i_h, i_n = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     bos, eos = tl.load(cu_seqlens + i_n), tl.load(cu_seqlens + i_n + 1)
+    if HAS_ACC:  # commit: replay only the accepted prefix, outputs are not needed
+        eos = bos + tl.load(num_accepted + i_n)
     i_s = tl.load(state_ids + i_n).to(tl.int64)
     init = tl.load(has_initial_state + i_n) != 0
     o_k = tl.arange(0, BK)
@@ -172,8 +200,9 @@ def kda_recurrent_kernel(q, k, v, g, beta, state, o, cu_seqlens, state_ids, has_
         b_h = b_h * tl.exp(b_g)[:, None]
         b_u = (b_v - tl.sum(b_h * b_k[:, None], 0)) * b_beta
         b_h += b_k[:, None] * b_u[None, :]
-        b_o = tl.sum(b_h * b_q[:, None], 0)
-        tl.store(o + (i_t * H + i_h) * V + o_v, b_o.to(o.dtype.element_ty), mask=m_v)
+        if not HAS_ACC:
+            b_o = tl.sum(b_h * b_q[:, None], 0)
+            tl.store(o + (i_t * H + i_h) * V + o_v, b_o.to(o.dtype.element_ty), mask=m_v)
     if HAS_DEFER:
         m_h = m_h & (tl.load(defer + i_n) == 0)
     tl.store(p_h, b_h.to(state.dtype.element_ty), mask=m_h)
@@ -227,10 +256,40 @@ def kda_attention(
     bv = min(next_pow2(dv), 32 if INTERPRET else 16)
     grid = (triton.cdiv(dv, bv), heads, n_seq)
     kda_recurrent_kernel[grid](q, k, v, g, beta, state, o, cu_seqlens, state_ids,
-                               has_initial_state, defer, dk ** -0.5, q.stride(0), k.stride(0),
-                               v.stride(0), H=heads, K=dk, V=dv, BK=bk, BV=bv,
-                               HAS_DEFER=defer is not None, num_warps=1 if bk * bv <= 2048 else 4)
+                               has_initial_state, defer, None, dk ** -0.5, q.stride(0),
+                               k.stride(0), v.stride(0), H=heads, K=dk, V=dv, BK=bk, BV=bv,
+                               HAS_DEFER=defer is not None, HAS_ACC=False,
+                               num_warps=1 if bk * bv <= 2048 else 4)
     return o
+
+
+def kda_commit(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    state_ids: torch.Tensor,
+    has_initial_state: torch.Tensor,
+    num_accepted: torch.Tensor,
+) -> None:
+    """Write each deferred sequence's state after its first num_accepted[i] tokens: the
+    recurrence replayed in place from the committed state (shapes as in `kda_attention`)."""
+    heads, dk = q.shape[1], q.shape[2]
+    dv = v.shape[-1]
+    n_seq = cu_seqlens.shape[0] - 1
+    for t, d in ((q, dk), (k, dk), (v, dv)):
+        assert t.stride(2) == 1 and t.stride(1) == d, "heads must be packed within a row"
+    assert g.is_contiguous() and beta.is_contiguous() and state.is_contiguous()
+    if n_seq == 0:
+        return
+    bk, bv = next_pow2(dk), min(next_pow2(dv), 32 if INTERPRET else 16)
+    kda_recurrent_kernel[(triton.cdiv(dv, bv), heads, n_seq)](
+        q, k, v, g, beta, state, None, cu_seqlens, state_ids, has_initial_state, None,
+        num_accepted, dk ** -0.5, q.stride(0), k.stride(0), v.stride(0), H=heads, K=dk, V=dv,
+        BK=bk, BV=bv, HAS_DEFER=False, HAS_ACC=True, num_warps=1 if bk * bv <= 2048 else 4)
 
 
 def _kda_chunk_fla(chunk, q, k, v, g, beta, state, cu_seqlens, state_ids, has_initial_state):

@@ -97,3 +97,31 @@ def test_gated_rms_norm_matches_ref():
     w = torch.randn(10, generator=g)
     out = kda.gated_rms_norm(x.to(DEVICE), z.to(DEVICE), w.to(DEVICE), 1e-5)
     assert rel_err(out, ref.gated_rms_norm(x, z, w, 1e-5)) < TOL
+
+
+def test_commit_kernels_match_ref():
+    """After a verify step with deferred writes: replay the accepted prefixes (0..all tokens)
+    into the conv windows and recurrent states."""
+    from glm53.kernels import kda
+
+    g = torch.Generator().manual_seed(6)
+    lens, heads, dk, dv, chans = [4, 1, 5], 2, 12, 10, 19
+    cu, ids, init = _batch(lens, [2, 0, 3], [True, False, True])
+    acc = torch.tensor([2, 0, 5])
+    t = sum(lens)
+    q, k = torch.randn(t, heads, dk, generator=g), torch.randn(t, heads, dk, generator=g)
+    v = torch.randn(t, heads, dv, generator=g)
+    gate = -5 * torch.sigmoid(torch.randn(t, heads, dk, generator=g))
+    beta = torch.sigmoid(torch.randn(t, heads, generator=g))
+    state = torch.randn(4, heads, dk, dv, generator=g)
+    x = torch.randn(t, chans, generator=g)
+    conv = torch.randn(4, chans, 3, generator=g)
+    s_ref, c_ref = state.clone(), conv.clone()
+    ref.kda_commit(q, k, v, gate, beta, s_ref, cu.cpu(), ids.cpu(), init.cpu(), acc)
+    ref.conv_commit(x, c_ref, cu.cpu(), ids.cpu(), init.cpu(), acc)
+    s_dev, c_dev = state.to(DEVICE), conv.to(DEVICE)
+    kda.kda_commit(*(a.to(DEVICE) for a in (q, k, v, gate, beta)), s_dev, cu, ids, init,
+                   acc.to(DEVICE))
+    kda.conv_commit(x.to(DEVICE), c_dev, cu, ids, init, acc.to(DEVICE))
+    assert rel_err(s_dev, s_ref) < TOL
+    assert torch.equal(c_dev.cpu(), c_ref)
