@@ -9,7 +9,7 @@ Derived values are properties; nothing is written back.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 KDA = "kda"
@@ -69,7 +69,6 @@ class ModelConfig:
     pad_token_id: int | None = None
     has_vision: bool = False
     fp8_block_size: tuple[int, int] | None = None  # official FP8 release: (128, 128) block scales
-    raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     # ----- derived -----
     @property
@@ -123,10 +122,10 @@ class ModelConfig:
             if key not in merged and key in config:
                 merged[key] = config[key]
         has_vision = config.get("vision_config") is not None
-        return cls._from_text(merged, raw=config, has_vision=has_vision)
+        return cls._from_text(merged, has_vision=has_vision)
 
     @classmethod
-    def _from_text(cls, t: dict[str, Any], raw: dict[str, Any], has_vision: bool) -> ModelConfig:
+    def _from_text(cls, t: dict[str, Any], has_vision: bool) -> ModelConfig:
         def get(key: str, default: Any) -> Any:
             value = t.get(key, default)
             return default if value is None else value
@@ -225,7 +224,6 @@ class ModelConfig:
             pad_token_id=t.get("pad_token_id"),
             has_vision=has_vision,
             fp8_block_size=_fp8_block_size(t.get("quantization_config")),
-            raw=raw,
         )
 
 

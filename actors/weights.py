@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -222,10 +221,6 @@ class CheckpointReader:
                                       f"expected {want}")
         full = dequantize_fp8_blocks(t, scale, self.fp8_block_size)
         return full[index] if index else full
-
-    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
-        for name in self.names:
-            yield name, self.load(name)
 
 
 def _destination(param: torch.Tensor, target: Target) -> tuple[torch.Tensor, tuple] | None:
