@@ -116,6 +116,10 @@ class ModelRunner:
                                    strict=True):
                 sampled[row:row + len(tokens)] = tokens
                 row += 1 + int(step.num_drafts[seq])
+            if logprobs is not None and probs is not None:  # rejection may change tokens
+                logprobs = gather_logprobs(torch.log(probs),
+                                           torch.tensor(sampled, device=self.device),
+                                           int(step.sampling.num_logprobs.max()))
             if batch.defer_state is not None:
                 self.model.commit_speculative(
                     batch, self.caches, torch.tensor(1 + num_accepted, device=self.device))

@@ -55,10 +55,10 @@ class RequestOutput:
         return self.finish_reason is not None
 
 
-def _token_logprobs(lp: Logprobs, row: int, k: int) -> TokenLogprob:
+def _token_logprobs(lp: Logprobs, row: int, k: int, token: int) -> TokenLogprob:
     top = tuple((int(i), float(v)) for i, v in
                 zip(lp.top_ids[row, :k], lp.top_logprobs[row, :k], strict=True))
-    return TokenLogprob(-1, float(lp.token_logprobs[row]), int(lp.ranks[row]), top)
+    return TokenLogprob(token, float(lp.token_logprobs[row]), int(lp.ranks[row]), top)
 
 
 class SpecStats:
@@ -169,11 +169,9 @@ class LLMEngine:
         for p in progressed:
             request, logprobs = p.request, None
             if result.logprobs is not None and request.params.logprobs is not None:
-                logprobs = []
-                for j, token in enumerate(p.tokens):
-                    lp = _token_logprobs(result.logprobs, p.first_row + j,
-                                         request.params.logprobs)
-                    logprobs.append(TokenLogprob(token, lp.logprob, lp.rank, lp.top))
+                logprobs = [_token_logprobs(result.logprobs, p.first_row + j,
+                                            request.params.logprobs, token)
+                            for j, token in enumerate(p.tokens)]
             outputs.append(RequestOutput(
                 request.request_id, p.tokens, request.finish_reason, logprobs,
                 prompt_lps.pop(request.request_id, None), len(request.prompt_ids),
@@ -203,9 +201,8 @@ class LLMEngine:
                                                    step.prompt_logprob_targets,
                                                    step.prompt_logprob_k, strict=True)):
             request = items[int(seq)].request
-            entry = _token_logprobs(lp, row, int(k))
             out.setdefault(request.request_id, []).append(
-                TokenLogprob(int(target), entry.logprob, entry.rank, entry.top))
+                _token_logprobs(lp, row, int(k), int(target)))
         for request_id, entries in out.items():
             request = next(i.request for i in items if i.request.request_id == request_id)
             request.num_prompt_logprobs_done += len(entries)
