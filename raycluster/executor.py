@@ -73,7 +73,6 @@ class RayExecutor:
     def __init__(self, config: EngineConfig, channel: str = "shm", progress: bool = False,
                  worker_cls: type = Worker) -> None:
         import ray
-        from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         if channel not in ("shm", "ray"):
@@ -87,20 +86,14 @@ class RayExecutor:
         self._ray = ray
         # the shared-memory channel needs the workers on this (the engine's) node
         here = ray.get_runtime_context().get_node_id()
-        self.pg = placement_group([{"GPU": 1}] * self.world, strategy="STRICT_PACK",
-                                  _soft_target_node_id=here)
-        try:
-            ray.get(self.pg.ready(), timeout=120)
-        except Exception as exc:
-            ray.util.remove_placement_group(self.pg)
-            raise WorkerError(f"could not place {self.world} GPUs on one node: {exc}") from exc
+        self.pg, bundles, self._own_pg = self._placement(ray, here)
         parallel = ParallelConfig(config.tensor_parallel_size, config.expert_parallel_size,
                                   config.decode_context_parallel_size)
         remote = ray.remote(num_cpus=0, num_gpus=1)(worker_cls)
         self.workers = [
             remote.options(scheduling_strategy=PlacementGroupSchedulingStrategy(
-                self.pg, placement_group_bundle_index=rank)).remote(rank, parallel)
-            for rank in range(self.world)]
+                self.pg, placement_group_bundle_index=bundle)).remote(rank, parallel)
+            for rank, bundle in enumerate(bundles)]
         self.channel: StepChannel | None = None
         self._loops: list = []
         try:
@@ -122,6 +115,26 @@ class RayExecutor:
         if channel == "shm":
             self.channel = StepChannel()
             self._loops = [w.serve_channel.remote(self.channel.name) for w in self.workers]
+
+    def _placement(self, ray, node: str) -> tuple[object, list[int], bool]:
+        """(placement group, bundle index per rank, whether we created it). A caller that runs
+        inside a STRICT_PACK group with enough GPU bundles (a Serve replica that reserved its
+        pair) lends its own; otherwise one GPU bundle per rank is reserved near `node`."""
+        from ray.util.placement_group import get_current_placement_group, placement_group
+
+        current = get_current_placement_group()
+        if current is not None:
+            gpu_bundles = [i for i, b in enumerate(current.bundle_specs) if b.get("GPU", 0) >= 1]
+            if len(gpu_bundles) >= self.world:
+                return current, gpu_bundles[: self.world], False
+        pg = placement_group([{"GPU": 1}] * self.world, strategy="STRICT_PACK",
+                             _soft_target_node_id=node)
+        try:
+            ray.get(pg.ready(), timeout=120)
+        except Exception as exc:
+            ray.util.remove_placement_group(pg)
+            raise WorkerError(f"could not place {self.world} GPUs on one node: {exc}") from exc
+        return pg, list(range(self.world)), True
 
     def _gather(self, refs: list) -> list:
         """ray.get that reports the first failing rank's own message."""
@@ -169,5 +182,6 @@ class RayExecutor:
                 self.channel = None
         for w in self.workers:
             ray.kill(w)
-        ray.util.remove_placement_group(self.pg)
+        if self._own_pg:
+            ray.util.remove_placement_group(self.pg)
         self.workers = []

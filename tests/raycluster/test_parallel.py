@@ -132,3 +132,35 @@ def test_dead_worker_fails_requests_then_a_new_engine_works(ray_session, tiny):
         assert len(fresh.generate([prompts[1]], GREEDY)[0]) == GREEDY.max_tokens
     finally:
         fresh.shutdown()
+
+
+def test_engine_inside_a_reserved_pair_uses_that_placement_group(ray_session, tiny, reference):
+    """A Serve replica reserves [its CPU, GPU, GPU] STRICT_PACK; its engine's workers must go
+    into those GPU bundles (same node as the engine, so the shared-memory channel works)."""
+    from ray.util.placement_group import placement_group, remove_placement_group
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    ray = ray_session
+    pg = placement_group([{"CPU": 1}, {"GPU": 1}, {"GPU": 1}], strategy="STRICT_PACK")
+    ray.get(pg.ready(), timeout=60)
+
+    @ray.remote(num_cpus=1)
+    def serve(path: str, prompts):
+        engine = LLMEngine(_config(path, tp=2))
+        try:
+            ex = engine.executor
+            same_pg = ex.pg.id == ray.util.get_current_placement_group().id
+            return _run(engine, prompts)[0], same_pg, ex.channel is not None
+        finally:
+            engine.shutdown()
+
+    prompts, (ref_tokens, _) = reference
+    try:
+        tokens, same_pg, shm = ray.get(serve.options(
+            scheduling_strategy=PlacementGroupSchedulingStrategy(
+                pg, placement_group_bundle_index=0,
+                placement_group_capture_child_tasks=True)).remote(tiny, prompts), timeout=300)
+    finally:
+        remove_placement_group(pg)
+    assert same_pg and shm
+    assert tokens == ref_tokens
