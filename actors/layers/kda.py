@@ -80,9 +80,10 @@ class KDAttention(nn.Module):
         mine = batch.defer_state
         ids, init = batch.state_ids[mine], batch.has_initial_state[mine]
         bounds = batch.cu_seqlens
-        rows = torch.cat([torch.arange(int(bounds[i]), int(bounds[i + 1]))
+        dev = bounds.device
+        rows = torch.cat([torch.arange(int(bounds[i]), int(bounds[i + 1]), device=dev)
                           for i in mine.nonzero().flatten().tolist()])
-        cu = torch.cat([torch.zeros(1, dtype=torch.long),
+        cu = torch.cat([torch.zeros(1, dtype=torch.long, device=dev),
                         (bounds[1:] - bounds[:-1])[mine].cumsum(0)])
         n = num_accepted[mine]
         ops.conv_commit(pre[rows], state.conv, cu, ids, init, n)

@@ -152,9 +152,10 @@ def kda_commit(
     the recurrence replayed from the committed state over the step's own inputs."""
     bounds = cu_seqlens[:-1]
     n = num_accepted.long()
-    kept = torch.cat([torch.arange(int(s), int(s) + int(c)) for s, c in zip(bounds, n,
-                                                                            strict=True)])
-    cu = torch.cat([torch.zeros(1, dtype=torch.long), n.cumsum(0)])
+    dev = q.device
+    kept = torch.cat([torch.arange(int(s), int(s) + int(c), device=dev)
+                      for s, c in zip(bounds, n, strict=True)])
+    cu = torch.cat([torch.zeros(1, dtype=torch.long, device=dev), n.cumsum(0).to(dev)])
     kda_attention(q[kept], k[kept], v[kept], g[kept], beta[kept], state, cu, state_ids,
                   has_initial_state)
 
