@@ -68,7 +68,7 @@ class DFlashConfig:
 def rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
     """Rotate-half RoPE over the last dim. x: [..., T, heads, hd]; positions: [..., T]."""
     hd = x.shape[-1]
-    inv = theta ** (-torch.arange(0, hd, 2, dtype=torch.float32) / hd)
+    inv = theta ** (-torch.arange(0, hd, 2, dtype=torch.float32, device=x.device) / hd)
     ang = positions.float().unsqueeze(-1) * inv  # [..., T, hd/2]
     cos, sin = torch.cat([ang.cos()] * 2, -1).unsqueeze(-2), torch.cat([ang.sin()] * 2,
                                                                       -1).unsqueeze(-2)
@@ -147,7 +147,8 @@ class DraftLayer(nn.Module):
         bv = a.v_proj(z).view(n, b, cfg.num_kv_heads, cfg.head_dim)
         k = torch.cat([ctx_k, bk], dim=1).repeat_interleave(cfg.num_heads // cfg.num_kv_heads, 2)
         v = torch.cat([ctx_v, bv], dim=1).repeat_interleave(cfg.num_heads // cfg.num_kv_heads, 2)
-        visible = torch.cat([ctx_mask, torch.ones(n, b, b, dtype=torch.bool)], dim=-1)
+        visible = torch.cat([ctx_mask, torch.ones(n, b, b, dtype=torch.bool, device=x.device)],
+                            dim=-1)
         scores = torch.einsum("nbhd,nkhd->nhbk", q.float(), k.float()) / math.sqrt(cfg.head_dim)
         scores = scores.masked_fill(~visible.unsqueeze(1), float("-inf"))
         o = torch.einsum("nhbk,nkhd->nbhd", torch.softmax(scores, -1), v.float()).to(x.dtype)

@@ -29,13 +29,14 @@ def rejection_sample(
     q_d = draft_probs.gather(-1, draft_ids.unsqueeze(-1)).squeeze(-1)
     ok = uniform < torch.clamp(p_d / q_d.clamp(min=1e-30), max=1.0)
     accepted = torch.cumprod(ok.long(), dim=1).sum(dim=1)
-    rows = torch.arange(n)
+    dev = draft_ids.device
+    rows = torch.arange(n, device=dev)
     at = accepted.clamp(max=k - 1)
     residual = (target_probs[rows, at] - draft_probs[rows, at]).clamp(min=0)
     gumbel = -torch.log(-torch.log(residual_uniform))
     resampled = (torch.log(residual) + gumbel).argmax(dim=-1)
     last = torch.where(accepted == k, bonus, resampled)
-    emitted = torch.where(torch.arange(k + 1)[None, :] < accepted[:, None],
+    emitted = torch.where(torch.arange(k + 1, device=dev)[None, :] < accepted[:, None],
                           torch.cat([draft_ids, draft_ids[:, :1]], dim=1), -1)
     emitted[rows, accepted] = last
     return accepted, emitted
