@@ -18,7 +18,7 @@ from datetime import UTC, datetime
 import torch
 from triton.testing import do_bench, do_bench_cudagraph
 
-from glm53.kernels import kda, moe, sparse_mla
+from glm53.kernels import kda, moe
 from glm53.kernels.ref import kda as ref_kda
 
 DEV = "cuda"
@@ -47,47 +47,35 @@ def _kda_inputs(t, heads, gen):
     return q, k, v, g, beta
 
 
+def _decode_inputs(batch, heads, gen, slots=256):
+    q, k, v, g, beta = _kda_inputs(batch, heads, gen)
+    state = torch.randn(slots, heads, 128, 128, device=DEV, generator=gen) * 0.01
+    ids = torch.randperm(slots, device=DEV, generator=gen)[:batch]
+    cu = torch.arange(batch + 1, device=DEV)
+    init = torch.ones(batch, dtype=torch.bool, device=DEV)
+    return q, k, v, g, beta, state, ids, cu, init
+
+
 def bench_kda_decode(rows, gen, quick):
-    fla = _fla()
+    """Our decode recurrence over state slots (one token per sequence), eager and as graph
+    replays, and the whole decode-side KDA op chain of a layer (conv + gate + recurrence +
+    gated norm) replayed in a graph: performance.md's ≤5 µs per layer at batch 1."""
     for heads in (32, 64):
         for batch in (1, 8, 64) if not quick else (1, 64):
-            q, k, v, g, beta = _kda_inputs(batch, heads, gen)
-            slots = 256
-            state = torch.randn(slots, heads, 128, 128, device=DEV, generator=gen) * 0.01
-            ids = torch.randperm(slots, device=DEV, generator=gen)[:batch]
-            cu = torch.arange(batch + 1, device=DEV)
-            init = torch.ones(batch, dtype=torch.bool, device=DEV)
-            # eager timing (event-timed launches): graph capture of this part hit an illegal
-            # address on the H200 (2026-12-02), still to be understood
-            ours = _ms(lambda: kda.kda_attention(q, k, v, g, beta, state, cu, ids, init), False)
-            # state read + write (fp32) dominates; q/k/v/g/o are small
-            nbytes = batch * heads * 128 * 128 * 4 * 2
-            row = dict(kernel="kda_decode", heads=heads, batch=batch, ours_us=ours * 1e3,
-                       bytes=nbytes, bw_pct=100 * nbytes / (ours * 1e-3) / BW)
-            if fla is None:  # graph replay (fla's wrapper was the suspect of the illegal access)
-                ours_g = _ms(lambda: kda.kda_attention(q, k, v, g, beta, state, cu, ids, init),
-                             True)
-                row.update(ours_graph_us=ours_g * 1e3,
-                           graph_bw_pct=100 * nbytes / (ours_g * 1e-3) / BW)
-            print(json.dumps(row), flush=True)
-            if fla is not None:
-                qc, kc, vc = (x.contiguous().unsqueeze(1) for x in (q, k, v))
-                gc, bc = g.unsqueeze(1), beta.unsqueeze(1)
+            q, k, v, g, beta, state, ids, cu, init = _decode_inputs(batch, heads, gen)
 
-                def run_fla():
-                    fla.fused_recurrent_kda(qc, kc, vc, gc, bc, initial_state=state,
-                                            inplace_final_state=True, ssm_state_indices=ids,
-                                            use_qk_l2norm_in_kernel=True)
-                try:
-                    row["fla_us"] = _ms(run_fla, False) * 1e3
-                except Exception as exc:
-                    row["fla_error"] = repr(exc)[:300]
-            rows.append(row)
-            # the whole KDA decode prologue + recurrence: conv + gate + recurrence + gated norm
+            def rec():
+                kda.kda_attention(q, k, v, g, beta, state, cu, ids, init)
+            # fp32 state read + write dominates; q/k/v/g/o are small
+            nbytes = batch * heads * 128 * 128 * 4 * 2
+            eager, graph = _ms(rec, False), _ms(rec, True)
+            row = dict(kernel="kda_decode", heads=heads, batch=batch, ours_us=eager * 1e3,
+                       ours_graph_us=graph * 1e3, bytes=nbytes,
+                       graph_bw_pct=100 * nbytes / (graph * 1e-3) / BW)
             chans = 3 * heads * 128
             x = torch.randn(batch, chans, device=DEV, dtype=torch.bfloat16, generator=gen)
             w = torch.randn(chans, 4, device=DEV, generator=gen)
-            conv = torch.zeros(slots, chans, 3, device=DEV, dtype=torch.bfloat16)
+            conv = torch.zeros(256, chans, 3, device=DEV, dtype=torch.bfloat16)
             logits = torch.randn(batch, heads * 128, device=DEV, dtype=torch.bfloat16,
                                  generator=gen)
             dt, alog = torch.zeros(heads * 128, device=DEV), torch.zeros(heads, device=DEV)
@@ -99,8 +87,35 @@ def bench_kda_decode(rows, gen, quick):
                 gg = kda.kda_gate(logits, dt, alog, -5.0)
                 o = kda.kda_attention(qq, kk, vv, gg, beta, state, cu, ids, init)
                 kda.gated_rms_norm(o, vv, normw, 1e-5)
-            rows.append(dict(kernel="kda_decode_layer_ops", heads=heads, batch=batch,
-                             ours_us=_ms(layer, False) * 1e3))
+            row["layer_ops_graph_us"] = _ms(layer, True) * 1e3
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+
+
+def bench_kda_decode_fla(rows, gen, quick):
+    """fla's fused_recurrent_kda on the same decode shapes (batch form, one token per
+    sequence, in-place state slots), eager and as graph replays. A separate part: the previous
+    H200 run died with an illegal address around this call, which poisons the CUDA context."""
+    fla = _fla()
+    if fla is None:
+        rows.append(dict(kernel="kda_decode_fla", error="fla not installed"))
+        return
+    for heads in (32, 64):
+        for batch in (1, 8, 64) if not quick else (1, 64):
+            q, k, v, g, beta, state, ids, cu, init = _decode_inputs(batch, heads, gen)
+            qc, kc, vc = (x.contiguous().unsqueeze(1) for x in (q, k, v))
+            gc, bc = g.unsqueeze(1).contiguous(), beta.unsqueeze(1).contiguous()
+            ids32 = ids.to(torch.int32)
+
+            def run_fla():
+                fla.fused_recurrent_kda(qc, kc, vc, gc, bc, initial_state=state,
+                                        inplace_final_state=True, ssm_state_indices=ids32,
+                                        use_qk_l2norm_in_kernel=True)
+            row = dict(kernel="kda_decode_fla", heads=heads, batch=batch,
+                       fla_us=_ms(run_fla, False) * 1e3)
+            row["fla_graph_us"] = _ms(run_fla, True) * 1e3
+            rows.append(row)
+            print(json.dumps(row), flush=True)
 
 
 def bench_kda_prefill(rows, gen, quick):
@@ -133,42 +148,6 @@ def bench_kda_prefill(rows, gen, quick):
                 except Exception as exc:
                     row["fla_error"] = repr(exc)[:300]
             rows.append(row)
-
-
-def bench_sparse_mla(rows, gen, quick):
-    """Decode: indexer scoring + top-k + sparse attention over the selected latent rows."""
-    heads, bs = 64, 64
-    cases = [(1, 2048), (1, 32768), (1, 131072), (16, 32768), (64, 2048), (64, 32768),
-             (16, 131072)]
-    if quick:
-        cases = [(1, 32768), (64, 2048)]
-    for batch, ctx in cases:
-        blocks = -(-ctx // bs)
-        table = torch.randperm(batch * blocks, device=DEV, generator=gen).view(batch, blocks)
-        latent = torch.randn(batch * blocks, bs, 512, device=DEV, dtype=torch.bfloat16,
-                             generator=gen)
-        pools = torch.randn(batch * blocks, bs // 4, 128, device=DEV, dtype=torch.bfloat16,
-                            generator=gen)
-        q_lat = torch.randn(batch, heads, 512, device=DEV, dtype=torch.bfloat16, generator=gen)
-        q_idx = torch.randn(batch, 32, 128, device=DEV, dtype=torch.bfloat16, generator=gen)
-        w = torch.randn(batch, 32, device=DEV, generator=gen) * 32**-0.5
-        pos = torch.full((batch,), ctx - 1, device=DEV)
-        qs = torch.arange(batch, device=DEV)
-        tokens = sparse_mla.indexer_topk(q_idx, w, pools, table, qs, pos, 512, 4)
-        t_idx = _ms(lambda: sparse_mla.indexer_topk(q_idx, w, pools, table, qs, pos, 512, 4),
-                    True)
-        t_att = _ms(lambda: sparse_mla.sparse_mla_attention(q_lat, latent, table, qs, tokens,
-                                                             1 / 16), True)
-        sel = min(ctx, 2051)
-        att_bytes = batch * sel * 512 * 2
-        idx_bytes = batch * (ctx // 4) * 128 * 2
-        rows.append(dict(kernel="sparse_mla_decode", heads=heads, batch=batch, context=ctx,
-                         indexer_topk_us=t_idx * 1e3, attention_us=t_att * 1e3,
-                         total_us=(t_idx + t_att) * 1e3, bytes=att_bytes + idx_bytes,
-                         attention_bw_pct=100 * att_bytes / (t_att * 1e-3) / BW,
-                         indexer_bw_pct=100 * idx_bytes / (t_idx * 1e-3) / BW,
-                         total_bw_pct=100 * (att_bytes + idx_bytes) / ((t_idx + t_att) * 1e-3)
-                         / BW))
 
 
 def bench_moe(rows, gen, quick):
@@ -210,14 +189,15 @@ def main() -> None:
     ap.add_argument("--json")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--commit", help="the commit measured (the device copy has no .git)")
-    ap.add_argument("--parts", default="kda_decode,kda_prefill,sparse_mla,moe",
+    ap.add_argument("--parts", default="kda_decode,kda_decode_fla,kda_prefill,moe",
                     help="comma-separated subset (run parts in separate processes to isolate a "
-                         "fault: an illegal access poisons the CUDA context)")
+                         "fault: an illegal access poisons the CUDA context; --json then "
+                         "appends to the file)")
     args = ap.parse_args()
     gen = torch.Generator(device=DEV).manual_seed(0)
     rows: list[dict] = []
-    parts = {"kda_decode": bench_kda_decode, "kda_prefill": bench_kda_prefill,
-             "sparse_mla": bench_sparse_mla, "moe": bench_moe}
+    parts = {"kda_decode": bench_kda_decode, "kda_decode_fla": bench_kda_decode_fla,
+             "kda_prefill": bench_kda_prefill, "moe": bench_moe}
     for part in (parts[name] for name in args.parts.split(",")):
         try:
             part(rows, gen, args.quick)
@@ -236,6 +216,13 @@ def main() -> None:
                    date=datetime.now(UTC).isoformat(timespec="seconds"),
                    torch=torch.__version__, fla=getattr(fla, "__name__", None) and
                    __import__("fla").__version__, bandwidth_ceiling_Bps=BW, results=rows)
+        try:  # parts run in separate processes accumulate in one file
+            with open(args.json) as f:
+                earlier = json.load(f)
+            if earlier.get("commit") == commit:
+                out["results"] = earlier["results"] + rows
+        except (OSError, ValueError):
+            pass
         with open(args.json, "w") as f:
             json.dump(out, f, indent=2)
 
