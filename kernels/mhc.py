@@ -1,9 +1,11 @@
-"""Triton mHC site (twin of `kernels/ref/mhc.py`'s `hc_pre`).
+"""Triton mHC sites (twins of `kernels/ref/mhc.py`).
 
-The [(2+n)n, nD] projection is one fp32 GEMM on the un-normalised streams (the RMS factor is a
-per-token scalar, applied after); one program per token then computes the RMS, the pre / post
-gates, the row softmax and the Sinkhorn iterations on the n x n comb in registers, and the
-collapsed block input sum_i pre_i X_i.
+`hc_pre`: the [(2+n)n, nD] projection is one fp32 GEMM on the un-normalised streams (the RMS
+factor is a per-token scalar, applied after); one program per token then computes the RMS, the
+pre / post gates, the row softmax and the Sinkhorn iterations on the n x n comb in registers, and
+the collapsed block input sum_i pre_i X_i.
+`hc_post`: the expansion X'[j] = post[j] y + sum_i comb[i, j] X[i] in one pass over the streams
+(the reference needs a broadcast multiply, a batched matmul and an add).
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import triton.language as tl
 
 from .utils import next_pow2
 
-__all__ = ["hc_pre"]
+__all__ = ["hc_post", "hc_pre"]
 
 
 @triton.jit
@@ -74,3 +76,39 @@ def hc_pre(
                                 scale.float().contiguous(), post, comb, collapsed, rms_eps,
                                 hc_eps, sinkhorn_iters, d, N=n, BD=min(next_pow2(d), 1024))
     return post, comb, collapsed
+
+
+@triton.jit
+def hc_post_kernel(streams, block_out, post, comb, out, D, N: tl.constexpr, BD: tl.constexpr):
+    i_t, i_d = tl.program_id(0), tl.program_id(1)
+    o_i = tl.arange(0, N)
+    o_d = i_d * BD + tl.arange(0, BD)
+    m_d = o_d < D
+    p_x = streams + i_t * N * D + o_i[:, None] * D + o_d[None, :]
+    b_x = tl.load(p_x, mask=m_d[None, :], other=0.0).to(tl.float32)  # [N, BD]
+    b_y = tl.load(block_out + i_t * D + o_d, mask=m_d, other=0.0).to(tl.float32)
+    b_post = tl.load(post + i_t * N + o_i)
+    p_out = out + i_t * N * D + o_d
+    for j in tl.static_range(N):
+        # column j of comb: how much of each input stream flows into output stream j
+        b_cj = tl.load(comb + i_t * N * N + o_i * N + j)
+        b_pj = tl.sum(tl.where(o_i == j, b_post, 0.0), 0)
+        b_o = b_pj * b_y + tl.sum(b_cj[:, None] * b_x, 0)
+        tl.store(p_out + j * D, b_o.to(out.dtype.element_ty), mask=m_d)
+
+
+def hc_post(
+    streams: torch.Tensor, block_out: torch.Tensor, post: torch.Tensor, comb: torch.Tensor
+) -> torch.Tensor:
+    """streams: [T, n, D]; block_out: [T, D]; post: [T, n] fp32; comb: [T, n, n] fp32.
+    Returns [T, n, D] in streams' dtype (math in fp32, rounded once). n must be a power of 2."""
+    n_tok, n, d = streams.shape
+    assert n == next_pow2(n)
+    streams, block_out = streams.contiguous(), block_out.contiguous()
+    post, comb = post.float().contiguous(), comb.float().contiguous()
+    out = torch.empty_like(streams)
+    bd = min(next_pow2(d), 512)
+    if n_tok:
+        hc_post_kernel[(n_tok, triton.cdiv(d, bd))](streams, block_out, post, comb, out, d,
+                                                    N=n, BD=bd)
+    return out

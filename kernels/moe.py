@@ -1,4 +1,9 @@
-"""Routed experts as a grouped GEMM, and the clamped SwiGLU (twins of `kernels/ref/moe.py`).
+"""Routing, routed experts as a grouped GEMM, and the clamped SwiGLU (twins of
+`kernels/ref/moe.py`).
+
+`route_topk` runs the whole noaux_tc router per token in one program: sigmoid scores, the
+bias-corrected top-k by k rounds of argmax over the experts in registers (k is 8 of 288:
+cheaper than a sort), the gather of the uncorrected scores, renormalisation and scaling.
 
 `fused_moe` permutes the (token, expert) pairs into expert order (stable sort; experts of other
 EP ranks sort last and drop out), runs gate|up and down as two grouped GEMMs over the expert
@@ -15,7 +20,54 @@ import triton.language as tl
 
 from .utils import next_pow2
 
-__all__ = ["fused_moe", "swiglu"]
+__all__ = ["fused_moe", "route_topk", "swiglu"]
+
+
+@triton.jit
+def route_topk_kernel(logits, bias, weights, ids, E, stride_l, scaling, K: tl.constexpr,
+                      BK: tl.constexpr, RENORM: tl.constexpr, BE: tl.constexpr):
+    i_t = tl.program_id(0)
+    o_e = tl.arange(0, BE)
+    m_e = o_e < E
+    b_s = tl.sigmoid(tl.load(logits + i_t * stride_l + o_e, mask=m_e, other=0.0).to(tl.float32))
+    b_c = tl.where(m_e, b_s + tl.load(bias + o_e, mask=m_e, other=0.0).to(tl.float32),
+                   float("-inf"))
+    o_k = tl.arange(0, BK)
+    b_ids = tl.zeros([BK], dtype=tl.int32)
+    b_w = tl.zeros([BK], dtype=tl.float32)
+    for j in tl.static_range(K):
+        # ties go to the lowest expert id (argmax returns the first maximum)
+        best = tl.argmax(b_c, 0)
+        b_ids = tl.where(o_k == j, best, b_ids)
+        b_w = tl.where(o_k == j, tl.sum(tl.where(o_e == best, b_s, 0.0), 0), b_w)
+        b_c = tl.where(o_e == best, float("-inf"), b_c)
+    if RENORM:
+        b_w = b_w / (tl.sum(b_w, 0) + 1e-20)
+    m_k = o_k < K
+    tl.store(weights + i_t * K + o_k, b_w * scaling, mask=m_k)
+    tl.store(ids + i_t * K + o_k, b_ids.to(tl.int64), mask=m_k)
+
+
+def route_topk(
+    router_logits: torch.Tensor,
+    correction_bias: torch.Tensor,
+    top_k: int,
+    renormalize: bool,
+    scaling: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """router_logits: [T, E] (rows may be strided); correction_bias: [E]. Returns
+    (weights [T, k] fp32, ids [T, k] int64); the bias only decides which experts win."""
+    n_tok, n_exp = router_logits.shape
+    if router_logits.stride(1) != 1:
+        router_logits = router_logits.contiguous()
+    weights = torch.empty((n_tok, top_k), dtype=torch.float32, device=router_logits.device)
+    ids = torch.empty((n_tok, top_k), dtype=torch.int64, device=router_logits.device)
+    if n_tok:
+        route_topk_kernel[(n_tok,)](router_logits, correction_bias.contiguous(), weights, ids,
+                                    n_exp, router_logits.stride(0), float(scaling), K=top_k,
+                                    BK=next_pow2(top_k), RENORM=renormalize,
+                                    BE=next_pow2(n_exp))
+    return weights, ids
 
 
 @triton.jit

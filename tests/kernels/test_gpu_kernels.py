@@ -156,3 +156,22 @@ def test_small_ops():
     for a, b in zip(mhc.hc_pre(streams, fn, base, scale, 1e-5, 1e-6, 20),
                     ref_mhc.hc_pre(streams, fn, base, scale, 1e-5, 1e-6, 20), strict=True):
         assert rel(a, b) < BF16_TOL
+    post, comb, _ = ref_mhc.hc_pre(streams, fn, base, scale, 1e-5, 1e-6, 20)
+    y = torch.randn(16, 4096, generator=gen).to(DEV, torch.bfloat16)
+    assert rel(mhc.hc_post(streams, y, post, comb),
+               ref_mhc.hc_post(streams.float(), y.float(), post, comb)) < BF16_TOL
+
+
+@pytest.mark.parametrize("tokens", [1, 64, 4096])
+def test_route_topk(tokens):
+    """The real router: 288 experts, top-8, renormalised, scaling 2.5; same expert sets."""
+    from glm53.kernels import moe
+
+    gen = torch.Generator(device=DEV).manual_seed(tokens)
+    logits = torch.randn(tokens, 288, generator=gen, device=DEV)
+    bias = torch.randn(288, generator=gen, device=DEV) * 0.1
+    w, ids = moe.route_topk(logits, bias, 8, True, 2.5)
+    w_ref, ids_ref = ref_moe.route_topk(logits, bias, 8, True, 2.5)
+    order, order_ref = ids.argsort(-1), ids_ref.argsort(-1)
+    assert torch.equal(ids.gather(1, order), ids_ref.gather(1, order_ref))
+    assert rel(w.gather(1, order), w_ref.gather(1, order_ref)) < 1e-6

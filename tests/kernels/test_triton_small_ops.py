@@ -1,7 +1,8 @@
 """Triton MoE, SwiGLU, RMSNorm and mHC kernels vs their references (fp32, awkward sizes).
 
 Tolerances (fp32 relative error): SwiGLU / RMSNorm 1e-6, mHC 1e-5 (the GEMM is summed in
-another order), MoE 1e-5 (the reference accumulates experts in x's dtype, here in fp32).
+another order), MoE 1e-5 (the reference accumulates experts in x's dtype, here in fp32), router
+weights 1e-6 with identical expert sets.
 """
 
 from __future__ import annotations
@@ -68,3 +69,38 @@ def test_hc_pre_matches_ref():
     outs = mhc.hc_pre(*(a.to(DEVICE) for a in (streams, fn, base, scale)), 1e-6, 1e-6, 20)
     for out, want in zip(outs, refs, strict=True):
         assert out.dtype == want.dtype and rel_err(out, want) < 1e-5
+
+
+@pytest.mark.parametrize("n,d", [(4, 40), (2, 1100), (1, 7)])
+def test_hc_post_matches_ref(n, d):
+    """D spans several column blocks (1100 > 512) or is tiny; comb is not symmetric."""
+    from glm53.kernels import mhc
+
+    g = torch.Generator().manual_seed(24)
+    t = 6
+    streams = torch.randn(t, n, d, generator=g)
+    y = torch.randn(t, d, generator=g)
+    post, comb = torch.rand(t, n, generator=g) * 2, torch.rand(t, n, n, generator=g)
+    out = mhc.hc_post(*(a.to(DEVICE) for a in (streams, y, post, comb)))
+    assert out.shape == streams.shape
+    assert rel_err(out, ref_mhc.hc_post(streams, y, post, comb)) < 1e-6
+
+
+@pytest.mark.parametrize("renormalize", [True, False])
+def test_route_topk_matches_ref(renormalize):
+    """288-style routing on an awkward expert count (37, not a power of 2), strided logits,
+    and a correction bias strong enough to change the winners (so it really is applied)."""
+    from glm53.kernels import moe
+
+    g = torch.Generator().manual_seed(25)
+    t, e, k = 11, 37, 5
+    logits = torch.randn(t, 2 * e, generator=g)[:, :e]
+    bias = torch.randn(e, generator=g)
+    w_ref, ids_ref = ref_moe.route_topk(logits, bias, k, renormalize, 2.5)
+    w, ids = moe.route_topk(logits.to(DEVICE), bias.to(DEVICE), k, renormalize, 2.5)
+    assert ids.dtype == torch.int64 and w.dtype == torch.float32
+    unbiased = ref_moe.route_topk(logits, torch.zeros(e), k, renormalize, 2.5)[1]
+    assert not torch.equal(unbiased.sort(-1).values, ids_ref.sort(-1).values)
+    order, order_ref = ids.cpu().argsort(-1), ids_ref.argsort(-1)
+    assert torch.equal(ids.cpu().gather(1, order), ids_ref.gather(1, order_ref))
+    assert rel_err(w.cpu().gather(1, order), w_ref.gather(1, order_ref)) < 1e-6
