@@ -3,13 +3,14 @@
 - `indexer_update`: pools complete 4-token groups (per-channel softmax over gate + ape) into the
   paged pool cache, reading earlier rows of an open pool from the slot's ring, then writes this
   step's rows into the ring (a second launch: the first still reads the ring).
-- `indexer_topk`: one program per (query, BP pools) scores the pools of the query's sequence
-  through its block table (sum_h w_h relu(q_h . K_p / sqrt(d)), -inf where not yet visible);
-  torch.topk picks the pools; a last kernel expands them to token positions and appends the
-  open-pool tail.
-- `sparse_mla_attention`: absorbed MLA over the selected latent rows (flash-decoding: the
-  selection is split across programs when there are few queries, and the partial results are
-  merged by log-sum-exp); DCP-aware like the reference.
+- `indexer_topk`: one program per (BP pools, query) scores the visible pools of the query's
+  sequence through its block table (sum_h w_h relu(q_h . K_p / sqrt(d)));
+  an exact radix select (4 histogram passes of 8 bits over chunks of the visible scores, then
+  a write pass) expands the top pools to token positions and appends the open-pool tail.
+- `sparse_mla_attention`: absorbed MLA over the selected latent rows. One program covers all
+  heads of a query (up to 64, a tensor-core tile), so every selected row is read once per
+  query; the output columns are tiled across programs, and the selection is split when there
+  are few queries, the partial results merged by log-sum-exp (flash-decoding); DCP-aware.
 - `merge_attention_states`: the log-sum-exp merge of partial results (also the split merge).
 """
 
@@ -25,6 +26,15 @@ __all__ = ["indexer_topk", "indexer_update", "merge_attention_states", "sparse_m
 
 # programs wanted in flight for the split heuristic (2 per SM on an H100/H200)
 TARGET_PROGRAMS = 264
+# fewest selected rows per split: each split writes an fp32 [H, Lc] partial (2x its row bytes
+# at 128 rows of bf16)
+MIN_SPLIT_ROWS = 32 if INTERPRET else 128
+# output columns per attention program: bounds the fp32 accumulator to [64, 256] (64 registers
+# a thread over 8 warps); narrow in the interpreter so CPU tests cover several column tiles
+COL_TILE = 16 if INTERPRET else 256
+# pools per radix-select program (8 warps: 8 keys a thread); small in the interpreter so CPU
+# tests cover several chunks
+SELECT_CHUNK = 64 if INTERPRET else 2048
 
 
 @triton.jit
@@ -132,30 +142,144 @@ def indexer_score_kernel(q, w, pool_cache, block_tables, query_seq, positions, s
         b_s = tl.maximum(b_s * scale, 0.0)
         b_w = tl.load(w + i_t * HI + o_h, mask=m_h, other=0.0).to(tl.float32)
         b_i = tl.sum(b_s * b_w[:, None], 0)
-        b_i = tl.where(m_p, b_i, float("-inf"))
-    else:
-        b_i = tl.full([BP], float("-inf"), dtype=tl.float32)
-    tl.store(scores + i_t * P + o_p, b_i, mask=o_p < P)
+        # tiles past the visible pools are never read (the select stops there): not written
+        tl.store(scores + i_t * P + o_p, tl.where(m_p, b_i, float("-inf")), mask=o_p < P)
 
 
 @triton.jit
-def indexer_select_kernel(top_idx, top_val, positions, out, K, BUDGET, WOUT,
-                          KPOOL: tl.constexpr, BKP: tl.constexpr, BJ: tl.constexpr):
-    i_j, i_t = tl.program_id(0), tl.program_id(1)
-    o_j, o_k = i_j * BJ + tl.arange(0, BJ), tl.arange(0, BKP)
-    m_j, m_k = o_j < BUDGET, o_k < KPOOL
-    m_sel = o_j < K
-    b_i = tl.load(top_idx + i_t * K + o_j, mask=m_sel, other=0)
-    b_v = tl.load(top_val + i_t * K + o_j, mask=m_sel, other=float("-inf"))
-    ok = m_sel & (b_v > float("-inf"))
-    b_tok = tl.where(ok[:, None], b_i[:, None] * KPOOL + o_k[None, :], -1)
-    tl.store(out + i_t * WOUT + o_j[:, None] * KPOOL + o_k[None, :], b_tok,
-             mask=m_j[:, None] & m_k[None, :])
-    # the open pool holding the query: (pos + 1) % KPOOL tokens, -1 padded to KPOOL - 1
+def _order_key(b_v):
+    """fp32 -> int64 in [0, 2^32) in the same order (sign-magnitude bits made monotonic)."""
+    b_b = b_v.to(tl.int32, bitcast=True)
+    b_b = tl.where(b_b >= 0, b_b, b_b ^ 0x7FFFFFFF)
+    return b_b.to(tl.int64) + 2147483648
+
+
+@triton.jit
+def _threshold(hists, i_t, NCH, n_ch, BUDGET, PASSES: tl.constexpr, BNCH: tl.constexpr):
+    """From the per-chunk radix histograms of the first PASSES digits (hists: [T, 4, NCH, 256],
+    8 bits a digit from the top): the key prefix of the BUDGET-th largest key, how many keys
+    with that prefix are still to be taken (`need`), and per chunk how many of its keys lie
+    above the prefix (`n_gt`) and share it (`n_eq`, from the last pass)."""
+    o_ch, o_bin = tl.arange(0, BNCH), tl.arange(0, 256)
+    prefix = tl.zeros([1], dtype=tl.int64)
+    need = tl.zeros([1], dtype=tl.int32) + BUDGET
+    n_gt = tl.zeros([BNCH], dtype=tl.int32)
+    n_eq = tl.zeros([BNCH], dtype=tl.int32)
+    for d in tl.static_range(PASSES):
+        p_h = hists + ((i_t * 4 + d) * NCH + o_ch)[:, None] * 256 + o_bin[None, :]
+        b_hc = tl.load(p_h, mask=(o_ch < n_ch)[:, None], other=0)  # [BNCH, 256]
+        b_h = tl.sum(b_hc, 0)
+        above = tl.sum(b_h, 0) - tl.cumsum(b_h, 0)  # keys in bins above each bin
+        # the highest bin with at least `need` keys in it and above it
+        b_bin = tl.max(tl.where(above + b_h >= need, o_bin, -1), 0)
+        need -= tl.sum(tl.where(o_bin == b_bin, above, 0), 0)
+        prefix += b_bin.to(tl.int64) << (24 - 8 * d)
+        n_gt += tl.sum(tl.where(o_bin[None, :] > b_bin, b_hc, 0), 1)
+        n_eq = tl.sum(tl.where(o_bin[None, :] == b_bin, b_hc, 0), 1)
+    return prefix, need, n_gt, n_eq
+
+
+@triton.jit
+def indexer_hist_kernel(scores, positions, hists, P, NCH, BUDGET, KPOOL: tl.constexpr,
+                        PASS: tl.constexpr, CH: tl.constexpr, BNCH: tl.constexpr):
+    """Program (chunk, query), radix pass PASS: the histogram of digit PASS over the chunk's
+    visible keys that share the prefix the earlier passes fixed (only when the query sees more
+    than BUDGET pools)."""
+    i_c, i_t = tl.program_id(0), tl.program_id(1)
+    n = tl.minimum((tl.load(positions + i_t) + 1) // KPOOL, P)  # visible pools
+    if (n > BUDGET) & (i_c * CH < n):
+        prefix, _, _, _ = _threshold(hists, i_t, NCH, tl.cdiv(n, CH), BUDGET, PASS, BNCH)
+        o_p = i_c * CH + tl.arange(0, CH)
+        b_key = _order_key(tl.load(scores + i_t * P + o_p, mask=o_p < n, other=0.0))
+        shift: tl.constexpr = 24 - 8 * PASS
+        match = (o_p < n) & ((b_key >> (shift + 8)) == (prefix >> (shift + 8)))
+        b_h = tl.histogram(((b_key >> shift) & 255).to(tl.int32), 256, mask=match)
+        tl.store(hists + ((i_t * 4 + PASS) * NCH + i_c) * 256 + tl.arange(0, 256), b_h)
+
+
+@triton.jit
+def indexer_write_kernel(scores, positions, hists, out, P, NCH, BUDGET, WOUT,
+                         KPOOL: tl.constexpr, BKP: tl.constexpr, CH: tl.constexpr,
+                         BNCH: tl.constexpr, PASSES: tl.constexpr):
+    """Program (chunk, query): writes the tokens of the chunk's selected pools. Winners take
+    output slots in pool order: keys above the threshold first, then the lowest pools among
+    those equal to it, so the output is deterministic. Chunk 0 also writes the -1 padding
+    (fewer visible pools than BUDGET) and the open-pool tail."""
+    i_c, i_t = tl.program_id(0), tl.program_id(1)
     pos = tl.load(positions + i_t)
-    b_tail = (pos + 1) // KPOOL * KPOOL + o_k
-    tl.store(out + i_t * WOUT + BUDGET * KPOOL + o_k, tl.where(b_tail <= pos, b_tail, -1),
-             mask=(o_k < KPOOL - 1) & (i_j == 0))
+    n = tl.minimum((pos + 1) // KPOOL, P)
+    p_out = out + i_t * WOUT
+    o_p, o_k = i_c * CH + tl.arange(0, CH), tl.arange(0, BKP)
+    m_p, m_k = o_p < n, o_k < KPOOL
+    if n > BUDGET:
+        prefix, need, n_gt, n_eq = _threshold(hists, i_t, NCH, tl.cdiv(n, CH), BUDGET, PASSES,
+                                              BNCH)
+        before = tl.arange(0, BNCH) < i_c
+        b_key = _order_key(tl.load(scores + i_t * P + o_p, mask=m_p, other=0.0))
+        gt = m_p & (b_key > prefix)
+        eq = m_p & (b_key == prefix)
+        r_gt = tl.sum(tl.where(before, n_gt, 0), 0) + tl.cumsum(gt.to(tl.int32), 0) - 1
+        r_eq = tl.sum(tl.where(before, n_eq, 0), 0) + tl.cumsum(eq.to(tl.int32), 0) - 1
+        take = gt | (eq & (r_eq < need))
+        slot = tl.where(gt, r_gt, BUDGET - need + r_eq)
+    else:
+        take = m_p
+        slot = o_p
+    tl.store(p_out + slot[:, None] * KPOOL + o_k[None, :], o_p[:, None] * KPOOL + o_k[None, :],
+             mask=take[:, None] & m_k[None, :])
+    if i_c == 0:
+        for c in range(tl.minimum(n, BUDGET), BUDGET, CH):
+            o_j = c + tl.arange(0, CH)
+            tl.store(p_out + o_j[:, None] * KPOOL + o_k[None, :], -1,
+                     mask=(o_j < BUDGET)[:, None] & m_k[None, :])
+        # the open pool holding the query: (pos + 1) % KPOOL tokens, -1 padded to KPOOL - 1
+        b_tail = (pos + 1) // KPOOL * KPOOL + o_k
+        tl.store(p_out + BUDGET * KPOOL + o_k, tl.where(b_tail <= pos, b_tail, -1),
+                 mask=o_k < KPOOL - 1)
+
+
+def _score_pools(q, head_weights, pool_cache, block_tables, query_seq, positions,
+                 kpool) -> torch.Tensor:
+    """Index scores [T, M * bs/kpool] fp32 of the pool slots the block table addresses, defined
+    up to each query's last visible pool (-inf past it within the last tile, unwritten beyond):
+    one program per (BP pools, query), all heads in one tl.dot."""
+    n_tok, heads, d = q.shape
+    ppb = pool_cache.shape[1]
+    n_pools = block_tables.shape[1] * ppb
+    scores = torch.empty((n_tok, n_pools), dtype=torch.float32, device=q.device)
+    bp = 64 if n_pools >= 64 else max(16, next_pow2(n_pools))
+    indexer_score_kernel[(triton.cdiv(n_pools, bp), n_tok)](
+        q, head_weights, pool_cache, block_tables, query_seq, positions, scores, d ** -0.5,
+        n_pools, block_tables.stride(0), HI=heads, D=d, PPB=ppb, KPOOL=kpool,
+        BH=max(16, next_pow2(heads)), BD=max(16, next_pow2(d)), BP=bp,
+        F32=INTERPRET or q.dtype == torch.float32)
+    return scores
+
+
+def _select_pools(scores: torch.Tensor, positions: torch.Tensor, pool_budget: int,
+                  kpool: int) -> torch.Tensor:
+    """scores: [T, P] -> token positions [T, pool_budget*kpool + kpool-1] (see indexer_topk).
+
+    Exact top-k by radix select over the order-preserving 32-bit keys of the scores: 4 passes
+    of 8 bits, each one launch over (chunk of SELECT_CHUNK pools, query) storing per-chunk
+    histograms (no atomics: later programs sum them), then the write launch. Only the pools a
+    query sees are read; when the block table addresses at most `pool_budget` pools every
+    visible pool is taken and the passes are skipped."""
+    n_tok, n_pools = scores.shape
+    width = pool_budget * kpool + kpool - 1
+    out = torch.empty((n_tok, width), dtype=torch.long, device=scores.device)
+    n_ch = triton.cdiv(n_pools, SELECT_CHUNK)
+    args = dict(CH=SELECT_CHUNK, BNCH=next_pow2(n_ch), num_warps=4 if INTERPRET else 8)
+    passes = 4 if n_pools > pool_budget else 0
+    hists = torch.empty((n_tok, 4, n_ch, 256) if passes else (1,), dtype=torch.int32,
+                        device=scores.device)
+    for d in range(passes):
+        indexer_hist_kernel[(n_ch, n_tok)](scores, positions, hists, n_pools, n_ch, pool_budget,
+                                           KPOOL=kpool, PASS=d, **args)
+    indexer_write_kernel[(n_ch, n_tok)](scores, positions, hists, out, n_pools, n_ch,
+                                        pool_budget, width, KPOOL=kpool, BKP=next_pow2(kpool),
+                                        PASSES=passes, **args)
+    return out
 
 
 def indexer_topk(
@@ -170,49 +294,41 @@ def indexer_topk(
 ) -> torch.Tensor:
     """q: [T, Hi, d]; head_weights: [T, Hi]; pool_cache: [B, bs/kpool, d]; block_tables: [N, M];
     query_seq, positions: [T]. Returns token positions [T, pool_budget*kpool + kpool-1] int64
-    (-1 = unused): the top pools' tokens, then the open-pool tail. Scores every pool slot the
-    block table can address (M * bs/kpool), so no host sync is needed."""
-    n_tok, heads, d = q.shape
-    ppb = pool_cache.shape[1]
-    n_pools = block_tables.shape[1] * ppb
-    width = pool_budget * kpool + kpool - 1
-    out = torch.empty((n_tok, width), dtype=torch.long, device=q.device)
+    (-1 = unused): the top pools' tokens (in pool order, ties to the lower pool), then the
+    open-pool tail. No host sync: scoring of every pool slot the block table can address, then
+    the radix select over each query's visible pools (6 launches; 2 when the table addresses
+    at most `pool_budget` pools)."""
+    n_tok = q.shape[0]
     if n_tok == 0:
-        return out
+        return torch.empty((0, pool_budget * kpool + kpool - 1), dtype=torch.long,
+                           device=q.device)
     q, head_weights = q.contiguous(), head_weights.contiguous()
     assert pool_cache.is_contiguous()
-    scores = torch.empty((n_tok, n_pools), dtype=torch.float32, device=q.device)
-    bp = 64 if n_pools >= 64 else max(16, next_pow2(n_pools))
-    indexer_score_kernel[(triton.cdiv(n_pools, bp), n_tok)](
-        q, head_weights, pool_cache, block_tables, query_seq, positions, scores, d ** -0.5,
-        n_pools, block_tables.stride(0), HI=heads, D=d, PPB=ppb, KPOOL=kpool,
-        BH=max(16, next_pow2(heads)), BD=max(16, next_pow2(d)), BP=bp,
-        F32=INTERPRET or q.dtype == torch.float32)
-    k = min(pool_budget, n_pools)
-    top = torch.topk(scores, k, dim=-1, sorted=False)
-    bj = min(256, next_pow2(pool_budget))
-    indexer_select_kernel[(triton.cdiv(pool_budget, bj), n_tok)](
-        top.indices, top.values, positions, out, k, pool_budget, width, KPOOL=kpool,
-        BKP=next_pow2(kpool), BJ=bj)
-    return out
+    scores = _score_pools(q, head_weights, pool_cache, block_tables, query_seq, positions, kpool)
+    return _select_pools(scores, positions, pool_budget, kpool)
 
 
 @triton.jit
 def sparse_mla_fwd_kernel(q, kv, block_tables, query_seq, token_indices, o, lse, scale, T, H, W,
                           WS, stride_bt, dcp_rank, LBS: tl.constexpr, DCP: tl.constexpr,
                           C: tl.constexpr, BH: tl.constexpr, BW: tl.constexpr, BC: tl.constexpr,
-                          F32: tl.constexpr):
-    i_h, i_s, i_t = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+                          BO: tl.constexpr, F32: tl.constexpr):
+    """Program (i_c, i_s, i_t * n_ht + i_h): heads i_h*BH.. of query i_t over selected rows
+    i_s*WS.. (a split), accumulating output columns i_c*BO.. . Scores always use the full row."""
+    i_c, i_s, i_th = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    n_ht = tl.cdiv(H, BH)
+    i_t, i_h = i_th // n_ht, i_th % n_ht
     seq = tl.load(query_seq + i_t)
-    o_h, o_c = i_h * BH + tl.arange(0, BH), tl.arange(0, BC)
-    m_h, m_c = o_h < H, o_c < C
+    o_h, o_c, o_o = i_h * BH + tl.arange(0, BH), tl.arange(0, BC), i_c * BO + tl.arange(0, BO)
+    m_h, m_c, m_o = o_h < H, o_c < C, o_o < C
     b_q = tl.load(q + (i_t * H + o_h)[:, None] * C + o_c[None, :],
                   mask=m_h[:, None] & m_c[None, :], other=0.0)
     if F32:
         b_q = b_q.to(tl.float32)
+    qk_scale = scale * 1.4426950408889634  # exp2 domain
     b_m = tl.full([BH], float("-inf"), dtype=tl.float32)
     b_l = tl.zeros([BH], dtype=tl.float32)
-    b_acc = tl.zeros([BH, BC], dtype=tl.float32)
+    b_acc = tl.zeros([BH, BO], dtype=tl.float32)
     w_lo = i_s * WS
     w_hi = tl.minimum(w_lo + WS, W)
     for w0 in range(w_lo, w_hi, BW):
@@ -223,53 +339,68 @@ def sparse_mla_fwd_kernel(q, kv, block_tables, query_seq, token_indices, o, lse,
             ok = ok & (b_idx % DCP == dcp_rank)
         b_idx = tl.maximum(b_idx, 0)
         i_b = tl.load(block_tables + seq * stride_bt + b_idx // (LBS * DCP), mask=ok, other=0)
-        o_row = i_b * LBS + (b_idx % (LBS * DCP)) // DCP
-        b_kv = tl.load(kv + o_row[:, None] * C + o_c[None, :], mask=ok[:, None] & m_c[None, :],
+        o_row = (i_b * LBS + (b_idx % (LBS * DCP)) // DCP).to(tl.int64) * C
+        b_kv = tl.load(kv + o_row[:, None] + o_c[None, :], mask=ok[:, None] & m_c[None, :],
                        other=0.0)
+        if BO == BC:  # one column tile: the values are the rows just loaded
+            b_v = b_kv
+        else:  # this program's columns of the same rows (a cache hit: just loaded)
+            b_v = tl.load(kv + o_row[:, None] + o_o[None, :], mask=ok[:, None] & m_o[None, :],
+                          other=0.0)
         if F32:
-            b_kv = b_kv.to(tl.float32)
-            b_s = tl.dot(b_q, tl.trans(b_kv), input_precision="ieee") * scale
+            b_kv, b_v = b_kv.to(tl.float32), b_v.to(tl.float32)
+            b_s = tl.dot(b_q, tl.trans(b_kv), input_precision="ieee") * qk_scale
         else:
-            b_s = tl.dot(b_q, tl.trans(b_kv)) * scale
+            b_s = tl.dot(b_q, tl.trans(b_kv)) * qk_scale
         b_s = tl.where(ok[None, :], b_s, float("-inf"))
         b_mn = tl.maximum(b_m, tl.max(b_s, 1))
         b_ms = tl.where(b_mn == float("-inf"), 0.0, b_mn)
-        b_p = tl.exp(b_s - b_ms[:, None])
-        b_a = tl.exp(b_m - b_ms)
+        b_p = tl.exp2(b_s - b_ms[:, None])
+        b_a = tl.exp2(b_m - b_ms)
         b_l = b_l * b_a + tl.sum(b_p, 1)
         if F32:
-            b_acc = b_acc * b_a[:, None] + tl.dot(b_p, b_kv, input_precision="ieee")
+            b_acc = b_acc * b_a[:, None] + tl.dot(b_p, b_v, input_precision="ieee")
         else:
-            b_acc = b_acc * b_a[:, None] + tl.dot(b_p.to(b_kv.dtype), b_kv)
+            b_acc = b_acc * b_a[:, None] + tl.dot(b_p.to(b_v.dtype), b_v)
         b_m = b_mn
     has = b_l > 0
     b_o = b_acc / tl.where(has, b_l, 1.0)[:, None]
-    b_lse = tl.where(has, b_m + tl.log(tl.where(has, b_l, 1.0)), float("-inf"))
+    # natural-log lse from the base-2 running max
+    b_lse = tl.where(has, (b_m + tl.log2(tl.where(has, b_l, 1.0))) * 0.6931471805599453,
+                     float("-inf"))
     o_part = i_s * T * H + i_t * H + o_h
-    tl.store(o + o_part[:, None] * C + o_c[None, :], b_o.to(o.dtype.element_ty),
-             mask=m_h[:, None] & m_c[None, :])
-    tl.store(lse + o_part, b_lse, mask=m_h)
+    tl.store(o + o_part[:, None] * C + o_o[None, :], b_o.to(o.dtype.element_ty),
+             mask=m_h[:, None] & m_o[None, :])
+    tl.store(lse + o_part, b_lse, mask=m_h & (i_c == 0))
 
 
 @triton.jit
 def merge_states_kernel(outs, lses, out, lse, P, TH, C, HAS_LSE: tl.constexpr,
-                        BP: tl.constexpr, BC: tl.constexpr):
+                        BR: tl.constexpr, BC: tl.constexpr):
+    """Program (BR rows of T*H, BC columns): out = sum_p exp(lse_p - lse) out_p over the P
+    parts (a part with lse -inf has no rows and weighs 0)."""
     i_r, i_c = tl.program_id(0), tl.program_id(1)
-    o_p, o_c = tl.arange(0, BP), i_c * BC + tl.arange(0, BC)
-    m_p, m_c = o_p < P, o_c < C
-    b_lse = tl.load(lses + o_p * TH + i_r, mask=m_p, other=float("-inf"))
-    b_max = tl.max(b_lse, 0)
-    b_w = tl.where(b_lse > float("-inf"), tl.exp(b_lse - b_max), 0.0)
-    b_sum = tl.sum(b_w, 0)
-    b_w = b_w / tl.where(b_sum > 0, b_sum, 1.0)
-    b_o = tl.load(outs + (o_p * TH + i_r)[:, None] * C + o_c[None, :],
-                  mask=m_p[:, None] & m_c[None, :], other=0.0).to(tl.float32)
-    tl.store(out + i_r * C + o_c, tl.sum(b_w[:, None] * b_o, 0).to(out.dtype.element_ty),
-             mask=m_c)
+    o_r, o_c = i_r * BR + tl.arange(0, BR), i_c * BC + tl.arange(0, BC)
+    m_r, m_c = o_r < TH, o_c < C
+    b_max = tl.full([BR], float("-inf"), dtype=tl.float32)
+    for i_p in range(P):
+        b_max = tl.maximum(b_max, tl.load(lses + i_p * TH + o_r, mask=m_r, other=float("-inf")))
+    b_ms = tl.where(b_max == float("-inf"), 0.0, b_max)
+    b_sum = tl.zeros([BR], dtype=tl.float32)
+    b_acc = tl.zeros([BR, BC], dtype=tl.float32)
+    for i_p in range(P):
+        b_w = tl.exp(tl.load(lses + i_p * TH + o_r, mask=m_r, other=float("-inf")) - b_ms)
+        b_o = tl.load(outs + (i_p * TH + o_r)[:, None] * C + o_c[None, :],
+                      mask=m_r[:, None] & m_c[None, :], other=0.0)
+        b_sum += b_w
+        b_acc += b_w[:, None] * b_o.to(tl.float32)
+    has = b_sum > 0
+    b_acc = b_acc / tl.where(has, b_sum, 1.0)[:, None]
+    tl.store(out + o_r[:, None] * C + o_c[None, :], b_acc.to(out.dtype.element_ty),
+             mask=m_r[:, None] & m_c[None, :])
     if HAS_LSE:
-        b_tot = tl.where(b_sum > 0, b_max + tl.log(tl.where(b_sum > 0, b_sum, 1.0)),
-                         float("-inf"))
-        tl.store(lse + i_r, b_tot, mask=i_c == 0)
+        b_tot = tl.where(has, b_ms + tl.log(tl.where(has, b_sum, 1.0)), float("-inf"))
+        tl.store(lse + o_r, b_tot, mask=m_r & (i_c == 0))
 
 
 def _merge(outs: torch.Tensor, lses: torch.Tensor, out: torch.Tensor,
@@ -279,9 +410,11 @@ def _merge(outs: torch.Tensor, lses: torch.Tensor, out: torch.Tensor,
     if rows == 0:
         return
     bc = min(next_pow2(c), 128)
-    merge_states_kernel[(rows, triton.cdiv(c, bc))](outs, lses, out, lse, parts, rows, c,
-                                                     HAS_LSE=lse is not None,
-                                                     BP=next_pow2(parts), BC=bc)
+    # few rows a program on the GPU (batch-1 decode merges only 64 rows); the interpreter
+    # pays per program, so it takes many
+    br = 16 if INTERPRET else 2
+    merge_states_kernel[(triton.cdiv(rows, br), triton.cdiv(c, bc))](
+        outs, lses, out, lse, parts, rows, c, HAS_LSE=lse is not None, BR=br, BC=bc)
 
 
 def merge_attention_states(outs: torch.Tensor, lses: torch.Tensor) -> torch.Tensor:
@@ -290,6 +423,27 @@ def merge_attention_states(outs: torch.Tensor, lses: torch.Tensor) -> torch.Tens
     out = torch.empty(outs.shape[1:], dtype=outs.dtype, device=outs.device)
     _merge(outs, lses, out, None)
     return out
+
+
+def _attention_plan(n_tok: int, heads: int, width: int, lc: int, f32: bool) -> dict:
+    """Tiles and splits of `sparse_mla_fwd_kernel` for T queries of H heads over W rows.
+
+    All heads of a query share one program (a 64-row tensor-core tile; more heads tile the
+    grid), so each selected row is read once per query. The output columns are split into
+    COL_TILE-wide tiles across programs to bound the fp32 accumulator ([64, 256] over 8 warps);
+    the scores still use the full row, which the sibling column programs read from L2. The
+    selection is split so about TARGET_PROGRAMS programs run, but never below MIN_SPLIT_ROWS
+    rows per split: every split writes a [H, Lc] fp32 partial, as large as 2x its row reads
+    at 128 rows."""
+    bh = min(64, max(16, next_pow2(heads)))
+    bc = next_pow2(lc)
+    bw = 16 if f32 else 32
+    col_tiles = max(1, bc // COL_TILE)
+    base = n_tok * triton.cdiv(heads, bh) * col_tiles
+    splits = max(1, min(triton.cdiv(TARGET_PROGRAMS, base), triton.cdiv(width, MIN_SPLIT_ROWS)))
+    ws = triton.cdiv(triton.cdiv(width, splits), bw) * bw if width else bw
+    return dict(BH=bh, BC=bc, BW=bw, BO=bc // col_tiles, splits=triton.cdiv(width, ws) or 1,
+                ws=ws, grid_c=col_tiles)
 
 
 def sparse_mla_attention(
@@ -304,7 +458,8 @@ def sparse_mla_attention(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """q_latent: [T, H, Lc]; latent_cache: [B, bs / dcp_size, Lc]; block_tables: [N, M];
     query_seq: [T]; token_indices: [T, W] (-1 = unused). Returns out [T, H, Lc] in q's dtype and
-    lse [T, H] fp32 (-inf where a query has no row on this rank)."""
+    lse [T, H] fp32 (-inf where a query has no row on this rank). One launch, plus the
+    log-sum-exp merge when the selection is split (few queries)."""
     n_tok, heads, lc = q_latent.shape
     width = token_indices.shape[1]
     q_latent, token_indices = q_latent.contiguous(), token_indices.contiguous()
@@ -314,12 +469,8 @@ def sparse_mla_attention(
     if n_tok == 0:
         return out, lse
     f32 = INTERPRET or q_latent.dtype == torch.float32
-    bh = 16
-    bw = 16 if f32 else 32
-    n_prog = n_tok * triton.cdiv(heads, bh)
-    splits = max(1, min(triton.cdiv(TARGET_PROGRAMS, n_prog), triton.cdiv(width, 4 * bw)))
-    ws = triton.cdiv(triton.cdiv(width, splits), bw) * bw
-    splits = triton.cdiv(width, ws) if width else 1
+    plan = _attention_plan(n_tok, heads, width, lc, f32)
+    splits = plan["splits"]
     if splits == 1:
         o_part, lse_part = out, lse
     else:
@@ -327,12 +478,13 @@ def sparse_mla_attention(
                              device=q_latent.device)
         lse_part = torch.empty((splits, n_tok, heads), dtype=torch.float32,
                                device=q_latent.device)
-    grid = (triton.cdiv(heads, bh), splits, n_tok)
+    grid = (plan["grid_c"], splits, n_tok * triton.cdiv(heads, plan["BH"]))
     sparse_mla_fwd_kernel[grid](q_latent, latent_cache, block_tables, query_seq, token_indices,
-                                o_part, lse_part, scale, n_tok, heads, width, ws,
+                                o_part, lse_part, scale, n_tok, heads, width, plan["ws"],
                                 block_tables.stride(0), dcp_rank, LBS=latent_cache.shape[1],
-                                DCP=dcp_size, C=lc, BH=bh, BW=bw, BC=next_pow2(lc), F32=f32,
-                                num_warps=8 if not f32 else 4)
+                                DCP=dcp_size, C=lc, BH=plan["BH"], BW=plan["BW"],
+                                BC=plan["BC"], BO=plan["BO"], F32=f32,
+                                num_warps=4 if f32 else 8, num_stages=2)
     if splits > 1:
         _merge(o_part, lse_part, out, lse)
     return out, lse

@@ -141,3 +141,145 @@ def test_indexer_topk_matches_ref():
     assert torch.equal(tail, out_ref[:, budget * kpool:])
     for a, b in zip(sel, out_ref[:, : budget * kpool], strict=True):
         assert sorted(a.tolist()) == sorted(b.tolist())
+
+
+def _selection(query_seq, lens, width, gen):
+    """token_indices [T, width]: distinct random positions of each query's sequence, -1 padded
+    at random slots (a selection may be shorter than the width)."""
+    idx = torch.full((len(query_seq), width), -1, dtype=torch.long)
+    for t, s in enumerate(query_seq.tolist()):
+        n = min(lens[s], width - t % 5)
+        slots = torch.randperm(width, generator=gen)[:n]
+        idx[t, slots] = torch.randperm(lens[s], generator=gen)[:n]
+    return idx
+
+
+@pytest.mark.parametrize("heads,lc,dcp", [(3, 32, (0, 1)), (20, 48, (1, 2)), (80, 16, (0, 1)),
+                                          (16, 32, (0, 2))])
+def test_sparse_mla_decode_all_heads_matches_ref(heads, lc, dcp):
+    """Decode and verify shapes: 3 sequences (lengths off the block size), 2-3 queries each
+    (verify width > 1), selections of up to 40 rows split across programs, latent columns
+    tiled across programs, head counts below, at and above one 64-head tile; a query with
+    nothing selected. fp32: output rel 1e-5, lse abs 1e-5."""
+    from glm53.kernels import sparse_mla
+
+    rank, size = dcp
+    g = torch.Generator().manual_seed(heads * lc + rank)
+    lens, bs, width = [75, 41, 130], 16, 40
+    table = _tables(lens, bs, 20, g)
+    cache = torch.randn(20, bs // size, lc, generator=g)
+    query_seq = torch.tensor([0, 0, 1, 1, 2])
+    idx = _selection(query_seq, lens, width, g)
+    idx[3] = -1
+    q = torch.randn(len(query_seq), heads, lc, generator=g)
+    plan = sparse_mla._attention_plan(len(query_seq), heads, width, lc, True)
+    assert plan["splits"] > 1  # the split path runs
+    assert plan["grid_c"] > 1 or lc <= sparse_mla.COL_TILE  # and the column tiles
+    o_ref, lse_ref = ref.sparse_mla_attention(q, cache, table, query_seq, idx, 0.2, rank, size)
+    d = [x.to(DEVICE) for x in (q, cache, table, query_seq, idx)]
+    o, lse = sparse_mla.sparse_mla_attention(*d, 0.2, rank, size)
+    assert rel_err(o, o_ref) < 1e-5
+    fin = torch.isfinite(lse_ref)
+    assert fin.sum() > 2 * heads  # most queries have rows here
+    assert torch.equal(torch.isfinite(lse.cpu()), fin)
+    assert torch.allclose(lse.cpu()[fin], lse_ref[fin], atol=1e-5)
+    assert torch.equal(o.cpu()[3], torch.zeros_like(o_ref[3]))
+
+
+def test_sparse_mla_prefill_many_queries_matches_ref():
+    """Many queries of one sequence (prefill): one split, causal selections."""
+    from glm53.kernels import sparse_mla
+
+    g = torch.Generator().manual_seed(12)
+    heads, lc, bs, n = 16, 16, 8, 27
+    table = _tables([n], bs, 8, g)
+    cache = torch.randn(8, bs, lc, generator=g)
+    idx = torch.full((n, 20), -1, dtype=torch.long)
+    for t in range(n):
+        k = min(t + 1, 20)
+        idx[t, :k] = torch.randperm(t + 1, generator=g)[:k]
+    q = torch.randn(n, heads, lc, generator=g)
+    assert sparse_mla._attention_plan(n, heads, 20, lc, True)["splits"] == 1
+    qs = torch.zeros(n, dtype=torch.long)
+    o_ref, lse_ref = ref.sparse_mla_attention(q, cache, table, qs, idx, 0.3)
+    o, lse = sparse_mla.sparse_mla_attention(*(x.to(DEVICE) for x in (q, cache, table, qs, idx)),
+                                             0.3)
+    assert rel_err(o, o_ref) < 1e-5
+    assert torch.allclose(lse.cpu(), lse_ref, atol=1e-5)
+
+
+def _pool_scores(q, w, pools, table, seq, n_pools):
+    """Reference index scores [P] of one query (fp32), as ref.indexer_topk computes them."""
+    keys = ref._gather_pools(pools, table[seq], n_pools).float()
+    s = torch.relu(torch.einsum("hd,pd->hp", q.float(), keys) * q.shape[-1] ** -0.5)
+    return torch.einsum("h,hp->p", w.float(), s)
+
+
+def test_indexer_topk_radix_select_matches_ref():
+    """Radix select over several 64-pool chunks: 3 sequences (lengths off the block and pool
+    size), verify-width runs of consecutive positions, queries seeing fewer pools than the
+    budget, none, or an empty open pool; mixed-sign head weights (negative scores) and
+    duplicated pool keys (exact ties at the threshold). The selected pools must be distinct,
+    visible, and carry the top-k scores (rel 1e-5); tie-free queries equal the reference as
+    sets; the tails equal exactly."""
+    from glm53.kernels import sparse_mla
+
+    g = torch.Generator().manual_seed(13)
+    hi, d, kpool, bs, budget = 6, 16, 4, 16, 20
+    lens = [611, 38, 301]
+    table = _tables(lens, bs, 64, g)
+    pools = torch.randn(64, bs // kpool, d, generator=g)
+    # sequence 2: blocks 1-4 repeat block 0's pool keys, so scores tie in groups of five
+    pools[table[2, 1:5]] = pools[table[2, 0]].clone()
+    rows = ([(0, p) for p in (610, 608, 607, 250, 2)] + [(1, 37)]
+            + [(2, p) for p in (300, 299, 95)])
+    query_seq = torch.tensor([s for s, _ in rows])
+    pos = torch.tensor([p for _, p in rows])
+    q = torch.randn(len(rows), hi, d, generator=g)
+    w = torch.rand(len(rows), hi, generator=g) + 0.1
+    w[1::3] -= 0.8  # some negative head weights: negative and mixed-sign scores
+    out_ref = ref.indexer_topk(q, w, pools, table, query_seq, pos, budget, kpool)
+    out = sparse_mla.indexer_topk(*(x.to(DEVICE) for x in (q, w, pools, table, query_seq, pos)),
+                                  budget, kpool).cpu()
+    assert out.shape == out_ref.shape
+    assert torch.equal(out[:, budget * kpool:], out_ref[:, budget * kpool:])
+    assert (out[:, budget * kpool:] == -1).all(dim=1).any()  # an empty open pool is covered
+    sel = out[:, : budget * kpool].view(len(rows), budget, kpool)
+    for t, (s, p) in enumerate(rows):
+        n_vis = (p + 1) // kpool
+        tok = sel[t]
+        used = tok[:, 0] >= 0
+        assert int(used.sum()) == min(budget, n_vis)
+        if n_vis == 0:
+            continue
+        assert torch.equal(tok[~used], torch.full_like(tok[~used], -1))
+        pool_ids = tok[used, 0] // kpool
+        assert torch.equal(tok[used], pool_ids[:, None] * kpool + torch.arange(kpool))
+        assert len(set(pool_ids.tolist())) == len(pool_ids) and int(pool_ids.max()) < n_vis
+        scores = _pool_scores(q[t], w[t], pools, table, s, n_vis)
+        top = scores.topk(min(budget, n_vis)).values
+        got = scores[pool_ids].sort(descending=True).values
+        assert torch.allclose(got, top, rtol=1e-5, atol=1e-6)
+        if s != 2:  # tie-free: the same pools as the reference
+            assert sorted(tok[used].flatten().tolist()) == sorted(
+                x for x in out_ref[t, : budget * kpool].tolist() if x >= 0)
+    assert (w < 0).any() and n_vis > budget
+
+
+def test_indexer_topk_table_within_budget():
+    """A block table addressing no more pools than the budget: every visible pool, no passes."""
+    from glm53.kernels import sparse_mla
+
+    g = torch.Generator().manual_seed(14)
+    hi, d, kpool, bs, budget = 4, 16, 4, 8, 6
+    table = _tables([22, 9], bs, 8, g)  # 3 blocks: 6 pool slots
+    pools = torch.randn(8, bs // kpool, d, generator=g)
+    query_seq, pos = torch.tensor([0, 0, 1]), torch.tensor([21, 20, 8])
+    q = torch.randn(3, hi, d, generator=g)
+    w = torch.rand(3, hi, generator=g) + 0.1
+    out_ref = ref.indexer_topk(q, w, pools, table, query_seq, pos, budget, kpool)
+    out = sparse_mla.indexer_topk(*(x.to(DEVICE) for x in (q, w, pools, table, query_seq, pos)),
+                                  budget, kpool).cpu()
+    for a, b in zip(out, out_ref, strict=True):
+        assert sorted(a.tolist()) == sorted(b.tolist())
+    assert (out[:, :budget * kpool] >= 0).sum() == 4 * (5 + 5 + 2)

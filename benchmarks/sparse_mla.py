@@ -1,0 +1,182 @@
+# ruff: noqa: B023 (closures are timed immediately, inside their loop iteration)
+"""KPool-DSA sparse-MLA decode on one GPU (performance.md: indexer + top-k + latent attention
+>= 60% of HBM bandwidth at 32K-128K for the bytes they must read).
+
+Per case (batch 1/16/64 x context 2K/32K/128K; 64 heads, and 32 for a TP2 rank) each stage is
+timed alone and the whole decode call together, as CUDA-graph replays (median):
+  score      indexer scoring of every pool the block table addresses (reads the pooled keys)
+  select     radix top-k over the visible pool scores + expansion to token positions
+  topk_torch torch.topk(sorted=False) over the same scores, for comparison (not used)
+  attention  sparse latent attention over the 2051 selected rows (incl. the split merge)
+  total      indexer_topk + sparse_mla_attention, as the layer calls them
+with the bytes each must read (pooled keys 128 x bf16 a pool; scores fp32 once; latent rows
+512 x bf16 each) and that as % of the 4.3e12 B/s copy ceiling. A short sweep of the tiling
+constants at 32K follows (for retuning). Every sequence owns its blocks, so reads come from
+HBM, not L2.
+
+    python benchmarks/sparse_mla.py [--json benchmarks/results/sparse_mla_h200.json]
+        [--commit X] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+from datetime import UTC, datetime
+
+import torch
+from triton.testing import do_bench_cudagraph
+
+from glm53.kernels import sparse_mla
+
+DEV = "cuda"
+BW = 4.3e12  # measured device-to-device copy bandwidth of an H200, B/s
+BLOCK, LATENT, BUDGET, KPOOL, INDEX_HEADS, INDEX_DIM = 64, 512, 512, 4, 32, 128
+
+
+def _us(fn) -> float:
+    return float(do_bench_cudagraph(fn, rep=20, return_mode="median")) * 1e3
+
+
+def _pct(nbytes: float, us: float) -> float:
+    return 100 * nbytes / (us * 1e-6) / BW
+
+
+def _case_inputs(batch, ctx, gen):
+    """Paged latent + pooled-key caches with distinct blocks per sequence; one query each at
+    the last position."""
+    blocks = -(-ctx // BLOCK)
+    table = torch.randperm(batch * blocks, device=DEV, generator=gen).view(batch, blocks)
+    latent = torch.randn(batch * blocks, BLOCK, LATENT, device=DEV, dtype=torch.bfloat16,
+                         generator=gen)
+    pools = torch.randn(batch * blocks, BLOCK // KPOOL, INDEX_DIM, device=DEV,
+                        dtype=torch.bfloat16, generator=gen)
+    q_idx = torch.randn(batch, INDEX_HEADS, INDEX_DIM, device=DEV, dtype=torch.bfloat16,
+                        generator=gen)
+    w = torch.randn(batch, INDEX_HEADS, device=DEV, generator=gen) * INDEX_HEADS**-0.5
+    pos = torch.full((batch,), ctx - 1, device=DEV)
+    qs = torch.arange(batch, device=DEV)
+    return table, latent, pools, q_idx, w, pos, qs
+
+
+def bench_case(batch, ctx, heads_list, gen, rows):
+    table, latent, pools, q_idx, w, pos, qs = _case_inputs(batch, ctx, gen)
+    n_pools = table.shape[1] * (BLOCK // KPOOL)
+    visible = ctx // KPOOL
+    scores = sparse_mla._score_pools(q_idx, w, pools, table, qs, pos, KPOOL)
+    tokens = sparse_mla._select_pools(scores, pos, BUDGET, KPOOL)
+    k = min(BUDGET, n_pools)
+    t_score = _us(lambda: sparse_mla._score_pools(q_idx, w, pools, table, qs, pos, KPOOL))
+    t_select = _us(lambda: sparse_mla._select_pools(scores, pos, BUDGET, KPOOL))
+    t_topk = _us(lambda: torch.topk(scores, k, dim=-1, sorted=False))
+    t_index = _us(lambda: sparse_mla.indexer_topk(q_idx, w, pools, table, qs, pos, BUDGET,
+                                                  KPOOL))
+    score_bytes = batch * visible * INDEX_DIM * 2
+    select_bytes = batch * visible * 4
+    sel_rows = int((tokens >= 0).sum())  # rows the attention must read, all queries
+    att_bytes = sel_rows * LATENT * 2
+    for heads in heads_list:
+        q = torch.randn(batch, heads, LATENT, device=DEV, dtype=torch.bfloat16, generator=gen)
+        t_att = _us(lambda: sparse_mla.sparse_mla_attention(q, latent, table, qs, tokens,
+                                                            1 / 16))
+
+        def step():
+            tok = sparse_mla.indexer_topk(q_idx, w, pools, table, qs, pos, BUDGET, KPOOL)
+            sparse_mla.sparse_mla_attention(q, latent, table, qs, tok, 1 / 16)
+        t_total = _us(step)
+        plan = sparse_mla._attention_plan(batch, heads, tokens.shape[1], LATENT, False)
+        row = dict(kernel="sparse_mla_decode", heads=heads, batch=batch, context=ctx,
+                   pools_addressed=n_pools, rows_selected=sel_rows,
+                   score_us=t_score, select_us=t_select, topk_torch_us=t_topk,
+                   indexer_topk_us=t_index, attention_us=t_att, total_us=t_total,
+                   score_bytes=score_bytes, select_bytes=select_bytes, attention_bytes=att_bytes,
+                   total_bytes=score_bytes + att_bytes,
+                   score_bw_pct=_pct(score_bytes, t_score),
+                   select_bw_pct=_pct(select_bytes, t_select),
+                   indexer_bw_pct=_pct(score_bytes, t_index),
+                   attention_bw_pct=_pct(att_bytes, t_att),
+                   total_bw_pct=_pct(score_bytes + att_bytes, t_total),
+                   attention_splits=plan["splits"], attention_col_tiles=plan["grid_c"])
+        rows.append(row)
+        print(json.dumps({k: (round(v, 2) if isinstance(v, float) else v)
+                          for k, v in row.items()}), flush=True)
+
+
+def bench_sweep(gen, rows):
+    """The tiling constants at 32K context, 64 heads, batch 1 and 16: attention column tile x
+    fewest rows per split, and the select chunk."""
+    saved = (sparse_mla.COL_TILE, sparse_mla.MIN_SPLIT_ROWS, sparse_mla.SELECT_CHUNK)
+    try:
+        for batch in (1, 16):
+            table, latent, pools, q_idx, w, pos, qs = _case_inputs(batch, 32768, gen)
+            scores = sparse_mla._score_pools(q_idx, w, pools, table, qs, pos, KPOOL)
+            tokens = sparse_mla._select_pools(scores, pos, BUDGET, KPOOL)
+            q = torch.randn(batch, 64, LATENT, device=DEV, dtype=torch.bfloat16, generator=gen)
+            att_bytes = int((tokens >= 0).sum()) * LATENT * 2
+            for col_tile in (128, 256, 512):
+                for min_rows in (64, 128, 256):
+                    sparse_mla.COL_TILE, sparse_mla.MIN_SPLIT_ROWS = col_tile, min_rows
+                    try:
+                        t = _us(lambda: sparse_mla.sparse_mla_attention(q, latent, table, qs,
+                                                                        tokens, 1 / 16))
+                        rows.append(dict(kernel="sweep_attention", batch=batch, heads=64,
+                                         col_tile=col_tile, min_split_rows=min_rows,
+                                         attention_us=t, attention_bw_pct=_pct(att_bytes, t)))
+                    except Exception as exc:  # e.g. out of shared memory at 512 columns
+                        rows.append(dict(kernel="sweep_attention", batch=batch,
+                                         col_tile=col_tile, min_split_rows=min_rows,
+                                         error=repr(exc)[:300]))
+                    print(json.dumps(rows[-1]), flush=True)
+            sparse_mla.COL_TILE, sparse_mla.MIN_SPLIT_ROWS = saved[:2]
+            for chunk in (1024, 2048, 4096):
+                sparse_mla.SELECT_CHUNK = chunk
+                t = _us(lambda: sparse_mla._select_pools(scores, pos, BUDGET, KPOOL))
+                rows.append(dict(kernel="sweep_select", batch=batch, select_chunk=chunk,
+                                 select_us=t))
+                print(json.dumps(rows[-1]), flush=True)
+            sparse_mla.SELECT_CHUNK = saved[2]
+    finally:
+        sparse_mla.COL_TILE, sparse_mla.MIN_SPLIT_ROWS, sparse_mla.SELECT_CHUNK = saved
+
+
+def _git_commit() -> str | None:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                              text=True).stdout.strip() or None
+    except OSError:
+        return None
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--json")
+    ap.add_argument("--commit", help="the commit measured (the device copy has no .git)")
+    ap.add_argument("--quick", action="store_true", help="batch 1 and 16 at 32K only, no sweep")
+    args = ap.parse_args()
+    gen = torch.Generator(device=DEV).manual_seed(0)
+    rows: list[dict] = []
+    cases = [(b, c) for b in (1, 16, 64) for c in (2048, 32768, 131072)]
+    if args.quick:
+        cases = [(1, 32768), (16, 32768)]
+    for batch, ctx in cases:
+        try:
+            bench_case(batch, ctx, (64, 32), gen, rows)
+        except Exception as exc:  # keep the other numbers when one case fails
+            rows.append(dict(kernel="sparse_mla_decode", batch=batch, context=ctx,
+                             error=repr(exc)[:500]))
+            print(json.dumps(rows[-1]), flush=True)
+        torch.cuda.empty_cache()  # the case's caches are gone: give the next one room
+    if not args.quick:
+        bench_sweep(gen, rows)
+    if args.json:
+        out = dict(benchmark="sparse_mla_decode", device=torch.cuda.get_device_name(),
+                   commit=args.commit or _git_commit(),
+                   date=datetime.now(UTC).isoformat(timespec="seconds"),
+                   torch=torch.__version__, bandwidth_ceiling_Bps=BW, results=rows)
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
