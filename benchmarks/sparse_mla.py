@@ -104,7 +104,7 @@ def bench_case(batch, ctx, heads_list, gen, rows):
 
 
 def bench_sweep(gen, rows):
-    """The tiling constants at 32K context, 64 heads, batch 1 and 16: attention column tile x
+    """The tiling constants at 32K context, 64 heads, batch 1 and 16: latent halved or not x
     fewest rows per split, and the select chunk."""
     saved = (sparse_mla.COL_TILE, sparse_mla.MIN_SPLIT_ROWS, sparse_mla.SELECT_CHUNK)
     try:
@@ -114,7 +114,7 @@ def bench_sweep(gen, rows):
             tokens = sparse_mla._select_pools(scores, pos, BUDGET, KPOOL)
             q = torch.randn(batch, 64, LATENT, device=DEV, dtype=torch.bfloat16, generator=gen)
             att_bytes = int((tokens >= 0).sum()) * LATENT * 2
-            for col_tile in (128, 256, 512):
+            for col_tile in (256, 512):  # halves, or one program over all 512 columns
                 for min_rows in (64, 128, 256):
                     sparse_mla.COL_TILE, sparse_mla.MIN_SPLIT_ROWS = col_tile, min_rows
                     try:

@@ -9,8 +9,9 @@
   a write pass) expands the top pools to token positions and appends the open-pool tail.
 - `sparse_mla_attention`: absorbed MLA over the selected latent rows. One program covers all
   heads of a query (up to 64, a tensor-core tile), so every selected row is read once per
-  query; the output columns are tiled across programs, and the selection is split when there
-  are few queries, the partial results merged by log-sum-exp (flash-decoding); DCP-aware.
+  query; the output columns are halved across two programs, and the selection is split when
+  there are few queries, the partial results merged by log-sum-exp (flash-decoding);
+  DCP-aware.
 - `merge_attention_states`: the log-sum-exp merge of partial results (also the split merge).
 """
 
@@ -29,8 +30,9 @@ TARGET_PROGRAMS = 264
 # fewest selected rows per split: each split writes an fp32 [H, Lc] partial (2x its row bytes
 # at 128 rows of bf16)
 MIN_SPLIT_ROWS = 32 if INTERPRET else 128
-# output columns per attention program: bounds the fp32 accumulator to [64, 256] (64 registers
-# a thread over 8 warps); narrow in the interpreter so CPU tests cover several column tiles
+# output columns per attention program when the latent is halved: bounds the fp32 accumulator
+# to [64, 256] (64 registers a thread over 8 warps); narrow in the interpreter so CPU tests
+# cover the halves
 COL_TILE = 16 if INTERPRET else 256
 # pools per radix-select program (8 warps: 8 keys a thread); small in the interpreter so CPU
 # tests cover several chunks
@@ -309,68 +311,90 @@ def indexer_topk(
 
 
 @triton.jit
+def _row_offsets(token_indices, block_tables, seq, i_t, o_w, w_hi, W, stride_bt, dcp_rank,
+                 LBS: tl.constexpr, DCP: tl.constexpr, C: tl.constexpr):
+    """Element offsets of the latent rows of selected slots o_w ([BW]) of query i_t, and which
+    slots hold a row on this rank."""
+    b_idx = tl.load(token_indices + i_t * W + o_w, mask=o_w < w_hi, other=-1)
+    ok = b_idx >= 0
+    if DCP > 1:
+        ok = ok & (b_idx % DCP == dcp_rank)
+    b_idx = tl.maximum(b_idx, 0)
+    i_b = tl.load(block_tables + seq * stride_bt + b_idx // (LBS * DCP), mask=ok, other=0)
+    return (i_b * LBS + (b_idx % (LBS * DCP)) // DCP).to(tl.int64) * C, ok
+
+
+@triton.jit
 def sparse_mla_fwd_kernel(q, kv, block_tables, query_seq, token_indices, o, lse, scale, T, H, W,
                           WS, stride_bt, dcp_rank, LBS: tl.constexpr, DCP: tl.constexpr,
-                          C: tl.constexpr, BH: tl.constexpr, BW: tl.constexpr, BC: tl.constexpr,
-                          BO: tl.constexpr, F32: tl.constexpr):
+                          C: tl.constexpr, BH: tl.constexpr, BW: tl.constexpr, BO: tl.constexpr,
+                          HALVES: tl.constexpr, F32: tl.constexpr):
     """Program (i_c, i_s, i_t * n_ht + i_h): heads i_h*BH.. of query i_t over selected rows
-    i_s*WS.. (a split), accumulating output columns i_c*BO.. . Scores always use the full row."""
+    i_s*WS.. (a split), accumulating output columns i_c*BO.. . With HALVES the row is read as
+    this program's column half (scores and values) and the other half (scores only), so each
+    row byte is loaded once; the indices of the next rows are fetched a step ahead (the
+    index -> block table -> row chain is three dependent loads)."""
     i_c, i_s, i_th = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     n_ht = tl.cdiv(H, BH)
     i_t, i_h = i_th // n_ht, i_th % n_ht
     seq = tl.load(query_seq + i_t)
-    o_h, o_c, o_o = i_h * BH + tl.arange(0, BH), tl.arange(0, BC), i_c * BO + tl.arange(0, BO)
-    m_h, m_c, m_o = o_h < H, o_c < C, o_o < C
-    b_q = tl.load(q + (i_t * H + o_h)[:, None] * C + o_c[None, :],
-                  mask=m_h[:, None] & m_c[None, :], other=0.0)
+    o_h, o_b = i_h * BH + tl.arange(0, BH), tl.arange(0, BO)
+    o_own, o_oth = i_c * BO + o_b, (1 - i_c) * BO + o_b
+    m_h, m_own, m_oth = o_h < H, o_own < C, o_oth < C
+    p_q = q + (i_t * H + o_h)[:, None] * C
+    b_q = tl.load(p_q + o_own[None, :], mask=m_h[:, None] & m_own[None, :], other=0.0)
     if F32:
         b_q = b_q.to(tl.float32)
+    if HALVES:
+        b_q2 = tl.load(p_q + o_oth[None, :], mask=m_h[:, None] & m_oth[None, :], other=0.0)
+        if F32:
+            b_q2 = b_q2.to(tl.float32)
     qk_scale = scale * 1.4426950408889634  # exp2 domain
     b_m = tl.full([BH], float("-inf"), dtype=tl.float32)
     b_l = tl.zeros([BH], dtype=tl.float32)
     b_acc = tl.zeros([BH, BO], dtype=tl.float32)
     w_lo = i_s * WS
     w_hi = tl.minimum(w_lo + WS, W)
+    o_row, ok = _row_offsets(token_indices, block_tables, seq, i_t, w_lo + tl.arange(0, BW),
+                             w_hi, W, stride_bt, dcp_rank, LBS, DCP, C)
     for w0 in range(w_lo, w_hi, BW):
-        o_w = w0 + tl.arange(0, BW)
-        b_idx = tl.load(token_indices + i_t * W + o_w, mask=o_w < w_hi, other=-1)
-        ok = b_idx >= 0
-        if DCP > 1:
-            ok = ok & (b_idx % DCP == dcp_rank)
-        b_idx = tl.maximum(b_idx, 0)
-        i_b = tl.load(block_tables + seq * stride_bt + b_idx // (LBS * DCP), mask=ok, other=0)
-        o_row = (i_b * LBS + (b_idx % (LBS * DCP)) // DCP).to(tl.int64) * C
-        b_kv = tl.load(kv + o_row[:, None] + o_c[None, :], mask=ok[:, None] & m_c[None, :],
+        b_kv = tl.load(kv + o_row[:, None] + o_own[None, :], mask=ok[:, None] & m_own[None, :],
                        other=0.0)
-        if BO == BC:  # one column tile: the values are the rows just loaded
-            b_v = b_kv
-        else:  # this program's columns of the same rows (a cache hit: just loaded)
-            b_v = tl.load(kv + o_row[:, None] + o_o[None, :], mask=ok[:, None] & m_o[None, :],
-                          other=0.0)
+        if HALVES:
+            b_kv2 = tl.load(kv + o_row[:, None] + o_oth[None, :],
+                            mask=ok[:, None] & m_oth[None, :], other=0.0)
+        o_next, ok_next = _row_offsets(token_indices, block_tables, seq, i_t,
+                                       w0 + BW + tl.arange(0, BW), w_hi, W, stride_bt,
+                                       dcp_rank, LBS, DCP, C)
         if F32:
-            b_kv, b_v = b_kv.to(tl.float32), b_v.to(tl.float32)
-            b_s = tl.dot(b_q, tl.trans(b_kv), input_precision="ieee") * qk_scale
+            b_kv = b_kv.to(tl.float32)
+            b_s = tl.dot(b_q, tl.trans(b_kv), input_precision="ieee")
+            if HALVES:
+                b_s += tl.dot(b_q2, tl.trans(b_kv2.to(tl.float32)), input_precision="ieee")
         else:
-            b_s = tl.dot(b_q, tl.trans(b_kv)) * qk_scale
-        b_s = tl.where(ok[None, :], b_s, float("-inf"))
+            b_s = tl.dot(b_q, tl.trans(b_kv))
+            if HALVES:
+                b_s += tl.dot(b_q2, tl.trans(b_kv2))
+        b_s = tl.where(ok[None, :], b_s * qk_scale, float("-inf"))
         b_mn = tl.maximum(b_m, tl.max(b_s, 1))
         b_ms = tl.where(b_mn == float("-inf"), 0.0, b_mn)
         b_p = tl.exp2(b_s - b_ms[:, None])
         b_a = tl.exp2(b_m - b_ms)
         b_l = b_l * b_a + tl.sum(b_p, 1)
         if F32:
-            b_acc = b_acc * b_a[:, None] + tl.dot(b_p, b_v, input_precision="ieee")
+            b_acc = b_acc * b_a[:, None] + tl.dot(b_p, b_kv, input_precision="ieee")
         else:
-            b_acc = b_acc * b_a[:, None] + tl.dot(b_p.to(b_v.dtype), b_v)
+            b_acc = b_acc * b_a[:, None] + tl.dot(b_p.to(b_kv.dtype), b_kv)
         b_m = b_mn
+        o_row, ok = o_next, ok_next
     has = b_l > 0
     b_o = b_acc / tl.where(has, b_l, 1.0)[:, None]
     # natural-log lse from the base-2 running max
     b_lse = tl.where(has, (b_m + tl.log2(tl.where(has, b_l, 1.0))) * 0.6931471805599453,
                      float("-inf"))
     o_part = i_s * T * H + i_t * H + o_h
-    tl.store(o + o_part[:, None] * C + o_o[None, :], b_o.to(o.dtype.element_ty),
-             mask=m_h[:, None] & m_o[None, :])
+    tl.store(o + o_part[:, None] * C + o_own[None, :], b_o.to(o.dtype.element_ty),
+             mask=m_h[:, None] & m_own[None, :])
     tl.store(lse + o_part, b_lse, mask=m_h & (i_c == 0))
 
 
@@ -429,21 +453,20 @@ def _attention_plan(n_tok: int, heads: int, width: int, lc: int, f32: bool) -> d
     """Tiles and splits of `sparse_mla_fwd_kernel` for T queries of H heads over W rows.
 
     All heads of a query share one program (a 64-row tensor-core tile; more heads tile the
-    grid), so each selected row is read once per query. The output columns are split into
-    COL_TILE-wide tiles across programs to bound the fp32 accumulator ([64, 256] over 8 warps);
-    the scores still use the full row, which the sibling column programs read from L2. The
-    selection is split so about TARGET_PROGRAMS programs run, but never below MIN_SPLIT_ROWS
-    rows per split: every split writes a [H, Lc] fp32 partial, as large as 2x its row reads
-    at 128 rows."""
+    grid), so each selected row is read once per query. A latent of at least 2 * COL_TILE
+    columns is halved across two programs to bound the fp32 accumulator ([64, 256] over 8
+    warps); both read the whole row for the scores (the second from L2). The selection is
+    split so about TARGET_PROGRAMS programs run, but never below MIN_SPLIT_ROWS rows per split:
+    every split writes a [H, Lc] fp32 partial (2x its row reads at 128 rows)."""
     bh = min(64, max(16, next_pow2(heads)))
     bc = next_pow2(lc)
     bw = 16 if f32 else 32
-    col_tiles = max(1, bc // COL_TILE)
-    base = n_tok * triton.cdiv(heads, bh) * col_tiles
+    halves = bc >= 2 * COL_TILE
+    base = n_tok * triton.cdiv(heads, bh) * (2 if halves else 1)
     splits = max(1, min(triton.cdiv(TARGET_PROGRAMS, base), triton.cdiv(width, MIN_SPLIT_ROWS)))
     ws = triton.cdiv(triton.cdiv(width, splits), bw) * bw if width else bw
-    return dict(BH=bh, BC=bc, BW=bw, BO=bc // col_tiles, splits=triton.cdiv(width, ws) or 1,
-                ws=ws, grid_c=col_tiles)
+    return dict(BH=bh, BW=bw, BO=bc // 2 if halves else bc, HALVES=halves,
+                splits=triton.cdiv(width, ws) or 1, ws=ws, grid_c=2 if halves else 1)
 
 
 def sparse_mla_attention(
@@ -483,7 +506,7 @@ def sparse_mla_attention(
                                 o_part, lse_part, scale, n_tok, heads, width, plan["ws"],
                                 block_tables.stride(0), dcp_rank, LBS=latent_cache.shape[1],
                                 DCP=dcp_size, C=lc, BH=plan["BH"], BW=plan["BW"],
-                                BC=plan["BC"], BO=plan["BO"], F32=f32,
+                                BO=plan["BO"], HALVES=plan["HALVES"], F32=f32,
                                 num_warps=4 if f32 else 8, num_stages=2)
     if splits > 1:
         _merge(o_part, lse_part, out, lse)
