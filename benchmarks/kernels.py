@@ -119,35 +119,42 @@ def bench_kda_decode_fla(rows, gen, quick):
 
 
 def bench_kda_prefill(rows, gen, quick):
+    """Chunked prefill: ours (what kda_attention dispatches to) vs fla's `chunk_kda` on the same
+    inputs (initial states, final states out, in-kernel l2norm) vs our recurrent kernel."""
     fla = _fla()
+    cases = [[4096], [16384], [2048] * 8] if not quick else [[4096]]
     for heads in (32, 64):
-        for t in (4096, 16384) if not quick else (4096,):
+        for lens in cases:
+            t, n = sum(lens), len(lens)
             q, k, v, g, beta = _kda_inputs(t, heads, gen)
-            state = torch.zeros(2, heads, 128, 128, device=DEV)
-            cu = torch.tensor([0, t], device=DEV)
-            ids = torch.tensor([1], device=DEV)
-            init = torch.zeros(1, dtype=torch.bool, device=DEV)
-            # our recurrent kernel, forced (kda_attention would hand long prefill to fla)
+            state = torch.randn(n + 1, heads, 128, 128, device=DEV, generator=gen) * 0.01
+            cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], device=DEV)
+            ids = torch.arange(1, n + 1, device=DEV)
+            init = torch.ones(n, dtype=torch.bool, device=DEV)
+            row = dict(kernel="kda_prefill", heads=heads, tokens=t, seqs=n)
+            row["ours_chunk_ms"] = _ms(
+                lambda: kda.kda_attention(q, k, v, g, beta, state, cu, ids, init), False)
+            row["ours_mtok_per_s"] = t / row["ours_chunk_ms"] / 1e3
+            # our recurrent kernel, forced
             saved, kda.CHUNK_MIN_TOKENS_PER_SEQ = kda.CHUNK_MIN_TOKENS_PER_SEQ, 1 << 62
             try:
-                ours = _ms(lambda: kda.kda_attention(q, k, v, g, beta, state, cu, ids, init),
-                           False)
+                row["ours_recurrent_ms"] = _ms(
+                    lambda: kda.kda_attention(q, k, v, g, beta, state, cu, ids, init), False)
             finally:
                 kda.CHUNK_MIN_TOKENS_PER_SEQ = saved
-            row = dict(kernel="kda_prefill", heads=heads, tokens=t, ours_recurrent_ms=ours)
             if fla is not None:
                 try:
-                    row["ours_dispatch_ms"] = _ms(
-                        lambda: kda.kda_attention(q, k, v, g, beta, state, cu, ids, init), False)
                     qc, kc, vc = (x.contiguous().unsqueeze(0) for x in (q, k, v))
-                    gc, bc = g.unsqueeze(0), beta.unsqueeze(0)
+                    gc, bc, h0 = g.unsqueeze(0), beta.unsqueeze(0), state[ids]
                     row["fla_chunk_ms"] = _ms(lambda: fla.chunk_kda(
-                        qc, kc, vc, gc, bc, initial_state=state[:1], output_final_state=True,
-                        use_qk_l2norm_in_kernel=True, cu_seqlens=cu), False)
-                    row["ours_vs_fla"] = row["fla_chunk_ms"] / row["ours_dispatch_ms"]
+                        qc, kc, vc, gc, bc, scale=128 ** -0.5, initial_state=h0,
+                        output_final_state=True, use_qk_l2norm_in_kernel=True,
+                        cu_seqlens=cu), False)
+                    row["fla_over_ours"] = row["fla_chunk_ms"] / row["ours_chunk_ms"]
                 except Exception as exc:
                     row["fla_error"] = repr(exc)[:300]
             rows.append(row)
+            print(json.dumps(row), flush=True)
 
 
 def bench_moe(rows, gen, quick):

@@ -8,8 +8,8 @@
   fused. Decode and verify (a few tokens per sequence) run the fused recurrent kernel: one
   program per (sequence, head, BV columns) keeps its [K, BV] state tile in registers, walks the
   sequence's tokens (one output per position, as verification needs) and writes the final state
-  back into its slot in place. Long prefill goes to fla's `chunk_kda` when fla is installed
-  (CUDA only), else runs the same recurrent kernel.
+  back into its slot in place. Prefill (many tokens per sequence) runs the chunked form of the
+  same recurrence, `kernels/kda_chunk.py`.
 - `gated_rms_norm`: per-head RMSNorm times sigmoid(gate).
 """
 
@@ -19,6 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
+from . import kda_chunk
 from .utils import INTERPRET, log2_ceil, next_pow2, seq_of_token
 
 __all__ = ["causal_conv1d", "conv_commit", "gated_rms_norm", "kda_attention", "kda_commit",
@@ -208,15 +209,8 @@ def kda_recurrent_kernel(q, k, v, g, beta, state, o, cu_seqlens, state_ids, has_
     tl.store(p_h, b_h.to(state.dtype.element_ty), mask=m_h)
 
 
-def _fla_chunk_kda():
-    try:
-        from fla.ops.kda import chunk_kda
-    except ImportError:
-        return None
-    return chunk_kda
-
-
-# Prefill goes to fla's chunked kernel when a step averages more tokens per sequence than this.
+# Prefill takes the chunked kernel when a step averages at least this many tokens per sequence
+# (one chunk): shorter sequences are cheaper to walk token by token than to factor per chunk.
 CHUNK_MIN_TOKENS_PER_SEQ = 64
 
 
@@ -245,10 +239,10 @@ def kda_attention(
     for t, d in ((q, dk), (k, dk), (v, dv)):
         assert t.stride(2) == 1 and t.stride(1) == d, "heads must be packed within a row"
     assert g.is_contiguous() and beta.is_contiguous() and state.is_contiguous()
-    chunk = _fla_chunk_kda() if q.is_cuda else None
-    if chunk is not None and defer is None and n_tok > CHUNK_MIN_TOKENS_PER_SEQ * n_seq:
-        return _kda_chunk_fla(chunk, q, k, v, g, beta, state, cu_seqlens, state_ids,
-                              has_initial_state)
+    if (defer is None and n_seq and n_tok >= CHUNK_MIN_TOKENS_PER_SEQ * n_seq
+            and kda_chunk.supports(dk, dv)):
+        return kda_chunk.kda_chunk_attention(q, k, v, g, beta, state, cu_seqlens, state_ids,
+                                             has_initial_state)
     o = torch.empty((n_tok, heads, dv), dtype=v.dtype, device=v.device)
     if n_seq == 0:
         return o
@@ -290,18 +284,6 @@ def kda_commit(
         q, k, v, g, beta, state, None, cu_seqlens, state_ids, has_initial_state, None,
         num_accepted, dk ** -0.5, q.stride(0), k.stride(0), v.stride(0), H=heads, K=dk, V=dv,
         BK=bk, BV=bv, HAS_DEFER=False, HAS_ACC=True, num_warps=1 if bk * bv <= 2048 else 4)
-
-
-def _kda_chunk_fla(chunk, q, k, v, g, beta, state, cu_seqlens, state_ids, has_initial_state):
-    """fla's chunked KDA over the varlen batch; states gathered from and scattered to slots."""
-    slots = state_ids.long()
-    h0 = state[slots] * has_initial_state.view(-1, 1, 1, 1).to(state.dtype)
-    o, ht = chunk(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), g.unsqueeze(0),
-                  beta.unsqueeze(0), scale=q.shape[-1] ** -0.5, initial_state=h0,
-                  output_final_state=True, use_qk_l2norm_in_kernel=True,
-                  cu_seqlens=cu_seqlens)
-    state[slots] = ht.to(state.dtype)
-    return o[0].to(v.dtype)
 
 
 @triton.jit
