@@ -105,8 +105,9 @@ def bench_case(batch, ctx, heads_list, gen, rows):
 
 def bench_sweep(gen, rows):
     """The tiling constants at 32K context, 64 heads, batch 1 and 16: latent halved or not x
-    fewest rows per split, and the select chunk."""
-    saved = (sparse_mla.COL_TILE, sparse_mla.MIN_SPLIT_ROWS, sparse_mla.SELECT_CHUNK)
+    fewest rows per split, the attention pipeline depth, and the select chunk."""
+    saved = (sparse_mla.COL_TILE, sparse_mla.MIN_SPLIT_ROWS, sparse_mla.SELECT_CHUNK,
+             sparse_mla.ATTENTION_STAGES)
     try:
         for batch in (1, 16):
             table, latent, pools, q_idx, w, pos, qs = _case_inputs(batch, 32768, gen)
@@ -129,6 +130,19 @@ def bench_sweep(gen, rows):
                                          error=repr(exc)[:300]))
                     print(json.dumps(rows[-1]), flush=True)
             sparse_mla.COL_TILE, sparse_mla.MIN_SPLIT_ROWS = saved[:2]
+            for stages in (1, 3):  # the default (2) is in the grid above
+                sparse_mla.ATTENTION_STAGES = stages
+                try:
+                    t = _us(lambda: sparse_mla.sparse_mla_attention(q, latent, table, qs, tokens,
+                                                                    1 / 16))
+                    rows.append(dict(kernel="sweep_attention", batch=batch, heads=64,
+                                     stages=stages, attention_us=t,
+                                     attention_bw_pct=_pct(att_bytes, t)))
+                except Exception as exc:  # e.g. out of shared memory at 3 stages
+                    rows.append(dict(kernel="sweep_attention", batch=batch, stages=stages,
+                                     error=repr(exc)[:300]))
+                print(json.dumps(rows[-1]), flush=True)
+            sparse_mla.ATTENTION_STAGES = saved[3]
             for chunk in (1024, 2048, 4096):
                 sparse_mla.SELECT_CHUNK = chunk
                 t = _us(lambda: sparse_mla._select_pools(scores, pos, BUDGET, KPOOL))
@@ -137,7 +151,8 @@ def bench_sweep(gen, rows):
                 print(json.dumps(rows[-1]), flush=True)
             sparse_mla.SELECT_CHUNK = saved[2]
     finally:
-        sparse_mla.COL_TILE, sparse_mla.MIN_SPLIT_ROWS, sparse_mla.SELECT_CHUNK = saved
+        (sparse_mla.COL_TILE, sparse_mla.MIN_SPLIT_ROWS, sparse_mla.SELECT_CHUNK,
+         sparse_mla.ATTENTION_STAGES) = saved
 
 
 def _git_commit() -> str | None:

@@ -34,6 +34,8 @@ MIN_SPLIT_ROWS = 32 if INTERPRET else 128
 # to [64, 256] (64 registers a thread over 8 warps); narrow in the interpreter so CPU tests
 # cover the halves
 COL_TILE = 16 if INTERPRET else 256
+# software-pipeline depth of the attention loop (the row loads of the next step in flight)
+ATTENTION_STAGES = 2
 # pools per radix-select program (8 warps: 8 keys a thread); small in the interpreter so CPU
 # tests cover several chunks
 SELECT_CHUNK = 64 if INTERPRET else 2048
@@ -507,7 +509,7 @@ def sparse_mla_attention(
                                 block_tables.stride(0), dcp_rank, LBS=latent_cache.shape[1],
                                 DCP=dcp_size, C=lc, BH=plan["BH"], BW=plan["BW"],
                                 BO=plan["BO"], HALVES=plan["HALVES"], F32=f32,
-                                num_warps=4 if f32 else 8, num_stages=2)
+                                num_warps=4 if f32 else 8, num_stages=ATTENTION_STAGES)
     if splits > 1:
         _merge(o_part, lse_part, out, lse)
     return out, lse
