@@ -22,12 +22,14 @@ Two launches over the flat varlen batch, no host sync (CUDA-graph capturable):
 Exponents: every materialised exponent is a non-positive difference, so any g <= 0 is safe
 (strong decays underflow to 0, never overflow). Off-diagonal 16x16 sub-blocks factor through the
 first row r of the later sub-chunk: e^(Gc_t - Gc_r) e^(Gc_r - Gc_i), both <= 1; diagonal
-sub-blocks are built column by column with e^(Gc_t - Gc_j), t >= j. The inverse: the 16x16
-diagonal blocks by forward substitution, then (I + L)^-1 = (I + B E)^-1 B with B the block
-inverse and E the strictly block-lower part, B E nilpotent (a finite series).
+sub-blocks take each pair's own e^(Gc_t - Gc_j), t >= j (a few channels at a time). The inverse:
+the 16x16 diagonal blocks by forward substitution, then (I + L)^-1 = (I + B E)^-1 B with B the
+block inverse and E the strictly block-lower part, B E nilpotent (a finite series).
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import triton
@@ -303,15 +305,29 @@ def kda_chunk_attention(
     max_chunks = n_tok // CHUNK + n_seq
     decay = torch.empty((max_chunks, heads, dk), dtype=torch.float32, device=dev)
     bn = next_pow2(n_seq)
+    # tiles: narrow channel slices keep the intra pass's spills small (ptxas, sm_90: 8 warps,
+    # BK 16, BKD 8); the interpreter takes the diagonal blocks in one slice (per-op overhead)
     if n_tok:
         kda_chunk_intra_kernel[(max_chunks, heads)](
             q, k, v, g, beta, w, qw, kg, u, mu, decay, cu_seqlens, dk ** -0.5, n_seq,
             q.stride(0), k.stride(0), v.stride(0), H=heads, K=dk, V=dv, C=CHUNK, BC=SUB,
-            BK=16, BKD=dk if INTERPRET else 8, BV=min(dv, 64), BN=bn, num_warps=8)
-    # enough (V block, head, sequence) programs to cover the SMs; narrower blocks re-read the
-    # k-side factors, mostly from L2
-    bv = min(dv, 64 if n_seq * heads >= 128 else 32)
+            BK=16, BKD=dk if INTERPRET else 8, BV=min(dv, 16 if INTERPRET else 64), BN=bn,
+            num_warps=8)
+    # One program per SM fits (the [dk, BV] state plus the chunk's factors take the register
+    # file): narrow V blocks while the programs fit in one wave, wider ones when they cannot
+    # (narrow blocks re-read the k-side factors, from L2 when their programs run together).
+    bv = min(dv, 32 if n_seq * heads * triton.cdiv(dv, 32) <= _sm_count(dev) else 64)
+    if INTERPRET:  # several V blocks on the CPU tests' small dv too
+        bv = min(dv, 16)
     kda_chunk_state_kernel[(triton.cdiv(dv, bv), heads, n_seq)](
         w, qw, kg, u, mu, decay, state, o, cu_seqlens, state_ids, has_initial_state, n_seq,
-        H=heads, K=dk, V=dv, C=CHUNK, BV=bv, BN=bn, num_warps=4, num_stages=2)
+        H=heads, K=dk, V=dv, C=CHUNK, BV=bv, BN=bn, num_warps=8,
+        num_stages=1 if fdt == torch.float32 else 2)  # fp32 stages overflow shared memory
     return o
+
+
+@functools.cache
+def _sm_count(dev: torch.device) -> int:
+    if dev.type != "cuda":
+        return 1
+    return torch.cuda.get_device_properties(dev).multi_processor_count
