@@ -18,7 +18,7 @@ from datetime import UTC, datetime
 import torch
 from triton.testing import do_bench, do_bench_cudagraph
 
-from glm53.kernels import kda, moe
+from glm53.kernels import kda, kda_chunk, moe
 from glm53.kernels.ref import kda as ref_kda
 
 DEV = "cuda"
@@ -135,6 +135,13 @@ def bench_kda_prefill(rows, gen, quick):
             row["ours_chunk_ms"] = _ms(
                 lambda: kda.kda_attention(q, k, v, g, beta, state, cu, ids, init), False)
             row["ours_mtok_per_s"] = t / row["ours_chunk_ms"] / 1e3
+            # the state pass without its one-chunk-ahead loads (a tuning check)
+            kda_chunk.STATE_PREFETCH = False
+            try:
+                row["ours_chunk_no_prefetch_ms"] = _ms(
+                    lambda: kda.kda_attention(q, k, v, g, beta, state, cu, ids, init), False)
+            finally:
+                kda_chunk.STATE_PREFETCH = True
             # our recurrent kernel, forced
             saved, kda.CHUNK_MIN_TOKENS_PER_SEQ = kda.CHUNK_MIN_TOKENS_PER_SEQ, 1 << 62
             try:

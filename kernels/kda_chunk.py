@@ -41,6 +41,10 @@ __all__ = ["CHUNK", "kda_chunk_attention", "supports"]
 
 CHUNK = 64  # tokens per chunk
 SUB = 16  # sub-chunk: the exponent reference granularity and the diagonal inverse blocks
+# The state pass loads chunk i+1's factors while chunk i's products run (Triton does not
+# pipeline these loads itself; costs ~136 B of spills per thread at BV 32, ptxas sm_90).
+# benchmarks/kernels.py times both settings.
+STATE_PREFETCH = True
 LOG2E = tl.constexpr(1.4426950408889634)  # the kernels work in log2 units (exp2)
 
 
@@ -227,10 +231,30 @@ def kda_chunk_intra_kernel(q, k, v, g, beta, w, qw, kg, u, mu, decay, cu_seqlens
 
 
 @triton.jit
+def _load_chunk(w, qw, kg, u, mu, decay, t0, eos, i_cg, live, i_h, i_v, H: tl.constexpr,
+                K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BV: tl.constexpr):
+    """The factors of the chunk of rows t0.. (< eos) that is global chunk i_cg (nothing loaded
+    unless `live`): w, qw, kg [C, K]; u, Mu [C, BV] (V block i_v); e^Gc_last [K]."""
+    o_t = t0 + tl.arange(0, C)
+    o_k = tl.arange(0, K)
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_t = (o_t < eos)[:, None]
+    p_k = (o_t[:, None] * H + i_h) * K + o_k[None, :]
+    p_v = (o_t[:, None] * H + i_h) * V + o_v[None, :]
+    b_w = tl.load(w + p_k, mask=m_t, other=0.0)
+    b_qw = tl.load(qw + p_k, mask=m_t, other=0.0)
+    b_kg = tl.load(kg + p_k, mask=m_t, other=0.0)
+    b_u = tl.load(u + p_v, mask=m_t, other=0.0)
+    b_mu = tl.load(mu + p_v, mask=m_t, other=0.0)
+    b_d = tl.load(decay + (i_cg * H + i_h) * K + o_k, mask=live, other=0.0)
+    return b_w, b_qw, b_kg, b_u, b_mu, b_d
+
+
+@triton.jit
 def kda_chunk_state_kernel(w, qw, kg, u, mu, decay, state, o, cu_seqlens, state_ids,
                            has_initial_state, N, H: tl.constexpr, K: tl.constexpr,
                            V: tl.constexpr, C: tl.constexpr, BV: tl.constexpr,
-                           BN: tl.constexpr):
+                           BN: tl.constexpr, PREFETCH: tl.constexpr):
     i_v, i_h, i_n = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     n_c, c_end = _chunk_counts(cu_seqlens, N, C, BN)
     first = tl.sum(tl.where(tl.arange(0, BN) == i_n, c_end - n_c, 0), 0)
@@ -243,23 +267,28 @@ def kda_chunk_state_kernel(w, qw, kg, u, mu, decay, state, o, cu_seqlens, state_
     o_i = tl.arange(0, C)
     p_h = state + (i_s * H + i_h) * K * V + o_k[:, None] * V + o_v[None, :]
     b_h = tl.load(p_h, mask=init, other=0.0).to(tl.float32)
-    for i_c in range(0, tl.cdiv(eos - bos, C)):
+    n = tl.cdiv(eos - bos, C)
+    b_w, b_qw, b_kg, b_u, b_mu, b_d = _load_chunk(w, qw, kg, u, mu, decay, bos, eos, first,
+                                                  n > 0, i_h, i_v, H, K, V, C, BV)
+    for i_c in range(0, n):
+        if PREFETCH:  # the next chunk's loads are in flight during this chunk's products
+            n_w, n_qw, n_kg, n_u, n_mu, n_d = _load_chunk(
+                w, qw, kg, u, mu, decay, bos + (i_c + 1) * C, eos, first + i_c + 1,
+                i_c + 1 < n, i_h, i_v, H, K, V, C, BV)
         o_t = bos + i_c * C + o_i
-        m_t = (o_t < eos)[:, None]
-        p_k = (o_t[:, None] * H + i_h) * K + o_k[None, :]
-        p_v = (o_t[:, None] * H + i_h) * V + o_v[None, :]
-        b_w = tl.load(w + p_k, mask=m_t, other=0.0)
-        b_qw = tl.load(qw + p_k, mask=m_t, other=0.0)
-        b_kg = tl.load(kg + p_k, mask=m_t, other=0.0)
-        b_u = tl.load(u + p_v, mask=m_t, other=0.0).to(tl.float32)
-        b_mu = tl.load(mu + p_v, mask=m_t, other=0.0).to(tl.float32)
-        b_d = tl.load(decay + ((first + i_c) * H + i_h) * K + o_k)
         # the products run in the factors' dtype (bf16 tensor cores for bf16 inputs)
         b_hc = b_h.to(b_w.dtype)
-        b_o = b_mu + tl.dot(b_qw, b_hc)
-        b_uu = b_u - tl.dot(b_w, b_hc)
-        tl.store(o + p_v, b_o.to(o.dtype.element_ty), mask=m_t)
+        b_o = b_mu.to(tl.float32) + tl.dot(b_qw, b_hc)
+        b_uu = b_u.to(tl.float32) - tl.dot(b_w, b_hc)
+        tl.store(o + (o_t[:, None] * H + i_h) * V + o_v[None, :], b_o.to(o.dtype.element_ty),
+                 mask=(o_t < eos)[:, None])
         b_h = b_h * b_d[:, None] + tl.dot(tl.trans(b_kg), b_uu.to(b_kg.dtype))
+        if PREFETCH:
+            b_w, b_qw, b_kg, b_u, b_mu, b_d = n_w, n_qw, n_kg, n_u, n_mu, n_d
+        else:
+            b_w, b_qw, b_kg, b_u, b_mu, b_d = _load_chunk(
+                w, qw, kg, u, mu, decay, bos + (i_c + 1) * C, eos, first + i_c + 1,
+                i_c + 1 < n, i_h, i_v, H, K, V, C, BV)
     tl.store(p_h, b_h.to(state.dtype.element_ty))
 
 
@@ -321,8 +350,8 @@ def kda_chunk_attention(
         bv = min(dv, 16)
     kda_chunk_state_kernel[(triton.cdiv(dv, bv), heads, n_seq)](
         w, qw, kg, u, mu, decay, state, o, cu_seqlens, state_ids, has_initial_state, n_seq,
-        H=heads, K=dk, V=dv, C=CHUNK, BV=bv, BN=bn, num_warps=8,
-        num_stages=1 if fdt == torch.float32 else 2)  # fp32 stages overflow shared memory
+        H=heads, K=dk, V=dv, C=CHUNK, BV=bv, BN=bn, PREFETCH=STATE_PREFETCH, num_warps=8,
+        num_stages=1)
     return o
 
 

@@ -6,7 +6,8 @@ Checked against the token-by-token reference recurrence (fp32) and against fla's
 when fla is importable.
 Tolerances, relative error: fp32 inputs 5e-3 (tf32 tensor-core products in the chunk algebra);
 bf16 inputs 1e-2 on outputs (rounded to bf16) and states (bf16 factors and bf16 state copies
-feed the tensor-core products; the state itself accumulates in fp32); vs fla 1e-2.
+feed the tensor-core products; the state itself accumulates in fp32); vs fla 2e-2 (both sides
+carry bf16 roundings of their own).
 """
 
 from __future__ import annotations
@@ -65,6 +66,19 @@ def test_chunk_matches_ref_recurrence(heads, lens, dtype):
     assert torch.equal(s_ours[untouched], state[untouched])
 
 
+def test_chunk_without_prefetch(monkeypatch):
+    """The state pass's other load order (benchmarked as a tuning check) is the same math."""
+    from glm53.kernels import kda_chunk
+
+    monkeypatch.setattr(kda_chunk, "STATE_PREFETCH", False)
+    q, k, v, g, beta, state, cu, ids, init = _inputs([2000, 1, 63, 700], 32, torch.bfloat16, 5)
+    s_ref = state.clone()
+    o_ref = ref_kda.kda_attention(q, k, v, g, beta, s_ref, cu, ids, init)
+    o = kda_chunk.kda_chunk_attention(q, k, v, g, beta, state, cu, ids, init)
+    assert rel(o, o_ref) < TOL[torch.bfloat16]
+    assert rel(state, s_ref) < TOL[torch.bfloat16]
+
+
 @pytest.mark.parametrize("gate", [-20.0, -1e-6])
 def test_chunk_extreme_gates(gate):
     """Every step decays by e^-20 (products underflow) or not at all: still the recurrence."""
@@ -91,8 +105,8 @@ def test_chunk_matches_fla(heads, lens):
         scale=128 ** -0.5, initial_state=h0, output_final_state=True,
         use_qk_l2norm_in_kernel=True, cu_seqlens=cu)
     o = kda.kda_attention(q, k, v, g, beta, state, cu, ids, init)  # dispatches to the chunks
-    assert rel(o, o_fla[0]) < 1e-2
-    assert rel(state[ids], ht) < 1e-2
+    assert rel(o, o_fla[0]) < 2e-2
+    assert rel(state[ids], ht) < 2e-2
 
 
 def test_chunk_cuda_graph_replay():

@@ -80,6 +80,14 @@ def test_chunk_matches_ref_recurrence(lens, heads, dk, dv, gate):
     _check(kda_chunk.kda_chunk_attention, lens, heads, dk, dv, gate)
 
 
+def test_chunk_without_prefetch(monkeypatch):
+    """The state pass's other load order (a benchmarked tuning switch) is the same math."""
+    from glm53.kernels import kda_chunk
+
+    monkeypatch.setattr(kda_chunk, "STATE_PREFETCH", False)
+    _check(kda_chunk.kda_chunk_attention, [70, 1, 64], 2, 16, 32, "bounded", seed=3)
+
+
 def test_kda_attention_takes_the_chunk_path(monkeypatch):
     """Prefill-sized steps (>= CHUNK_MIN_TOKENS_PER_SEQ tokens per sequence on average) go
     through the chunked kernel, and still equal the reference; decode-sized ones do not."""
