@@ -1,6 +1,9 @@
 """ModelRunner: StepInput (host arrays) -> tensors -> model over the paged caches -> logits rows
 -> sampler -> StepOutput. Owns the model shard, its caches and the sampler of one worker; every
-rank runs the same forward (the collectives need all of them), only rank 0 samples."""
+rank runs the same forward (the collectives need all of them), only rank 0 samples.
+
+On CUDA, uniform decode / verify steps replay a captured graph of the forward + lm_head
+(cuda_graphs.py); every other step, and every step under `enforce_eager`, runs eagerly."""
 
 from __future__ import annotations
 
@@ -11,6 +14,7 @@ import numpy as np
 import torch
 
 from .caches import CachePlan, ModelCaches, plan_cache
+from .cuda_graphs import DecodeGraphs, batch_buckets
 from .forward_batch import ForwardBatch
 from .loader import DTYPES, load_model
 from .parallel import ParallelState
@@ -30,10 +34,16 @@ class ModelRunner:
                  cache_bytes: int | None = None, gpu_memory_utilization: float = 0.9,
                  with_mtp: bool = False, progress: bool = False,
                  ps: ParallelState | None = None, num_spec: int = 0,
-                 draft_model: str | None = None, draft_sampling: str = "greedy") -> None:
+                 draft_model: str | None = None, draft_sampling: str = "greedy",
+                 enforce_eager: bool = False,
+                 cuda_graph_batch_sizes: tuple[int, ...] | None = None,
+                 max_model_len: int | None = None) -> None:
         """`block_size` counts logical tokens per block (latent rows per rank x DCP size).
         Speculation: `num_spec` drafts per step from the MTP layer (`with_mtp`) or from the
-        DFlash draft checkpoint `draft_model` (replicated on every rank)."""
+        DFlash draft checkpoint `draft_model` (replicated on every rank). CUDA graphs (unless
+        `enforce_eager`) are captured for decode batches of `cuda_graph_batch_sizes` (capped
+        at num_slots) with block tables wide enough for `max_model_len` (default: the
+        model's context) tokens."""
         self.device = torch.device(device)
         self.ps = ps or ParallelState()
         self.model = load_model(model_dir, with_mtp=with_mtp,
@@ -57,6 +67,10 @@ class ModelRunner:
                                           num_spec=num_spec)
         self.caches: ModelCaches | None = None
         self.sampler = Sampler()
+        self.graphs: DecodeGraphs | None = None
+        self.enforce_eager = enforce_eager or self.device.type != "cuda"
+        self.graph_batch_sizes = batch_buckets(num_slots, cuda_graph_batch_sizes)
+        self.max_model_len = max_model_len or self.config.max_position_embeddings
 
     def allocate_caches(self, num_blocks: int) -> CachePlan:
         """Allocate the caches with `num_blocks` blocks (<= this rank's plan)."""
@@ -64,8 +78,9 @@ class ModelRunner:
             raise ValueError(f"{num_blocks} blocks exceed this rank's budget "
                              f"({self.plan.num_blocks})")
         self.plan = dataclasses.replace(self.plan, num_blocks=num_blocks)
+        # one slot more than the engine hands out: padded graph rows run in it
         self.caches = ModelCaches.allocate(
-            self.config, num_blocks, self.plan.block_size, self.plan.num_slots,
+            self.config, num_blocks, self.plan.block_size, self.plan.num_slots + 1,
             self.model.embed_tokens.weight.dtype, self.device, self.with_mtp, self.ps,
             self.num_spec)
         if self.draft is not None:
@@ -74,7 +89,25 @@ class ModelRunner:
         elif self.with_mtp and self.num_spec:
             self.proposer = MTPProposer(self.model, self.caches, self.num_spec,
                                         probabilistic=self.draft_sampling == "probabilistic")
+        if not self.enforce_eager:
+            try:
+                self.graphs = self.make_graphs(capture=True)
+            except Exception as exc:  # noqa: BLE001 - a path we cannot capture runs eagerly
+                logger.warning("CUDA graph capture failed, running every step eagerly: %s: %s",
+                               type(exc).__name__, exc)
+                self.graphs = None
         return self.plan
+
+    def make_graphs(self, capture: bool) -> DecodeGraphs:
+        """Decode graphs over this runner's caches (capture=False: their eager emulation, for
+        CPU tests). Widths: plain decode, and verify of num_spec drafts when speculating."""
+        widths = (1, 1 + self.num_spec) if self.proposer is not None else (1,)
+        max_blocks = min(-(-self.max_model_len // self.plan.block_size),
+                         self.plan.num_blocks - 1)
+        return DecodeGraphs(self.model, self.caches, pad_slot=self.plan.num_slots,
+                            max_blocks=max_blocks, batch_sizes=self.graph_batch_sizes,
+                            widths=widths, tap_layers=getattr(self.proposer, "tap_layers", ()),
+                            capture=capture)
 
     def _free_memory_budget(self, utilization: float) -> int:
         if self.device.type != "cuda":
@@ -88,16 +121,18 @@ class ModelRunner:
         """Run one step; rank 0 returns the StepOutput, other ranks None. Every rank samples
         (the gathered logits are identical), so acceptance, the KDA commit and the MTP drafts
         agree everywhere without a broadcast."""
-        batch = ForwardBatch.from_arrays(step.positions, step.cu_seqlens, step.block_tables,
-                                         step.slot_mapping, step.state_ids, self.device,
-                                         step.num_drafts)
-        tokens = torch.tensor(step.token_ids, device=self.device)
-        tap_layers = getattr(self.proposer, "tap_layers", ())
-        hidden = self.model(tokens, batch, self.caches, tap_layers)
-        hidden, taps = hidden if tap_layers else (hidden, None)
         n_sample = len(step.sample_rows)
-        rows = np.concatenate([step.sample_rows, step.prompt_logprob_rows])
-        logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])
+        rows = torch.tensor(np.concatenate([step.sample_rows, step.prompt_logprob_rows]),
+                            device=self.device)
+        key = self.graphs.bucket(step) if self.graphs is not None else None
+        if key is not None:
+            batch = None  # built only if a verify step must commit its KDA states
+            hidden, taps, all_logits = self.graphs.run(step, key)
+            logits = all_logits[rows]
+        else:
+            batch = self._batch(step)
+            hidden, taps = self._forward(step, batch)
+            logits = self.model.compute_logits(hidden[rows])
         draft_probs = self._draft_probs(step)
         if draft_probs is None:
             sampled, logprobs = self.sampler(logits[:n_sample], step.sampling)
@@ -120,9 +155,10 @@ class ModelRunner:
                 logprobs = gather_logprobs(torch.log(probs),
                                            torch.tensor(sampled, device=self.device),
                                            int(step.sampling.num_logprobs.max()))
-            if batch.defer_state is not None:
+            if step.num_drafts.any():  # the verifying sequences' KDA states were deferred
                 self.model.commit_speculative(
-                    batch, self.caches, torch.tensor(1 + num_accepted, device=self.device))
+                    batch if batch is not None else self._batch(step), self.caches,
+                    torch.tensor(1 + num_accepted, device=self.device))
             if self.proposer is not None:
                 drafts = self._propose(step, hidden, taps, num_accepted, emitted)
         if self.ps.rank != 0:
@@ -134,6 +170,19 @@ class ModelRunner:
                 torch.tensor(step.prompt_logprob_targets, device=self.device),
                 int(step.prompt_logprob_k.max()))
         return StepOutput(step.step_id, sampled, logprobs, prompt_logprobs, num_accepted, drafts)
+
+    def _batch(self, step: StepInput) -> ForwardBatch:
+        return ForwardBatch.from_arrays(step.positions, step.cu_seqlens, step.block_tables,
+                                        step.slot_mapping, step.state_ids, self.device,
+                                        step.num_drafts)
+
+    def _forward(self, step: StepInput, batch: ForwardBatch
+                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The eager forward: (hidden [T, D], tap states [T, n_taps * D] or None)."""
+        tokens = torch.tensor(step.token_ids, device=self.device)
+        tap_layers = getattr(self.proposer, "tap_layers", ())
+        hidden = self.model(tokens, batch, self.caches, tap_layers)
+        return hidden if tap_layers else (hidden, None)
 
     def _draft_probs(self, step: StepInput) -> list[torch.Tensor | None] | None:
         """Per sequence, the distributions its drafts were drawn from (probabilistic MTP)."""

@@ -5,10 +5,12 @@ Layers: KDA+dense, KDA+MoE, KDA+MoE, DSA+MoE (288 experts, top-8), full embeddin
 lm_head, bf16, random weights (fan-in scaled normals; each model its own). Ours: the model
 forward over a ForwardBatch built per step from host arrays (what the model runner does), the
 lm_head on the last rows and a greedy argmax, eager (and a CUDA-graph replay of the same decode
-step where capture works). Ours decodes over a cache of the stated context (zero-filled: the
-kernels read the same bytes whatever the values); transformers decodes after a real prefill
-of that context (skipped where its eager DSA attention would not fit). Prints a table and
-writes JSON.
+step where capture works), and a decode step served the way the model runner serves it with
+graphs (`engine_step_ms`: host step arrays -> static-buffer copy -> replay of the bucket's graph
+-> eager sampling of the real rows -> tokens on the host, so host overhead is included).
+Ours decodes over a cache of the stated context (zero-filled: the kernels read the same bytes
+whatever the values); transformers decodes after a real prefill of that context (skipped
+where its eager DSA attention would not fit). Prints a table and writes JSON.
 
     python benchmarks/slice.py [--json benchmarks/results/slice_h200.json] [--commit SHA]
 """
@@ -22,12 +24,16 @@ import math
 import time
 from datetime import UTC, datetime
 
+import numpy as np
 import torch
 
 from glm53.actors.caches import ModelCaches
 from glm53.actors.config import ModelConfig
-from glm53.actors.forward_batch import ForwardBatch
+from glm53.actors.cuda_graphs import DecodeGraphs
+from glm53.actors.forward_batch import ForwardBatch, slot_mapping_for
 from glm53.actors.loader import build_model
+from glm53.actors.sampler import Sampler, build_sampling_inputs
+from glm53.actors.step import SamplingParams, StepInput
 from glm53.actors.tiny import release_config, tiny_text_config
 
 DEV = "cuda"
@@ -72,14 +78,41 @@ def _timed(fn, steps: int) -> float:
     return (time.perf_counter() - start) / steps * 1e3
 
 
+def engine_step_ms(model, caches: ModelCaches, cfg: ModelConfig, batch_size: int, ctx: int,
+                   tables: list[list[int]], steps: int = 20) -> float:
+    """ms per greedy decode step through DecodeGraphs, as ModelRunner.execute runs it: block
+    tables as wide as the model's context (the engine's fixed graph width), the pad slot last."""
+    graphs = DecodeGraphs(model, caches, pad_slot=caches.layers[0].conv.shape[0] - 1,
+                          max_blocks=cfg.max_position_embeddings // BLOCK,
+                          batch_sizes=(batch_size,), widths=(1,))
+    sampler = Sampler()
+    rows = np.arange(batch_size, dtype=np.int64)
+    positions = np.full(batch_size, ctx - 1, dtype=np.int64)
+    table = np.array(tables, dtype=np.int32)
+    sampling = build_sampling_inputs(
+        [(SamplingParams(temperature=0.0), 0, ctx, (), (), ())] * batch_size)
+    token_ids = np.random.default_rng(0).integers(0, cfg.vocab_size, batch_size)
+
+    def decode() -> np.ndarray:
+        step = StepInput(0, [""] * batch_size, token_ids, positions,
+                         np.arange(batch_size + 1, dtype=np.int64), table,
+                         slot_mapping_for(positions, rows, table, BLOCK), rows, rows, rows,
+                         sampling)
+        _, _, logits = graphs.run(step, graphs.bucket(step))
+        ids, _ = sampler(logits[torch.tensor(step.sample_rows, device=DEV)], step.sampling)
+        return ids.cpu().numpy()
+    return _timed(decode, steps)
+
+
 def bench_ours(cfg: ModelConfig, decode_cases, prefill_lens, rows, graphs: bool) -> None:
     model = build_model(cfg, dtype=torch.bfloat16, device=DEV)
     randomize_(model)
     max_seqs = max(b for b, _ in decode_cases)
     max_tokens = max(max(b * c for b, c in decode_cases), max(prefill_lens))
     blocks = max_tokens // BLOCK + max_seqs + 1
-    caches = ModelCaches.allocate(cfg, num_blocks=blocks, block_size=BLOCK, num_slots=max_seqs,
-                                  dtype=torch.bfloat16, device=DEV)
+    # one slot more: the padding slot of the graph path
+    caches = ModelCaches.allocate(cfg, num_blocks=blocks, block_size=BLOCK,
+                                  num_slots=max_seqs + 1, dtype=torch.bfloat16, device=DEV)
     vocab = cfg.vocab_size
 
     def step(batch: ForwardBatch, ids: torch.Tensor) -> torch.Tensor:
@@ -112,6 +145,13 @@ def bench_ours(cfg: ModelConfig, decode_cases, prefill_lens, rows, graphs: bool)
                     row["graph_ms"] = _timed(graph.replay, 20)
                 except Exception as exc:
                     row["graph_error"] = repr(exc)[:300]
+                try:
+                    row["engine_step_ms"] = engine_step_ms(model, caches, cfg, batch_size, ctx,
+                                                           tables)
+                except Exception as exc:
+                    row["engine_step_error"] = repr(exc)[:300]
+                gc.collect()  # the case's graphs and their pool
+                torch.cuda.empty_cache()
             rows.append(row)
             print(rows[-1], flush=True)
         for n in prefill_lens:

@@ -102,6 +102,8 @@ def _parser() -> argparse.ArgumentParser:
                       help="KV cache + state budget, e.g. 512M (CPU default 256M; GPU: "
                            "--gpu-memory-utilization)")
     eng.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    eng.add_argument("--enforce-eager", action="store_true",
+                     help="no CUDA graphs for decode steps (every step runs eagerly)")
     par = gen.add_argument_group("parallelism (one Ray actor per GPU; fake GPUs on CPU)")
     par.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
     par.add_argument("--ep", type=int, default=1, help="expert-parallel size")
@@ -145,13 +147,15 @@ def _serve_parser(sub) -> None:
     size.add_argument("--num-blocks", type=int, default=None)
     size.add_argument("--cache-bytes", type=_parse_bytes, default=None)
     eng.add_argument("--gpu-memory-utilization", type=float, default=None)
+    eng.add_argument("--enforce-eager", action="store_true", default=None,
+                     help="no CUDA graphs for decode steps (every step runs eagerly)")
 
 
 SERVE_FIELDS = ("model", "served_model_name", "profile", "tensor_parallel_size",
                 "expert_parallel_size", "decode_context_parallel_size", "num_replicas",
                 "vision", "kv_cache_dtype", "dtype", "device", "max_model_len",
                 "max_num_batched_tokens", "max_num_seqs", "block_size", "max_waiting_requests",
-                "seed", "num_blocks", "cache_bytes", "gpu_memory_utilization")
+                "seed", "num_blocks", "cache_bytes", "gpu_memory_utilization", "enforce_eager")
 
 
 def serving_config(args: argparse.Namespace):
@@ -266,7 +270,7 @@ def _generate(args: argparse.Namespace) -> int:
             gpu_memory_utilization=args.gpu_memory_utilization, tensor_parallel_size=args.tp,
             expert_parallel_size=args.ep, decode_context_parallel_size=args.dcp,
             speculative_method=args.speculative[0], num_speculative_tokens=args.speculative[1],
-            draft_model=args.speculative[2])
+            draft_model=args.speculative[2], enforce_eager=args.enforce_eager)
         executor = (RayExecutor(config, progress=not args.json) if config.world_size > 1
                     else InProcessExecutor(config, progress=not args.json))
         engine = LLMEngine(config, executor)

@@ -104,6 +104,7 @@ class ServingConfig(BaseModel):
     kv_cache_dtype: Literal["auto", "fp8", "nvfp4"] = "auto"
     device: str | None = None  # default: cuda when available, else cpu
     gpu_memory_utilization: float = Field(0.9, gt=0, le=1)
+    enforce_eager: bool = False  # no CUDA graphs for decode steps
     cache_bytes: int | None = Field(None, gt=0)  # KV + state budget (CPU default 256 MiB)
     num_blocks: int | None = Field(None, ge=2)
     block_size: int = Field(16, ge=1)
@@ -201,7 +202,7 @@ class ServingConfig(BaseModel):
             tensor_parallel_size=self.tensor_parallel_size,
             expert_parallel_size=self.expert_parallel_size,
             decode_context_parallel_size=self.decode_context_parallel_size,
-            max_waiting_requests=self.max_waiting_requests,
+            max_waiting_requests=self.max_waiting_requests, enforce_eager=self.enforce_eager,
             **({"draft_model": self.speculative.draft_model}
                if self.speculative.method == "dflash" else {}))
 

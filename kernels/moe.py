@@ -9,7 +9,8 @@ cheaper than a sort), the gather of the uncorrected scores, renormalisation and 
 EP ranks sort last and drop out), runs gate|up and down as two grouped GEMMs over the expert
 groups (`torch._grouped_mm`: bf16 on Hopper, any float on CPU; a per-group matmul otherwise),
 applies the SwiGLU in between (Triton), and scatters the weighted rows back with an fp32
-index_add. No host sync on the grouped path, so it can be captured in a CUDA graph.
+index_add. No host sync on the grouped path, so it can be captured in a CUDA graph (other
+dtypes on CUDA take a per-row path while a graph is being captured).
 """
 
 from __future__ import annotations
@@ -106,6 +107,12 @@ def _grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.T
     offs[-1] are undefined."""
     if not a.is_cuda or a.dtype == torch.bfloat16:
         return torch._grouped_mm(a, b, offs=offs)
+    if torch.cuda.is_current_stream_capturing():
+        # no host sync in a CUDA graph: each row times its expert's matrix (decode-sized M)
+        expert = torch.searchsorted(offs, torch.arange(a.shape[0], dtype=offs.dtype,
+                                                       device=a.device),
+                                    right=True).clamp(max=b.shape[0] - 1)
+        return torch.bmm(a.unsqueeze(1), b[expert]).squeeze(1)
     out = torch.empty((a.shape[0], b.shape[-1]), dtype=a.dtype, device=a.device)
     start = 0
     for e, end in enumerate(offs.tolist()):

@@ -27,6 +27,10 @@ class EngineConfig:
     num_speculative_tokens: int = 0  # drafts verified per step and request
     draft_model: str | None = None  # DFlash2 draft checkpoint directory
     draft_sampling: str = "greedy"  # MTP drafts: "greedy" or "probabilistic" (sampled, p/q)
+    enforce_eager: bool = False  # no CUDA graphs: every step runs eagerly
+    # decode batch sizes with a CUDA graph (capped at max_num_seqs, which is always one);
+    # None = actors/cuda_graphs.py DEFAULT_BATCH_SIZES
+    cuda_graph_batch_sizes: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         checks = [
@@ -54,6 +58,10 @@ class EngineConfig:
             (0 <= self.num_speculative_tokens <= 8, "num_speculative_tokens must be in 0..8"),
             (self.draft_sampling in ("greedy", "probabilistic"),
              "draft_sampling must be greedy or probabilistic"),
+            (self.cuda_graph_batch_sizes is None or (
+                len(self.cuda_graph_batch_sizes) > 0
+                and all(s >= 1 for s in self.cuda_graph_batch_sizes)),
+             "cuda_graph_batch_sizes must be non-empty and >= 1"),
         ]
         for ok, message in checks:
             if not ok:

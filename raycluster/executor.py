@@ -42,7 +42,9 @@ def runner_kwargs(config: EngineConfig) -> dict:
                 gpu_memory_utilization=config.gpu_memory_utilization,
                 with_mtp=config.with_mtp or config.speculative_method == "mtp",
                 num_spec=config.num_speculative_tokens, draft_model=config.draft_model,
-                draft_sampling=config.draft_sampling)
+                draft_sampling=config.draft_sampling, enforce_eager=config.enforce_eager,
+                cuda_graph_batch_sizes=config.cuda_graph_batch_sizes,
+                max_model_len=config.max_model_len)
 
 
 class InProcessExecutor:

@@ -138,3 +138,13 @@ def test_dflash_follows_what_the_engine_supports(monkeypatch):
         ServingConfig(profile="lang-dflash2").check_supported()
     ServingConfig(profile="lang-dflash2", speculative={
         "method": "dflash", "draft_model": "/drafts/dflash2"}).check_supported()
+
+
+def test_enforce_eager_flag_reaches_the_engine_config():
+    eager = serving_config(_parser().parse_args(["serve", "--enforce-eager"]))
+    assert eager.engine_config("m", "cuda").enforce_eager
+    assert not serving_config(_parser().parse_args(["serve"])).engine_config(
+        "m", "cuda").enforce_eager
+    gen = ["generate", "--prompt-ids", "1", "--max-tokens", "1"]
+    assert _parser().parse_args([*gen, "--enforce-eager"]).enforce_eager
+    assert not _parser().parse_args(gen).enforce_eager

@@ -1,0 +1,233 @@
+"""CUDA graphs for uniform decode steps: the trunk forward + lm_head replayed from static buffers.
+
+A step is *uniform* when every sequence brings the same number of query tokens w (w = 1 for
+plain decode, 1 + k when every sequence verifies k drafts). Such a step is padded to the next
+captured batch size b (a bucket) and copied into static device buffers that every graph reads
+(one flat int64 buffer and one bool buffer, so a step costs one or two host-to-device copies);
+the graph of (b, w) is replayed, and the caller samples eagerly from the first rows.
+
+Padding never touches real state: a padded sequence starts at position 0 in the caches' extra
+state slot `pad_slot` (KDA state, short-conv window and indexer ring; no request owns it), its
+block table is all null block 0, so its latent rows and closed pools land in block 0, which the
+block pool never hands out and no real sequence reads (its block tables address only its own
+blocks up to its position; table padding is masked by position).
+
+Block tables are `max_blocks` wide in every graph (the longest sequence the caches can hold), so
+one graph serves every context length: the kernels size their grids from shapes only and read
+lengths from device tensors (no host sync on the CUDA path).
+
+`capture=False` runs the same padded static-buffer forward eagerly (any device): CPU tests use
+it to check that padding changes nothing for the real sequences.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from .caches import ModelCaches
+from .forward_batch import ForwardBatch
+from .models.glm5_next import Glm5NextForCausalLM
+from .step import StepInput
+
+logger = logging.getLogger(__name__)
+
+# decode batch sizes captured by default (those <= max_num_seqs, plus max_num_seqs itself)
+DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 256, 320, 384, 512)
+
+
+def batch_buckets(max_num_seqs: int, sizes: tuple[int, ...] | None = None) -> tuple[int, ...]:
+    """Ascending bucket sizes: `sizes` (default DEFAULT_BATCH_SIZES) capped at max_num_seqs,
+    which is always a bucket so that every decode batch fits one."""
+    sizes = DEFAULT_BATCH_SIZES if sizes is None else sizes
+    if any(s < 1 for s in sizes):
+        raise ValueError(f"graph batch sizes must be >= 1, got {sizes}")
+    return tuple(sorted({s for s in sizes if s < max_num_seqs} | {max_num_seqs}))
+
+
+def uniform_width(step: StepInput) -> int | None:
+    """w when every sequence computes exactly w tokens and, with drafts, verifies w - 1 of
+    them (so all or none of its KDA states are deferred); None otherwise."""
+    lengths = np.diff(step.cu_seqlens)
+    if lengths.size == 0 or (lengths != lengths[0]).any():
+        return None
+    w = int(lengths[0])
+    drafts = step.num_drafts if step.num_drafts is not None else np.zeros(len(lengths))
+    return w if (drafts == w - 1).all() else None
+
+
+@dataclass(frozen=True)
+class _Graph:
+    graph: torch.cuda.CUDAGraph | None
+    hidden: torch.Tensor  # [b * w, D]
+    taps: torch.Tensor | None  # [b * w, n_taps * D]
+    logits: torch.Tensor  # [b * w, V] fp32
+    pending: dict[int, tuple[torch.Tensor, ...] | None]  # KDA layer id -> what `commit` reads
+
+
+class StaticInputs:
+    """The device buffers every graph reads, with a host mirror (pinned on CUDA).
+
+    int64 buffer: token_ids, positions, query_seq, slot_mapping [T_max] each, cu_seqlens
+    [N_max + 1], state_ids [N_max], then block_tables [N_max, max_blocks] last (a step copies
+    only the rows it uses). bool buffer: has_initial_state, defer_state [N_max] each.
+    """
+
+    def __init__(self, max_seqs: int, max_width: int, max_blocks: int, block_size: int,
+                 pad_slot: int, device: torch.device) -> None:
+        self.max_seqs, self.max_blocks = max_seqs, max_blocks
+        self.block_size, self.pad_slot, self.device = block_size, pad_slot, device
+        t, n = max_seqs * max_width, max_seqs
+        sizes = dict(token_ids=t, positions=t, query_seq=t, slot_mapping=t, cu_seqlens=n + 1,
+                     state_ids=n, block_tables=n * max_blocks)
+        pin = device.type == "cuda"
+        total = sum(sizes.values())
+        self.host = torch.zeros(total, dtype=torch.int64, pin_memory=pin)
+        self.dev = torch.zeros(total, dtype=torch.int64, device=device)
+        self.host_flags = torch.zeros(2, n, dtype=torch.bool, pin_memory=pin)
+        self.dev_flags = torch.zeros(2, n, dtype=torch.bool, device=device)
+        self._host_np = self.host.numpy()
+        self._flags_np = self.host_flags.numpy()
+        self.offsets: dict[str, int] = {}
+        start = 0
+        for name, size in sizes.items():
+            self.offsets[name] = start
+            start += size
+
+    def _host(self, name: str, size: int) -> np.ndarray:
+        return self._host_np[self.offsets[name]:self.offsets[name] + size]
+
+    def _dev(self, name: str, size: int) -> torch.Tensor:
+        return self.dev[self.offsets[name]:self.offsets[name] + size]
+
+    def views(self, b: int, w: int) -> tuple[torch.Tensor, ForwardBatch]:
+        """(token ids [b*w], ForwardBatch of b sequences of w tokens) over the buffers."""
+        t = b * w
+        return self._dev("token_ids", t), ForwardBatch(
+            positions=self._dev("positions", t),
+            query_seq=self._dev("query_seq", t),
+            cu_seqlens=self._dev("cu_seqlens", b + 1),
+            state_ids=self._dev("state_ids", b),
+            has_initial_state=self.dev_flags[0, :b],
+            block_tables=self._dev("block_tables", b * self.max_blocks).view(b, self.max_blocks),
+            slot_mapping=self._dev("slot_mapping", t),
+            defer_state=self.dev_flags[1, :b] if w > 1 else None,
+        )
+
+    def load(self, step: StepInput | None, b: int, w: int) -> None:
+        """Copy `step` (n <= b sequences of w tokens; None = all padding) into the buffers,
+        padded to b sequences that start at position 0 in the pad slot over the null block."""
+        n = 0 if step is None else len(step.state_ids)
+        t, real = b * w, n * w
+        pad_pos = np.tile(np.arange(w, dtype=np.int64), b - n)
+        token_ids, positions = self._host("token_ids", t), self._host("positions", t)
+        slots, cu = self._host("slot_mapping", t), self._host("cu_seqlens", b + 1)
+        state_ids = self._host("state_ids", b)
+        tables = self._host("block_tables", b * self.max_blocks).reshape(b, self.max_blocks)
+        token_ids[real:] = 0
+        positions[real:] = pad_pos
+        slots[real:] = pad_pos % self.block_size  # block 0: the null block
+        state_ids[n:] = self.pad_slot
+        self._host("query_seq", t)[:] = np.repeat(np.arange(b), w)
+        cu[:] = np.arange(b + 1) * w
+        tables[:] = 0
+        self._flags_np[:, :b] = False
+        if n:
+            token_ids[:real] = step.token_ids
+            positions[:real] = step.positions
+            slots[:real] = step.slot_mapping
+            state_ids[:n] = step.state_ids
+            tables[:n, :step.block_tables.shape[1]] = step.block_tables
+            self._flags_np[0, :n] = step.positions[step.cu_seqlens[:-1]] > 0
+            if step.num_drafts is not None:
+                self._flags_np[1, :n] = step.num_drafts > 0
+        used = self.offsets["block_tables"] + b * self.max_blocks
+        self.dev[:used].copy_(self.host[:used], non_blocking=True)
+        self.dev_flags.copy_(self.host_flags, non_blocking=True)
+
+
+class DecodeGraphs:
+    """Graphs (or, with capture=False, their eager emulation) of the trunk forward + lm_head
+    for uniform steps of `widths` tokens per sequence and `batch_sizes` sequences.
+
+    run(step) returns (hidden [b*w, D], taps or None, logits [b*w, V] fp32), valid until the
+    next run; rows past the step's n*w are padding. After a verify run the KDA layers' pending
+    tensors are those of the replayed graph, so `commit_speculative` works as after an eager
+    forward (given the step's own, unpadded ForwardBatch).
+    """
+
+    def __init__(self, model: Glm5NextForCausalLM, caches: ModelCaches, *, pad_slot: int,
+                 max_blocks: int, batch_sizes: tuple[int, ...], widths: tuple[int, ...],
+                 tap_layers: tuple[int, ...] = (), capture: bool = True) -> None:
+        self.model, self.caches, self.tap_layers = model, caches, tap_layers
+        self.batch_sizes, self.widths = batch_sizes, widths
+        device = model.embed_tokens.weight.device
+        self.static = StaticInputs(max(batch_sizes), max(widths), max_blocks, caches.block_size,
+                                   pad_slot, device)
+        self.kda = {i: layer.self_attn for i, layer in enumerate(model.layers) if layer.is_kda}
+        self.graphs: dict[tuple[int, int], _Graph] = {}  # empty when emulating
+        self.num_replays = 0  # steps served by a graph (or its emulation)
+        if capture:
+            self._capture_all(device)
+
+    def bucket(self, step: StepInput) -> tuple[int, int] | None:
+        """(b, w) of the graph that serves `step`, or None (the step runs eagerly)."""
+        w = uniform_width(step)
+        n = len(step.state_ids)
+        if w not in self.widths or n > self.batch_sizes[-1]:
+            return None
+        if step.block_tables.shape[1] > self.static.max_blocks:
+            return None
+        return next(b for b in self.batch_sizes if b >= n), w
+
+    def run(self, step: StepInput, key: tuple[int, int]
+            ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+        b, w = key
+        self.static.load(step, b, w)
+        self.num_replays += 1
+        if not self.graphs:  # emulation: the same padded forward, eagerly
+            g = self._forward(b, w)
+            return g.hidden, g.taps, g.logits
+        g = self.graphs[key]
+        g.graph.replay()
+        for i, attn in self.kda.items():
+            attn.pending = g.pending[i]
+        return g.hidden, g.taps, g.logits
+
+    @torch.inference_mode()
+    def _forward(self, b: int, w: int) -> _Graph:
+        ids, batch = self.static.views(b, w)
+        out = self.model(ids, batch, self.caches, self.tap_layers)
+        hidden, taps = out if self.tap_layers else (out, None)
+        logits = self.model.compute_logits(hidden)
+        return _Graph(None, hidden, taps, logits,
+                      {i: attn.pending for i, attn in self.kda.items()})
+
+    @torch.inference_mode()
+    def _capture_all(self, device: torch.device) -> None:
+        """Capture every (b, w), largest first, into one memory pool (smaller graphs reuse
+        the larger ones' scratch). A warm-up run before each capture compiles the Triton
+        kernels for its shapes; warm-ups and captures touch only the pad slot and block 0."""
+        start, free_before = time.perf_counter(), torch.cuda.mem_get_info(device)[0]
+        pool = torch.cuda.graph_pool_handle()
+        stream = torch.cuda.Stream(device)
+        for w in sorted(self.widths, reverse=True):
+            for b in sorted(self.batch_sizes, reverse=True):
+                self.static.load(None, b, w)
+                stream.wait_stream(torch.cuda.current_stream(device))
+                with torch.cuda.stream(stream):
+                    self._forward(b, w)
+                torch.cuda.current_stream(device).wait_stream(stream)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool, stream=stream):
+                    g = self._forward(b, w)
+                self.graphs[(b, w)] = _Graph(graph, g.hidden, g.taps, g.logits, g.pending)
+        torch.cuda.synchronize(device)
+        used = free_before - torch.cuda.mem_get_info(device)[0]
+        logger.info("captured %d CUDA graphs (batch sizes %s, widths %s) in %.1f s, %.0f MiB",
+                    len(self.graphs), list(self.batch_sizes), list(self.widths),
+                    time.perf_counter() - start, used / 2**20)

@@ -1,0 +1,155 @@
+"""The CUDA-graph decode path, emulated eagerly on CPU (capture=False): uniform steps padded to
+a bucket over the static buffers must give the real sequences exactly what the unpadded eager
+step gives, and every padding write must land in the pad slot or the null block 0."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from glm53.actors.caches import DSAState, KDAState
+from glm53.actors.cuda_graphs import batch_buckets, uniform_width
+from glm53.actors.step import SamplingParams, StepInput
+from glm53.deployments.tiny_model import make_tiny
+from glm53.raycluster.config import EngineConfig
+from glm53.raycluster.engine import LLMEngine
+from glm53.raycluster.executor import InProcessExecutor
+
+# requests of different lengths finish at different steps: the batch shrinks into padding
+PARAMS = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, logprobs=3)
+          for n in (7, 3, 9, 5, 3)]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return str(make_tiny(tmp_path_factory.mktemp("graphs"), seed=7, layers=4, mtp=True,
+                         index_topk=8))
+
+
+def _prompts() -> list[list[int]]:
+    rng = np.random.default_rng(3)
+    return [rng.integers(0, 256, n).tolist() for n in (3, 9, 13, 5, 7)]
+
+
+def _config(path: str, k: int, **kw) -> EngineConfig:
+    spec = {"speculative_method": "mtp", "num_speculative_tokens": k} if k else {}
+    return EngineConfig(model=path, num_blocks=64, max_num_seqs=4, max_num_batched_tokens=24,
+                        **spec, **kw)
+
+
+def _run(engine: LLMEngine) -> list[list[int]]:
+    """Requests arrive two per step while others decode or finish (batch sizes change)."""
+    results: dict[str, list[int]] = {}
+    ids, pending = [], list(zip(_prompts(), PARAMS, strict=True))
+    while pending or engine.has_unfinished:
+        for _ in range(min(2, len(pending))):
+            ids.append(engine.add_request(*pending.pop(0)))
+        for out in engine.step():
+            results.setdefault(out.request_id, []).extend(out.new_token_ids)
+    return [results[i] for i in ids]
+
+
+def test_buckets_and_widths():
+    assert batch_buckets(4) == (1, 2, 4)
+    assert batch_buckets(40) == (1, 2, 4, 8, 16, 24, 32, 40)
+    assert batch_buckets(8, (3, 16)) == (3, 8)
+    with pytest.raises(ValueError):
+        batch_buckets(8, (0, 4))
+
+    def step(lengths, drafts=None) -> StepInput:
+        cu = np.concatenate([[0], np.cumsum(lengths)])
+        return StepInput(0, [], np.zeros(cu[-1]), np.zeros(cu[-1]), cu, np.zeros((2, 1)),
+                         np.zeros(cu[-1]), np.zeros(len(lengths)), np.zeros(0), np.zeros(0),
+                         None, num_drafts=None if drafts is None else np.array(drafts))
+
+    assert uniform_width(step([1, 1, 1])) == 1
+    assert uniform_width(step([1, 2])) is None  # mixed widths: eager
+    assert uniform_width(step([3, 3], [2, 2])) == 3  # every sequence verifies 2 drafts
+    assert uniform_width(step([3, 3], [2, 0])) is None  # a 3-token chunk without drafts
+    assert uniform_width(step([3, 3])) is None
+    assert uniform_width(step([1, 1], [0, 0])) == 1
+
+
+def _states(caches) -> list[KDAState | DSAState]:
+    return list(caches.layers) + ([caches.mtp] if caches.mtp is not None else [])
+
+
+def _snapshot(caches) -> list[torch.Tensor]:
+    return [t.clone() for s in _states(caches) for t in vars(s).values()]
+
+
+def _restore(caches, saved: list[torch.Tensor]) -> None:
+    live = [t for state in _states(caches) for t in vars(state).values()]
+    for t, old in zip(live, saved, strict=True):
+        t.copy_(old)
+
+
+class TwinExecutor(InProcessExecutor):
+    """Runs every step eagerly; a step the graphs take also runs padded from the same cache
+    state, the two results are compared (outputs, and every cache byte of real state), and
+    the padded run's output and caches carry on."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        super().__init__(config)
+        self.graphs = self.runner.make_graphs(capture=False)
+        self.padded_steps = 0
+
+    def execute(self, step: StepInput):
+        runner = self.runner
+        key = self.graphs.bucket(step)
+        if key is None:
+            return runner.execute(step)
+        before = _snapshot(runner.caches)
+        eager = runner.execute(step)
+        after_eager = _snapshot(runner.caches)
+        _restore(runner.caches, before)
+        runner.graphs = self.graphs
+        try:
+            padded = runner.execute(step)
+        finally:
+            runner.graphs = None
+        after_padded = _snapshot(runner.caches)
+        for name in ("sampled", "num_accepted", "draft_ids"):
+            a, b = getattr(eager, name), getattr(padded, name)
+            assert (a is None and b is None) or np.array_equal(a, b), name
+        np.testing.assert_allclose(padded.logprobs.top_logprobs, eager.logprobs.top_logprobs,
+                                   rtol=0, atol=1e-5)
+        self._check_caches(step, key, before, after_eager, after_padded)
+        return padded
+
+    def _check_caches(self, step, key, before, after_eager, after_padded) -> None:
+        b, _ = key
+        pad_slot = self.runner.plan.num_slots
+        padded_somewhere = False
+        i = 0
+        for state in _states(self.runner.caches):
+            for field in vars(state):
+                old, want, got = before[i], after_eager[i], after_padded[i]
+                i += 1
+                per_slot = isinstance(state, KDAState) or field == "open_rows"
+                real = slice(0, pad_slot) if per_slot else slice(1, None)  # not pad / block 0
+                torch.testing.assert_close(got[real], want[real], rtol=0, atol=1e-5)
+                junk = got[pad_slot] if per_slot else got[0]  # where padding may write
+                if per_slot or field == "latent":
+                    padded_somewhere |= not torch.equal(junk, old[pad_slot if per_slot else 0])
+                assert torch.equal(want[pad_slot if per_slot else 0],
+                                   old[pad_slot if per_slot else 0])  # eager never writes there
+        if b > len(step.state_ids):
+            assert padded_somewhere  # the padded rows ran, into the pad slot and block 0
+            self.padded_steps += 1
+
+
+@pytest.mark.parametrize("k", [0, 3])
+def test_padded_graph_path_equals_eager(tiny, k):
+    """Each graph step equals its eager twin, and the engine driven by the padded path
+    (requests arriving and finishing, so buckets change) equals the plain engine."""
+    plain = _run(LLMEngine(_config(tiny, k)))
+    # buckets 2 and 4: single sequences and triples run padded
+    config = _config(tiny, k, cuda_graph_batch_sizes=(2,))
+    engine = LLMEngine(config, TwinExecutor(config))
+    assert _run(engine) == plain
+    assert engine.dead is None
+    assert engine.executor.padded_steps > 0
+    if k:
+        assert engine.spec_stats.num_drafts > 0
