@@ -22,6 +22,7 @@ from .ref.kda import (
     kda_commit,
     kda_gate,
 )
+from .ref.kda_mixer import kda_mixer
 from .ref.mhc import hc_post, hc_pre
 from .ref.moe import fused_moe, route_topk, swiglu
 from .ref.norm import rms_norm
@@ -47,6 +48,7 @@ __all__ = [
     "kda_attention",
     "kda_commit",
     "kda_gate",
+    "kda_mixer",
     "merge_attention_states",
     "process_logits",
     "rms_norm",
@@ -61,7 +63,7 @@ __all__ = [
 # --- backend switch ---------------------------------------------------------------------------
 
 # kernel modules: kernels/<name>.py holds the Triton twins of kernels/ref/<name>.py
-KERNEL_MODULES = ("kda", "mhc", "moe", "norm", "sparse_mla")
+KERNEL_MODULES = ("kda", "kda_mixer", "mhc", "moe", "norm", "sparse_mla")
 BACKENDS = ("auto", "triton", "ref")
 _backend = "auto"
 _triton: dict[str, Callable] | None = None

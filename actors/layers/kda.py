@@ -1,7 +1,8 @@
 """KDA (Kimi Delta Attention) layer with separate q/k/v short convs and the bounded decay gate.
 
-Owns only the projections; the conv, gate, recurrence and gated norm are kernel calls over the
-flat varlen batch, reading and writing this layer's state slots. Under TP each rank owns
+Owns only the projections; the conv, gate, recurrence and gated norm are one mixer op over the
+flat varlen batch (fused into one kernel for decode on GPU), reading and writing this layer's
+state slots. Under TP each rank owns
 heads / tp of everything per-head (q/k/v, convs, gate and beta, o_proj input); the 128-wide
 low-rank gate inputs (f_a, g_a) and the per-head norm weight are replicated.
 """
@@ -57,18 +58,14 @@ class KDAttention(nn.Module):
         n_tok = x.shape[0]
         heads = (n_tok, self.num_heads, self.head_dim)
         pre = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
-        mixed = ops.causal_conv1d(pre, self.conv_weight, state.conv, batch.cu_seqlens,
-                                  batch.state_ids, batch.has_initial_state, batch.defer_state)
-        q, k, v = (t.reshape(heads) for t in mixed.chunk(3, dim=-1))
-        g = ops.kda_gate(self.f_b_proj(self.f_a_proj(x)), self.dt_bias, self.A_log,
-                         self.lower_bound)
-        beta = torch.sigmoid(self.b_proj(x).float())
-        o = ops.kda_attention(q, k, v, g, beta, state.recurrent, batch.cu_seqlens,
-                              batch.state_ids, batch.has_initial_state, batch.defer_state)
+        gate = self.g_b_proj(self.g_a_proj(x)).reshape(heads)
+        o, q, k, v, g, beta = ops.kda_mixer(
+            pre, self.conv_weight, state.conv, self.f_b_proj(self.f_a_proj(x)), self.dt_bias,
+            self.A_log, self.lower_bound, self.b_proj(x), gate, self.o_norm.weight,
+            self.o_norm.eps, state.recurrent, batch.cu_seqlens, batch.state_ids,
+            batch.has_initial_state, batch.defer_state)
         # what `commit` replays once the accepted lengths are known
         self.pending = (pre, q, k, v, g, beta) if batch.defer_state is not None else None
-        gate = self.g_b_proj(self.g_a_proj(x)).reshape(heads)
-        o = ops.gated_rms_norm(o, gate, self.o_norm.weight, self.o_norm.eps)
         return self.ps.tp_all_reduce(self.o_proj(o.reshape(n_tok, -1)))
 
     def commit(self, batch: ForwardBatch, state: KDAState, num_accepted: torch.Tensor) -> None:
