@@ -18,7 +18,7 @@ from datetime import UTC, datetime
 import torch
 from triton.testing import do_bench, do_bench_cudagraph
 
-from glm53.kernels import kda, kda_chunk, moe
+from glm53.kernels import kda, kda_chunk, kda_mixer, moe
 from glm53.kernels.ref import kda as ref_kda
 
 DEV = "cuda"
@@ -59,7 +59,8 @@ def _decode_inputs(batch, heads, gen, slots=256):
 def bench_kda_decode(rows, gen, quick):
     """Our decode recurrence over state slots (one token per sequence), eager and as graph
     replays, and the whole decode-side KDA op chain of a layer (conv + gate + recurrence +
-    gated norm) replayed in a graph: performance.md's ≤5 µs per layer at batch 1."""
+    gated norm) replayed in a graph, separately and as the fused mixer: performance.md's ≤5 µs
+    per layer at batch 1."""
     for heads in (32, 64):
         for batch in (1, 8, 64) if not quick else (1, 64):
             q, k, v, g, beta, state, ids, cu, init = _decode_inputs(batch, heads, gen)
@@ -88,6 +89,13 @@ def bench_kda_decode(rows, gen, quick):
                 o = kda.kda_attention(qq, kk, vv, gg, beta, state, cu, ids, init)
                 kda.gated_rms_norm(o, vv, normw, 1e-5)
             row["layer_ops_graph_us"] = _ms(layer, True) * 1e3
+            z = torch.randn(batch, heads, 128, device=DEV, dtype=torch.bfloat16, generator=gen)
+            bl = torch.randn(batch, heads, device=DEV, dtype=torch.bfloat16, generator=gen)
+
+            def mixer():  # the same chain fused into one launch
+                kda_mixer.kda_mixer(x, w, conv, logits, dt, alog, -5.0, bl, z, normw, 1e-5,
+                                    state, cu, ids, init)
+            row["mixer_graph_us"] = _ms(mixer, True) * 1e3
             rows.append(row)
             print(json.dumps(row), flush=True)
 

@@ -175,3 +175,39 @@ def test_route_topk(tokens):
     order, order_ref = ids.argsort(-1), ids_ref.argsort(-1)
     assert torch.equal(ids.gather(1, order), ids_ref.gather(1, order_ref))
     assert rel(w.gather(1, order), w_ref.gather(1, order_ref)) < 1e-6
+
+
+@pytest.mark.parametrize("heads", [32, 64])
+@pytest.mark.parametrize("lens,defer", [([1] * 64, None),
+                                        ([4, 4, 4, 4], [True, False, True, False])])
+def test_kda_mixer(heads, lens, defer):
+    """The fused decode/verify mixer vs the reference composition on real widths (bf16
+    projections, fp32 states): outputs and the written slots and windows."""
+    from glm53.kernels import kda_mixer
+    from glm53.kernels.ref import kda_mixer as ref_mixer
+
+    gen = torch.Generator(device=DEV).manual_seed(heads + len(lens))
+    n_tok, n_seq, chans = sum(lens), len(lens), 3 * heads * 128
+    bf = dict(generator=gen, device=DEV, dtype=torch.bfloat16)
+    pre = torch.randn(n_tok, chans, **bf)
+    w = torch.randn(chans, 4, generator=gen, device=DEV) * 0.5
+    conv = torch.randn(96, chans, 3, **bf)
+    logits = torch.randn(n_tok, heads * 128, **bf)
+    dt = torch.randn(heads * 128, generator=gen, device=DEV) * 0.1
+    alog = torch.randn(heads, generator=gen, device=DEV) * 0.5
+    bl, z = torch.randn(n_tok, heads, **bf), torch.randn(n_tok, heads, 128, **bf)
+    nw = torch.randn(128, **bf)
+    state = torch.randn(96, heads, 128, 128, generator=gen, device=DEV) * 0.05
+    ids = torch.randperm(96, generator=gen, device=DEV)[:n_seq]
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], device=DEV)
+    init = torch.arange(n_seq, device=DEV) % 5 != 0
+    dfr = None if defer is None else torch.tensor(defer, device=DEV)
+    s_ref, c_ref = state.clone(), conv.clone()
+    got = kda_mixer.kda_mixer(pre, w, conv, logits, dt, alog, -5.0, bl, z, nw, 1e-5, state, cu,
+                              ids, init, dfr)
+    want = ref_mixer.kda_mixer(pre, w, c_ref, logits, dt, alog, -5.0, bl, z, nw, 1e-5, s_ref,
+                               cu, ids, init, dfr)
+    for a, b in zip(got, want, strict=True):
+        assert rel(a, b) < BF16_TOL
+    assert rel(state[ids], s_ref[ids]) < STATE_TOL
+    assert rel(conv[ids], c_ref[ids]) < BF16_TOL
