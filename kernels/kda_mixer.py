@@ -1,13 +1,14 @@
 """Triton KDA token mixer (twin of `kernels/ref/kda_mixer.py`).
 
-Decode and verification steps (a few tokens per sequence) run one fused kernel: a program per
-(head, sequence) computes the short convs of its head's q/k/v channels from the slot's window
-and the step's rows, the decay gate, sigmoid beta and the q/k L2 norms, walks the gated delta
-rule with the whole [dk, dv] state of the head in registers, applies the gated RMSNorm to each
-output row, and finally writes the state and the conv window back into the slot. Owning a whole
-head is what makes the fusion legal: the window it overwrites is read by no other program, and
-the norm needs the full dv row. Separately these are five launches (~13 us per layer at batch 1
-on an H200, against ~3 us for the recurrence alone).
+Decode and verification steps (a few tokens per sequence) take three launches instead of six
+(conv, window write, gate, beta, recurrence, norm): one fused kernel, a program per (V block,
+head, sequence), computes the short convs of its head's q/k/v channels from the slot's window
+and the step's rows, the decay gate, sigmoid beta and the q/k L2 norms, and walks the gated
+delta rule with its [dk, BV] state tile in registers (the recurrence kernel's layout: many small
+programs keep the state reads in flight); then the window write, which must wait until every
+program has read the old window, and the gated RMSNorm, which needs whole dv rows. (One program
+per head owning all dv columns could fuse those too, but measured 1.5-7x slower than the six
+launches on an H200: the [dk, dv] tile does not fit the registers.)
 Prefill (many tokens per sequence) runs the separate kernels of `kernels/kda.py`, whose
 recurrence is chunked there.
 """
@@ -19,12 +20,13 @@ import triton
 import triton.language as tl
 
 from . import kda
-from .utils import next_pow2
+from .utils import INTERPRET, next_pow2
 
 __all__ = ["kda_mixer"]
 
 # Steps averaging more tokens per sequence than this take the separate (chunked) kernels.
 FUSED_MAX_TOKENS_PER_SEQ = 16
+CONV_BLOCK = 128 if INTERPRET else 256
 
 
 @triton.jit
@@ -44,54 +46,40 @@ def _conv_silu(pre, conv_state, conv_weight, c, m_c, i_t, bos, i_s, init, stride
 
 
 @triton.jit
-def _store_window(pre, conv_state, c, m_c, bos, eos, i_s, init, stride_pre, C,
-                  W: tl.constexpr):
-    """New window = the last W entries of [old window, this step's rows]."""
-    for j in tl.static_range(W):
-        src = (eos - bos) + j  # index into the concatenation
-        b_old = tl.load(conv_state + i_s * C * W + c * W + src, mask=m_c & (src < W) & init,
-                        other=0.0)
-        b_new = tl.load(pre + (bos + src - W) * stride_pre + c, mask=m_c & (src >= W),
-                        other=0.0)
-        b_w = tl.where(src < W, b_old.to(tl.float32), b_new.to(tl.float32))
-        tl.store(conv_state + i_s * C * W + c * W + j, b_w.to(conv_state.dtype.element_ty),
-                 mask=m_c)
-
-
-@triton.jit
 def kda_mixer_kernel(pre, conv_weight, conv_state, gate_logits, dt_bias, a_log, beta_logits,
-                     out_gate, norm_weight, state, o, q_out, k_out, v_out, g_out, beta_out,
-                     cu_seqlens, state_ids, has_initial_state, defer, lower_bound, scale, eps,
-                     stride_pre, stride_gl, stride_bl, stride_z, H: tl.constexpr,
-                     K: tl.constexpr, V: tl.constexpr, W: tl.constexpr, BK: tl.constexpr,
-                     BV: tl.constexpr, HAS_BOUND: tl.constexpr, HAS_DEFER: tl.constexpr):
-    i_h, i_n = tl.program_id(0), tl.program_id(1)
+                     state, o, q_out, k_out, v_out, g_out, beta_out, cu_seqlens, state_ids,
+                     has_initial_state, defer, lower_bound, scale, stride_pre, stride_gl,
+                     stride_bl, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                     W: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+                     HAS_BOUND: tl.constexpr, HAS_DEFER: tl.constexpr):
+    i_v, i_h, i_n = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     bos, eos = tl.load(cu_seqlens + i_n), tl.load(cu_seqlens + i_n + 1)
     i_s = tl.load(state_ids + i_n).to(tl.int64)
     init = tl.load(has_initial_state + i_n) != 0
     C = H * (2 * K + V)
-    o_k, o_v = tl.arange(0, BK), tl.arange(0, BV)
+    o_k, o_v = tl.arange(0, BK), i_v * BV + tl.arange(0, BV)
     m_k, m_v = o_k < K, o_v < V
+    first = i_v == 0  # the V block that stores the per-head (not per-column) outputs
     c_q, c_k, c_v = i_h * K + o_k, H * K + i_h * K + o_k, 2 * H * K + i_h * V + o_v
     m_h = m_k[:, None] & m_v[None, :]
     p_h = state + i_s * H * K * V + i_h * K * V + o_k[:, None] * V + o_v[None, :]
     b_h = tl.load(p_h, mask=m_h & init, other=0.0).to(tl.float32)
     b_rate = tl.exp(tl.load(a_log + i_h).to(tl.float32))
     b_dt = tl.load(dt_bias + i_h * K + o_k, mask=m_k, other=0.0).to(tl.float32)
-    b_nw = tl.load(norm_weight + o_v, mask=m_v, other=0.0).to(tl.float32)
     for i_t in range(bos, eos):
+        # every V block recomputes its head's q/k convs (a few loads): no cross-program sync
         b_q = _conv_silu(pre, conv_state, conv_weight, c_q, m_k, i_t, bos, i_s, init,
                          stride_pre, C, W)
         b_k = _conv_silu(pre, conv_state, conv_weight, c_k, m_k, i_t, bos, i_s, init,
                          stride_pre, C, W)
         b_v = _conv_silu(pre, conv_state, conv_weight, c_v, m_v, i_t, bos, i_s, init,
                          stride_pre, C, W)
-        # the commit after verification replays from these (rounded as the unfused path does)
+        # rounded as the unfused path rounds them; a deferred commit replays from these
         b_q = b_q.to(q_out.dtype.element_ty)
         b_k = b_k.to(k_out.dtype.element_ty)
         b_v = b_v.to(v_out.dtype.element_ty)
-        tl.store(q_out + (i_t * H + i_h) * K + o_k, b_q, mask=m_k)
-        tl.store(k_out + (i_t * H + i_h) * K + o_k, b_k, mask=m_k)
+        tl.store(q_out + (i_t * H + i_h) * K + o_k, b_q, mask=m_k & first)
+        tl.store(k_out + (i_t * H + i_h) * K + o_k, b_k, mask=m_k & first)
         tl.store(v_out + (i_t * H + i_h) * V + o_v, b_v, mask=m_v)
         b_a = tl.load(gate_logits + i_t * stride_gl + i_h * K + o_k, mask=m_k,
                       other=0.0).to(tl.float32) + b_dt
@@ -100,8 +88,8 @@ def kda_mixer_kernel(pre, conv_weight, conv_state, gate_logits, dt_bias, a_log, 
         else:
             b_g = -b_rate * tl.where(b_a > 20.0, b_a, tl.log(1.0 + tl.exp(tl.minimum(b_a, 20.0))))
         b_beta = tl.sigmoid(tl.load(beta_logits + i_t * stride_bl + i_h).to(tl.float32))
-        tl.store(g_out + (i_t * H + i_h) * K + o_k, b_g, mask=m_k)
-        tl.store(beta_out + i_t * H + i_h, b_beta)
+        tl.store(g_out + (i_t * H + i_h) * K + o_k, b_g, mask=m_k & first)
+        tl.store(beta_out + i_t * H + i_h, b_beta, mask=first)
         b_q, b_k, b_v = b_q.to(tl.float32), b_k.to(tl.float32), b_v.to(tl.float32)
         b_q = b_q / tl.sqrt(tl.sum(b_q * b_q) + 1e-6) * scale
         b_k = b_k / tl.sqrt(tl.sum(b_k * b_k) + 1e-6)
@@ -109,20 +97,10 @@ def kda_mixer_kernel(pre, conv_weight, conv_state, gate_logits, dt_bias, a_log, 
         b_u = (b_v - tl.sum(b_h * b_k[:, None], 0)) * b_beta
         b_h += b_k[:, None] * b_u[None, :]
         b_o = tl.sum(b_h * b_q[:, None], 0)
-        # gated RMSNorm on the row as the unfused path sees it (rounded to the model dtype)
-        b_o = b_o.to(o.dtype.element_ty).to(tl.float32)
-        b_z = tl.load(out_gate + i_t * stride_z + i_h * V + o_v, mask=m_v,
-                      other=0.0).to(tl.float32)
-        b_r = 1.0 / tl.sqrt(tl.sum(b_o * b_o) / V + eps)
-        b_y = b_o * b_r * b_nw * tl.sigmoid(b_z)
-        tl.store(o + (i_t * H + i_h) * V + o_v, b_y.to(o.dtype.element_ty), mask=m_v)
-    if HAS_DEFER:  # verification: the commit writes state and window once acceptance is known
-        keep = tl.load(defer + i_n) == 0
-        m_h, m_k, m_v = m_h & keep, m_k & keep, m_v & keep
+        tl.store(o + (i_t * H + i_h) * V + o_v, b_o.to(o.dtype.element_ty), mask=m_v)
+    if HAS_DEFER:  # verification: the commit writes the state once acceptance is known
+        m_h = m_h & (tl.load(defer + i_n) == 0)
     tl.store(p_h, b_h.to(state.dtype.element_ty), mask=m_h)
-    _store_window(pre, conv_state, c_q, m_k, bos, eos, i_s, init, stride_pre, C, W)
-    _store_window(pre, conv_state, c_k, m_k, bos, eos, i_s, init, stride_pre, C, W)
-    _store_window(pre, conv_state, c_v, m_v, bos, eos, i_s, init, stride_pre, C, W)
 
 
 def kda_mixer(
@@ -159,9 +137,6 @@ def kda_mixer(
     assert conv_weight.is_contiguous() and conv_state.is_contiguous() and state.is_contiguous()
     pre, gate_logits, beta_logits = (t if t.stride(-1) == 1 else t.contiguous()
                                      for t in (pre, gate_logits, beta_logits))
-    out_gate = out_gate.reshape(n_tok, heads * dv)
-    if out_gate.stride(-1) != 1:
-        out_gate = out_gate.contiguous()
     dev, dt = pre.device, pre.dtype
     o = torch.empty((n_tok, heads, dv), dtype=dt, device=dev)
     q = torch.empty((n_tok, heads, dk), dtype=dt, device=dev)
@@ -170,14 +145,20 @@ def kda_mixer(
     g = torch.empty((n_tok, heads, dk), dtype=torch.float32, device=dev)
     beta = torch.empty((n_tok, heads), dtype=torch.float32, device=dev)
     if n_seq:
-        bk, bv = next_pow2(dk), next_pow2(dv)
-        kda_mixer_kernel[(heads, n_seq)](
-            pre, conv_weight, conv_state, gate_logits, dt_bias, a_log, beta_logits, out_gate,
-            norm_weight, state, o, q, k, v, g, beta, cu_seqlens, state_ids, has_initial_state,
-            defer, 0.0 if lower_bound is None else float(lower_bound), dk ** -0.5, float(eps),
-            pre.stride(0), gate_logits.stride(0), beta_logits.stride(0), out_gate.stride(0),
-            H=heads, K=dk, V=dv, W=width, BK=bk, BV=bv, HAS_BOUND=lower_bound is not None,
-            HAS_DEFER=defer is not None, num_warps=8 if bk * bv >= 8192 else 4)
+        bk, bv = next_pow2(dk), min(next_pow2(dv), 8 if INTERPRET else 16)
+        kda_mixer_kernel[(triton.cdiv(dv, bv), heads, n_seq)](
+            pre, conv_weight, conv_state, gate_logits, dt_bias, a_log, beta_logits, state, o,
+            q, k, v, g, beta, cu_seqlens, state_ids, has_initial_state, defer,
+            0.0 if lower_bound is None else float(lower_bound), dk ** -0.5, pre.stride(0),
+            gate_logits.stride(0), beta_logits.stride(0), H=heads, K=dk, V=dv, W=width,
+            BK=bk, BV=bv, HAS_BOUND=lower_bound is not None, HAS_DEFER=defer is not None,
+            num_warps=1 if bk * bv <= 2048 else 4)
+        # the windows move only now: every program above read the old ones
+        kda.causal_conv1d_state_kernel[(n_seq, triton.cdiv(pre.shape[1], CONV_BLOCK))](
+            pre, conv_state, cu_seqlens, state_ids, has_initial_state, defer, None,
+            pre.shape[1], pre.stride(0), W=width, BW=next_pow2(width), BC=CONV_BLOCK,
+            HAS_DEFER=defer is not None, HAS_ACC=False)
+    o = kda.gated_rms_norm(o, out_gate, norm_weight, eps)
     return o, q, k, v, g, beta
 
 

@@ -97,4 +97,4 @@ def test_decode_steps_take_the_fused_kernel(monkeypatch):
         args, meta = _case(lens, [True] * len(lens), None, 2, 16, 16, 3, 9)
         _run(kda_mixer.kda_mixer, {k: v.to(DEVICE) for k, v in args.items()},
              [None if t is None else t.to(DEVICE) for t in meta], -5.0)
-    assert grids == [(2, 3)]
+    assert grids == [(2, 2, 3)]  # (V blocks of 8, heads, sequences)
