@@ -16,6 +16,12 @@ Block tables are `max_blocks` wide in every graph (the longest sequence the cach
 one graph serves every context length: the kernels size their grids from shapes only and read
 lengths from device tensors (no host sync on the CUDA path).
 
+Eligibility (anything else runs eagerly): the runner is on CUDA without enforce_eager and
+capture succeeded; every sequence computes w tokens with w = 1, or w = 1 + num_spec and every
+sequence verifies exactly num_spec drafts; n <= the largest bucket; the step's block tables fit
+max_blocks. Sampling stays eager, so any sampling settings, non-sampling rows and prompt-logprob
+rows are fine (the graph's logits cover every row).
+
 `capture=False` runs the same padded static-buffer forward eagerly (any device): CPU tests use
 it to check that padding changes nothing for the real sequences.
 """

@@ -63,7 +63,7 @@ def test_graphs_match_eager(tiny, dtype, k):
     assert graphs is not None and graphs.graphs, "capture failed (see the log)"
     assert graphs.batch_sizes == (1, 2, 4, 6)
     replayed = _run(graph_engine)
-    assert graphs.num_replays >= 10
+    assert graphs.num_replays >= 5
     if k:
         assert graph_engine.spec_stats.num_drafts > 0
     compared = total = 0
