@@ -43,7 +43,7 @@ CHUNK = 64  # tokens per chunk
 SUB = 16  # sub-chunk: the exponent reference granularity and the diagonal inverse blocks
 # The state pass loads chunk i+1's factors while chunk i's products run (Triton does not
 # pipeline these loads itself; costs ~136 B of spills per thread at BV 32, ptxas sm_90).
-# benchmarks/kernels.py times both settings.
+# No gain measured yet (H200, 4K tokens: 1.97 vs 1.98 ms at 32 heads, 3.71 vs 3.57 ms at 64).
 STATE_PREFETCH = True
 LOG2E = tl.constexpr(1.4426950408889634)  # the kernels work in log2 units (exp2)
 
@@ -325,9 +325,10 @@ def kda_chunk_attention(
     o = torch.empty((n_tok, heads, dv), dtype=v.dtype, device=v.device)
     if n_seq == 0:
         return o
-    # the factors are re-read every chunk step: bf16 halves that traffic for bf16 inputs (fp32
-    # in the interpreter, whose bf16 arithmetic is not IEEE)
-    fdt = torch.float32 if INTERPRET or v.dtype == torch.float32 else torch.bfloat16
+    # fp32 factors (tf32 products in the state pass). bf16 factors would halve the state pass's
+    # traffic, but that variant hit an illegal memory access in the state kernel on the H200
+    # (2026-12-02, not yet understood).
+    fdt = torch.float32
     dev = v.device
     w, qw, kg = (torch.empty((n_tok, heads, dk), dtype=fdt, device=dev) for _ in range(3))
     u, mu = (torch.empty((n_tok, heads, dv), dtype=fdt, device=dev) for _ in range(2))
