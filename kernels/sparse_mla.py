@@ -60,7 +60,8 @@ def indexer_pool_kernel(keys, gates, ape, open_rows, pool_cache, positions, slot
         o_tok = i_t - (pos - o_p)
         m_here = (m_j & here)[:, None] & m_d[None, :]
         m_ring = (m_j & ~here)[:, None] & m_d[None, :]
-        p_ring = open_rows + (i_s * R + o_p % R)[:, None] * (2 * D) + o_d[None, :]
+        p_ring = open_rows + (i_s.to(tl.int64) * R + o_p % R)[:, None] * (2 * D) + o_d[None, :]
+        o_tok = o_tok.to(tl.int64)
         b_k = tl.load(keys + o_tok[:, None] * stride_k + o_d[None, :], mask=m_here, other=0.0)
         b_k += tl.load(p_ring, mask=m_ring, other=0.0)
         b_z = tl.load(gates + o_tok[:, None] * stride_g + o_d[None, :], mask=m_here, other=0.0)
@@ -70,7 +71,7 @@ def indexer_pool_kernel(keys, gates, ape, open_rows, pool_cache, positions, slot
         b_z = tl.where(m_j[:, None], b_z, float("-inf"))
         b_z = tl.exp(b_z - tl.max(b_z, 0)[None, :])
         b_pool = tl.sum(b_z * b_k.to(tl.float32), 0) / tl.sum(b_z, 0)
-        i_slot = tl.load(slot_mapping + i_t) // KPOOL
+        i_slot = tl.load(slot_mapping + i_t).to(tl.int64) // KPOOL
         tl.store(pool_cache + i_slot * D + o_d, b_pool.to(pool_cache.dtype.element_ty), mask=m_d)
 
 
@@ -85,9 +86,10 @@ def indexer_ring_kernel(keys, gates, open_rows, positions, cu_seqlens, state_ids
     pos = tl.load(positions + i_t)
     o_d = tl.arange(0, BD)
     m_d = (o_d < D) & (i_t >= eos - R)  # only the last R rows of a step can still be needed
-    p_ring = open_rows + (i_s * R + pos % R) * (2 * D) + o_d
-    b_k = tl.load(keys + i_t * stride_k + o_d, mask=m_d, other=0.0)
-    b_z = tl.load(gates + i_t * stride_g + o_d, mask=m_d, other=0.0)
+    p_ring = open_rows + (i_s.to(tl.int64) * R + pos % R) * (2 * D) + o_d
+    i_t64 = i_t.to(tl.int64)
+    b_k = tl.load(keys + i_t64 * stride_k + o_d, mask=m_d, other=0.0)
+    b_z = tl.load(gates + i_t64 * stride_g + o_d, mask=m_d, other=0.0)
     tl.store(p_ring, b_k.to(open_rows.dtype.element_ty), mask=m_d)
     tl.store(p_ring + D, b_z.to(keys.dtype.element_ty).to(open_rows.dtype.element_ty), mask=m_d)
 
@@ -127,15 +129,15 @@ def indexer_score_kernel(q, w, pool_cache, block_tables, query_seq, positions, s
                          stride_bt, HI: tl.constexpr, D: tl.constexpr, PPB: tl.constexpr,
                          KPOOL: tl.constexpr, BH: tl.constexpr, BD: tl.constexpr,
                          BP: tl.constexpr, F32: tl.constexpr):
-    i_p, i_t = tl.program_id(0), tl.program_id(1)
-    seq, pos = tl.load(query_seq + i_t), tl.load(positions + i_t)
+    i_p, i_t = tl.program_id(0), tl.program_id(1).to(tl.int64)
+    seq, pos = tl.load(query_seq + i_t).to(tl.int64), tl.load(positions + i_t)
     o_p = i_p * BP + tl.arange(0, BP)
     m_p = (o_p < P) & (o_p * KPOOL + KPOOL - 1 <= pos)
     o_h, o_d = tl.arange(0, BH), tl.arange(0, BD)
     m_h, m_d = o_h < HI, o_d < D
     if i_p * BP * KPOOL + KPOOL - 1 <= pos:
         i_b = tl.load(block_tables + seq * stride_bt + o_p // PPB, mask=m_p, other=0)
-        p_k = pool_cache + (i_b * PPB + o_p % PPB)[:, None] * D + o_d[None, :]
+        p_k = pool_cache + (i_b.to(tl.int64) * PPB + o_p % PPB)[:, None] * D + o_d[None, :]
         b_k = tl.load(p_k, mask=m_p[:, None] & m_d[None, :], other=0.0)
         p_q = q + (i_t * HI + o_h)[:, None] * D + o_d[None, :]
         b_q = tl.load(p_q, mask=m_h[:, None] & m_d[None, :], other=0.0)
@@ -189,7 +191,7 @@ def indexer_hist_kernel(scores, positions, hists, P, NCH, BUDGET, KPOOL: tl.cons
     """Program (chunk, query), radix pass PASS: the histogram of digit PASS over the chunk's
     visible keys that share the prefix the earlier passes fixed (only when the query sees more
     than BUDGET pools)."""
-    i_c, i_t = tl.program_id(0), tl.program_id(1)
+    i_c, i_t = tl.program_id(0), tl.program_id(1).to(tl.int64)
     n = tl.minimum((tl.load(positions + i_t) + 1) // KPOOL, P)  # visible pools
     if (n > BUDGET) & (i_c * CH < n):
         prefix, _, _, _ = _threshold(hists, i_t, NCH, tl.cdiv(n, CH), BUDGET, PASS, BNCH)
@@ -209,7 +211,7 @@ def indexer_write_kernel(scores, positions, hists, out, P, NCH, BUDGET, WOUT,
     output slots in pool order: keys above the threshold first, then the lowest pools among
     those equal to it, so the output is deterministic. Chunk 0 also writes the -1 padding
     (fewer visible pools than BUDGET) and the open-pool tail."""
-    i_c, i_t = tl.program_id(0), tl.program_id(1)
+    i_c, i_t = tl.program_id(0), tl.program_id(1).to(tl.int64)
     pos = tl.load(positions + i_t)
     n = tl.minimum((pos + 1) // KPOOL, P)
     p_out = out + i_t * WOUT
@@ -317,13 +319,13 @@ def _row_offsets(token_indices, block_tables, seq, i_t, o_w, w_hi, W, stride_bt,
                  LBS: tl.constexpr, DCP: tl.constexpr, C: tl.constexpr):
     """Element offsets of the latent rows of selected slots o_w ([BW]) of query i_t, and which
     slots hold a row on this rank."""
-    b_idx = tl.load(token_indices + i_t * W + o_w, mask=o_w < w_hi, other=-1)
+    b_idx = tl.load(token_indices + i_t * W + o_w, mask=o_w < w_hi, other=-1).to(tl.int64)
     ok = b_idx >= 0
     if DCP > 1:
         ok = ok & (b_idx % DCP == dcp_rank)
     b_idx = tl.maximum(b_idx, 0)
     i_b = tl.load(block_tables + seq * stride_bt + b_idx // (LBS * DCP), mask=ok, other=0)
-    return (i_b * LBS + (b_idx % (LBS * DCP)) // DCP).to(tl.int64) * C, ok
+    return (i_b.to(tl.int64) * LBS + (b_idx % (LBS * DCP)) // DCP) * C, ok
 
 
 @triton.jit
@@ -338,8 +340,8 @@ def sparse_mla_fwd_kernel(q, kv, block_tables, query_seq, token_indices, o, lse,
     index -> block table -> row chain is three dependent loads)."""
     i_c, i_s, i_th = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     n_ht = tl.cdiv(H, BH)
-    i_t, i_h = i_th // n_ht, i_th % n_ht
-    seq = tl.load(query_seq + i_t)
+    i_t, i_h = (i_th // n_ht).to(tl.int64), i_th % n_ht
+    seq = tl.load(query_seq + i_t).to(tl.int64)
     o_h, o_b = i_h * BH + tl.arange(0, BH), tl.arange(0, BO)
     o_own, o_oth = i_c * BO + o_b, (1 - i_c) * BO + o_b
     m_h, m_own, m_oth = o_h < H, o_own < C, o_oth < C
@@ -394,7 +396,7 @@ def sparse_mla_fwd_kernel(q, kv, block_tables, query_seq, token_indices, o, lse,
     # natural-log lse from the base-2 running max
     b_lse = tl.where(has, (b_m + tl.log2(tl.where(has, b_l, 1.0))) * 0.6931471805599453,
                      float("-inf"))
-    o_part = i_s * T * H + i_t * H + o_h
+    o_part = (i_s.to(tl.int64) * T + i_t) * H + o_h
     tl.store(o + o_part[:, None] * C + o_own[None, :], b_o.to(o.dtype.element_ty),
              mask=m_h[:, None] & m_own[None, :])
     tl.store(lse + o_part, b_lse, mask=m_h & (i_c == 0))
@@ -406,7 +408,7 @@ def merge_states_kernel(outs, lses, out, lse, P, TH, C, HAS_LSE: tl.constexpr,
     """Program (BR rows of T*H, BC columns): out = sum_p exp(lse_p - lse) out_p over the P
     parts (a part with lse -inf has no rows and weighs 0)."""
     i_r, i_c = tl.program_id(0), tl.program_id(1)
-    o_r, o_c = i_r * BR + tl.arange(0, BR), i_c * BC + tl.arange(0, BC)
+    o_r, o_c = i_r.to(tl.int64) * BR + tl.arange(0, BR), i_c * BC + tl.arange(0, BC)
     m_r, m_c = o_r < TH, o_c < C
     b_max = tl.full([BR], float("-inf"), dtype=tl.float32)
     for i_p in range(P):
@@ -416,6 +418,7 @@ def merge_states_kernel(outs, lses, out, lse, P, TH, C, HAS_LSE: tl.constexpr,
     b_acc = tl.zeros([BR, BC], dtype=tl.float32)
     for i_p in range(P):
         b_w = tl.exp(tl.load(lses + i_p * TH + o_r, mask=m_r, other=float("-inf")) - b_ms)
+        # o_r is int64: the element offsets (parts x rows x C) may pass 2^31
         b_o = tl.load(outs + (i_p * TH + o_r)[:, None] * C + o_c[None, :],
                       mask=m_r[:, None] & m_c[None, :], other=0.0)
         b_sum += b_w
