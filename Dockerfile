@@ -28,10 +28,11 @@ COPY --chown=1000:100 actors /home/ray/glm53/actors
 COPY --chown=1000:100 raycluster /home/ray/glm53/raycluster
 COPY --chown=1000:100 deployments /home/ray/glm53/deployments
 
-# A regular (non-editable) install into the image's Python. torch resolves to PyPI's CUDA build,
-# which brings its matching Triton; the `triton` extra (an exact pin for CPU interpreter tests)
-# is deliberately not installed, so it cannot fight torch's own requirement.
-RUN pip install --no-cache-dir /home/ray/glm53 \
+# A regular (non-editable) install into the image's Python, with the `gpu` extra (fla-core for
+# long KDA prefill). torch resolves to PyPI's CUDA build, which brings its matching Triton; the
+# `triton` extra (an exact pin for CPU interpreter tests) is deliberately not installed, so it
+# cannot fight torch's own requirement.
+RUN pip install --no-cache-dir "/home/ray/glm53[gpu]" \
     && rm -rf /home/ray/glm53 \
     && python -c "import ray, glm53.deployments.app; assert ray.__version__ == '2.60.0', ray.__version__"
 
