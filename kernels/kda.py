@@ -17,6 +17,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -211,6 +213,7 @@ def kda_recurrent_kernel(q, k, v, g, beta, state, o, cu_seqlens, state_ids, has_
     tl.store(p_h, b_h.to(state.dtype.element_ty), mask=m_h)
 
 
+@functools.cache
 def _fla_chunk_kda():
     try:
         from fla.ops.kda import chunk_kda
