@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The GPU validation run of the kernels issue, on one bare GPU machine from the repo root:
 #   bash scripts/gpu_check.sh tests|kernels|slice [COMMIT]
-# tests:   every `gpu`-marked test (junit XML + log)
+# tests:   every `gpu`-marked test (junit XML + log; the first run compiles every kernel and lets
+#          fla autotune: budget ~10 minutes)
 # kernels: benchmarks/kernels.py part by part (each in its own process: a fault poisons the
 #          CUDA context) and benchmarks/sparse_mla.py
 # slice:   benchmarks/slice.py, ours vs transformers eager in one run

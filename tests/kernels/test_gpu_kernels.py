@@ -4,8 +4,9 @@ Shapes: KDA with 32 and 64 heads of 128, decode batches 1/16/64 and varlen prefi
 with 32 and 64 heads over the 512-wide bf16 latent at contexts 2K-128K, batches 1-64; the
 indexer with 32 heads of 128; MoE with 288 experts (4096 -> 2x2048 -> 4096, top-8).
 Tolerances, relative error: bf16 outputs 1e-2 (both sides fp32 inside, the output rounded to
-bf16), fp32 KDA states 1e-4 from our fp32 recurrence and 1e-2 where long prefill takes the
-chunked kernel (bf16 tensor-core products inside, see test_gpu_kda_chunk.py); indexer selections
+bf16), fp32 KDA states 1e-4 from our fp32 recurrence and 1e-2 where long prefill takes a
+chunked kernel (fla's chunk_kda when installed, else ours: tensor-core products inside, see
+test_gpu_kda_chunk.py); indexer selections
 overlap >= 99% (bf16 scores near-tie).
 """
 
