@@ -61,10 +61,12 @@ class ModelRunner:
                       if draft_model and num_spec else None)
         self.proposer: MTPProposer | DFlashProposer | None = None
         # what this rank could hold; ranks agree on the smallest before allocating
-        self.plan: CachePlan = plan_cache(self.config, block_size, num_slots, cache_dtype,
-                                          with_mtp, num_blocks=num_blocks,
-                                          budget_bytes=cache_bytes, ps=self.ps,
-                                          num_spec=num_spec)
+        # the budget also pays for the padding slot of the CUDA graphs (see allocate_caches);
+        # the engine is told of num_slots
+        self.plan: CachePlan = dataclasses.replace(
+            plan_cache(self.config, block_size, num_slots + 1, cache_dtype, with_mtp,
+                       num_blocks=num_blocks, budget_bytes=cache_bytes, ps=self.ps,
+                       num_spec=num_spec), num_slots=num_slots)
         self.caches: ModelCaches | None = None
         self.sampler = Sampler()
         self.graphs: DecodeGraphs | None = None
