@@ -12,7 +12,8 @@ timed alone and the whole decode call together, as CUDA-graph replays (median):
 with the bytes each must read (pooled keys 128 x bf16 a pool; scores fp32 once; latent rows
 512 x bf16 each) and that as % of the 4.3e12 B/s copy ceiling. A short sweep of the tiling
 constants at 32K follows (for retuning). Every sequence owns its blocks, so reads come from
-HBM, not L2.
+HBM, not L2. Before timing, each case checks its selection against torch.topk of the same
+scores and its attention against the torch reference (`check_case`).
 
     python benchmarks/sparse_mla.py [--json benchmarks/results/sparse_mla_h200.json]
         [--commit X] [--quick]
@@ -29,6 +30,7 @@ import torch
 from triton.testing import do_bench_cudagraph
 
 from glm53.kernels import sparse_mla
+from glm53.kernels.ref import sparse_mla as ref_sparse_mla
 
 DEV = "cuda"
 BW = 4.3e12  # measured device-to-device copy bandwidth of an H200, B/s
@@ -60,6 +62,31 @@ def _case_inputs(batch, ctx, gen):
     return table, latent, pools, q_idx, w, pos, qs
 
 
+def check_case(scores, tokens, q, latent, table, qs, ctx) -> float:
+    """What is timed must be right: every selected position lies in the context, the selected
+    pools carry the top BUDGET visible scores (as values: ties may pick other pools), and the
+    attention over them matches the torch reference. Returns the attention's max |error|
+    relative to the reference's largest entry; raises on a wrong selection or error > 2e-2."""
+    if int(tokens.min()) < -1 or int(tokens.max()) >= ctx:
+        raise AssertionError(f"selected positions outside [-1, {ctx}): "
+                             f"{int(tokens.min())}..{int(tokens.max())}")
+    visible = ctx // KPOOL
+    k = min(BUDGET, visible)
+    picked = tokens[:, : k * KPOOL : KPOOL] // KPOOL
+    if bool((picked < 0).any()):
+        raise AssertionError("fewer pools selected than visible")
+    got = scores.gather(1, picked).sort(dim=1).values
+    want = torch.topk(scores[:, :visible], k, dim=1).values.sort(dim=1).values
+    if not torch.equal(got, want):
+        raise AssertionError("selection is not the top-k of the scores")
+    out, lse = sparse_mla.sparse_mla_attention(q, latent, table, qs, tokens, 1 / 16)
+    ref, ref_lse = ref_sparse_mla.sparse_mla_attention(q, latent, table, qs, tokens, 1 / 16)
+    err = float((out.float() - ref.float()).abs().max() / ref.float().abs().max())
+    if err > 2e-2 or not torch.allclose(lse, ref_lse, rtol=1e-3, atol=1e-2):
+        raise AssertionError(f"attention differs from the reference: rel {err:.3g}")
+    return err
+
+
 def bench_case(batch, ctx, heads_list, gen, rows):
     table, latent, pools, q_idx, w, pos, qs = _case_inputs(batch, ctx, gen)
     n_pools = table.shape[1] * (BLOCK // KPOOL)
@@ -78,6 +105,7 @@ def bench_case(batch, ctx, heads_list, gen, rows):
     att_bytes = sel_rows * LATENT * 2
     for heads in heads_list:
         q = torch.randn(batch, heads, LATENT, device=DEV, dtype=torch.bfloat16, generator=gen)
+        att_err = check_case(scores, tokens, q, latent, table, qs, ctx)
         t_att = _us(lambda: sparse_mla.sparse_mla_attention(q, latent, table, qs, tokens,
                                                             1 / 16))
 
@@ -97,7 +125,8 @@ def bench_case(batch, ctx, heads_list, gen, rows):
                    indexer_bw_pct=_pct(score_bytes, t_index),
                    attention_bw_pct=_pct(att_bytes, t_att),
                    total_bw_pct=_pct(score_bytes + att_bytes, t_total),
-                   attention_splits=plan["splits"], attention_col_tiles=plan["grid_c"])
+                   attention_splits=plan["splits"], attention_col_tiles=plan["grid_c"],
+                   attention_rel_err=att_err)
         rows.append(row)
         print(json.dumps({k: (round(v, 2) if isinstance(v, float) else v)
                           for k, v in row.items()}), flush=True)
