@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import subprocess
+import traceback
 from datetime import UTC, datetime
 
 import torch
@@ -207,6 +208,7 @@ def main() -> None:
         try:
             bench_case(batch, ctx, (64, 32), gen, rows)
         except Exception as exc:  # keep the other numbers when one case fails
+            traceback.print_exc()
             rows.append(dict(kernel="sparse_mla_decode", batch=batch, context=ctx,
                              error=repr(exc)[:500]))
             print(json.dumps(rows[-1]), flush=True)

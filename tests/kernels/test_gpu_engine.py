@@ -9,7 +9,9 @@ tiny random model is numerically touchy in bf16 (on the H200 its teacher-forced 
 8-27% (relative) from fp32 depending on which op rounds where, while fp32 on the GPU matches
 the CPU within 5e-6), and the reference kernels in bf16 on the CPU split from fp32 at gaps of
 0.36-1.12 on these prompts. After a split the continuations are different sequences and are
-not compared further. At least half of all generated tokens must match before any split.
+not compared further. So that a loose noise bound cannot hide a wrong bf16 kernel, the GPU's
+bf16 logits (relative L2 distance from fp32, per prompt) must lie within BF16_SPREAD times the
+distance of the reference ops run in bf16 on the CPU (plus 1e-2).
 """
 
 from __future__ import annotations
@@ -27,6 +29,9 @@ from tests.naive_runner import SequenceRunner
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 NEAR_TIE = 0.1
+# how much further from fp32 the GPU's bf16 logits may sit than the reference ops' bf16 logits:
+# which op rounds where moves this model's bf16 logits between 8% and 27% of fp32 on the H200
+BF16_SPREAD = 3.0
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
 
 
@@ -56,20 +61,28 @@ def test_gpu_fp32_engine_equals_cpu_fp32(tmp_path):
 
 def test_gpu_bf16_engine_greedy_matches_cpu_fp32(tmp_path):
     path, prompts, cpu, gpu = _engines(tmp_path, "bfloat16")
-    model = load_model(path, progress=False, dtype=torch.float32)
-    gpu_model = load_model(path, progress=False, dtype=torch.bfloat16, device="cuda")
-    matched = 0
+    fp32 = load_model(path, progress=False, dtype=torch.float32)
+    ref_bf16 = load_model(path, progress=False, dtype=torch.bfloat16)
+    gpu_bf16 = load_model(path, progress=False, dtype=torch.bfloat16, device="cuda")
     for prompt, a, b in zip(prompts, cpu, gpu, strict=True):
+        want = _cpu_logits(fp32, prompt, a)
+        ours = _cpu_logits(gpu_bf16, prompt, a).float().cpu()
+        refs = _cpu_logits(ref_bf16, prompt, a).float()
+        print(f"prompt of {len(prompt)}: bf16 rel. distance from fp32: GPU {_rel(ours, want):.3f}"
+              f", CPU references {_rel(refs, want):.3f}")
+        # the GPU kernels in bf16 are as close to fp32 as the reference ops in bf16 are
+        assert _rel(ours, want) < BF16_SPREAD * _rel(refs, want) + 1e-2, (
+            prompt, _rel(ours, want), _rel(refs, want))
         split = next((i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), None)
-        matched += len(a) if split is None else split
         if split is not None:
-            logits = _cpu_logits(model, prompt, a)[split]
-            ours = _cpu_logits(gpu_model, prompt, a)[split].float().cpu()
-            gap = float(logits[a[split]] - logits[b[split]])
-            noise = float((ours - logits).abs().max())
+            gap = float(want[split, a[split]] - want[split, b[split]])
+            noise = float((ours[split] - want[split]).abs().max())
             # a legitimate split: the fp32 margin lies within the bf16 error of the logits
             assert gap < max(NEAR_TIE, 2 * noise), (prompt, split, gap, noise)
-    assert matched >= 0.5 * sum(len(a) for a in cpu)
+
+
+def _rel(a, b):
+    return float((a - b).norm() / b.norm())
 
 
 def test_transformers_oracle_on_gpu_agrees(tmp_path):
@@ -86,11 +99,10 @@ def test_transformers_oracle_on_gpu_agrees(tmp_path):
         model = load_model(path, progress=False, dtype=dtype, device=device)
         return _cpu_logits(model, ids[:1], ids[1:]).float().cpu()
 
-    def rel(a, b):
-        return float((a - b).norm() / b.norm())
     want = logits(torch.float32, "cpu")
-    assert rel(logits(torch.float32, "cuda"), want) < 1e-4
+    assert _rel(logits(torch.float32, "cuda"), want) < 1e-4
     hf = load_hf(path).to("cuda", torch.bfloat16)
     theirs = hf_logits(hf, ids).cpu()
     ours = logits(torch.bfloat16, "cuda")
-    assert rel(ours, want) < 1.5 * rel(theirs, want) + 1e-2, (rel(ours, want), rel(theirs, want))
+    assert _rel(ours, want) < 1.5 * _rel(theirs, want) + 1e-2, (_rel(ours, want),
+                                                                _rel(theirs, want))
