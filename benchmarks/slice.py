@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import importlib.metadata
 import json
 import math
 import time
@@ -152,8 +153,7 @@ def bench_ours(cfg: ModelConfig, decode_cases, prefill_lens, rows, graphs: bool)
                     row["engine_step_error"] = repr(exc)[:300]
                 gc.collect()  # the case's graphs and their pool
                 torch.cuda.empty_cache()
-            rows.append(row)
-            print(rows[-1], flush=True)
+            rows.add(row)
         for n in prefill_lens:
             tokens = torch.randint(0, vocab, (n,), device=DEV)
             table = [list(range(1, 2 + n // BLOCK))]
@@ -162,9 +162,8 @@ def bench_ours(cfg: ModelConfig, decode_cases, prefill_lens, rows, graphs: bool)
                 b = ForwardBatch.build([0], [n], [0], table, BLOCK, device=DEV)
                 return step(b, tokens)
             ms = _timed(prefill, 3)
-            rows.append(dict(model="ours", phase="prefill", batch=1, tokens=n, ms=ms,
-                             tok_per_s=n / ms * 1e3))
-            print(rows[-1], flush=True)
+            rows.add(dict(model="ours", phase="prefill", batch=1, tokens=n, ms=ms,
+                          tok_per_s=n / ms * 1e3))
     gc.collect()
     torch.cuda.empty_cache()
 
@@ -202,8 +201,7 @@ def bench_transformers(config: dict, decode_cases, prefill_lens, rows) -> None:
                 row["ms"] = _timed(decode, 5)
             except torch.OutOfMemoryError as exc:
                 row["error"] = "out of memory: " + str(exc)[:200]
-            rows.append(row)
-            print(rows[-1], flush=True)
+            rows.add(row)
             gc.collect()
             torch.cuda.empty_cache()
         for n in prefill_lens:
@@ -215,10 +213,49 @@ def bench_transformers(config: dict, decode_cases, prefill_lens, rows) -> None:
                 row["tok_per_s"] = n / row["ms"] * 1e3
             except torch.OutOfMemoryError as exc:
                 row["error"] = "out of memory: " + str(exc)[:200]
-            rows.append(row)
-            print(rows[-1], flush=True)
+            rows.add(row)
             gc.collect()
             torch.cuda.empty_cache()
+
+
+def _version(dist: str) -> str | None:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+class Results:
+    """The rows of one run: each printed as it comes and the JSON file rewritten, so a run cut
+    short by a time limit keeps what it measured."""
+
+    def __init__(self, path: str | None, meta: dict):
+        self.path, self.meta, self.rows = path, meta, []
+
+    def add(self, row: dict) -> None:
+        self.rows.append(row)
+        print(row, flush=True)
+        if self.path:
+            with open(self.path, "w") as f:
+                json.dump(dict(self.meta, results=self.rows,
+                               speedup_vs_transformers=self.speedups()), f, indent=2)
+
+    def speedups(self) -> dict:
+        """transformers ms / ours ms per case both ran (eager, and graph replay)."""
+        out = {}
+        for r in self.rows:
+            if r.get("model") != "transformers" or "ms" not in r:
+                continue
+            key = ("context", "batch") if r["phase"] == "decode" else ("tokens", "batch")
+            mine = [o for o in self.rows if o.get("model") == "ours"
+                    and o["phase"] == r["phase"] and all(o.get(k) == r.get(k) for k in key)]
+            if mine:
+                name = f"{r['phase']}_b{r['batch']}_" + (
+                    f"ctx{r['context']}" if r["phase"] == "decode" else f"n{r['tokens']}")
+                out[name] = dict(eager=r["ms"] / mine[0]["ms"])
+                if "graph_ms" in mine[0]:
+                    out[name]["graph"] = r["ms"] / mine[0]["graph_ms"]
+        return out
 
 
 def main() -> None:
@@ -238,33 +275,17 @@ def main() -> None:
         return [tuple(int(v) for v in case.split("x")) for case in text.split(",") if case]
     ours_decode, hf_decode = cases(args.decode), cases(args.hf_decode)
     prefill = [int(n) for n in args.prefill.split(",") if n]
-    rows: list[dict] = []
+    rows = Results(args.json, dict(
+        benchmark="slice", layers="KDA+dense, KDA+MoE, KDA+MoE, DSA+MoE",
+        device=torch.cuda.get_device_name(), commit=args.commit,
+        date=datetime.now(UTC).isoformat(timespec="seconds"), torch=torch.__version__,
+        fla=_version("fla-core")))
     bench_ours(cfg, ours_decode, prefill, rows, graphs=not args.no_graphs)
     try:
         bench_transformers(config, hf_decode, prefill, rows)
     except Exception as exc:
-        rows.append(dict(model="transformers", error=repr(exc)[:500]))
-    speedups = {}
-    for r in rows:
-        if r.get("model") == "transformers" and "ms" in r:
-            key = ("context", "batch") if r["phase"] == "decode" else ("tokens", "batch")
-            mine = [o for o in rows if o.get("model") == "ours" and o["phase"] == r["phase"]
-                    and all(o.get(k) == r.get(k) for k in key)]
-            if mine:
-                name = f"{r['phase']}_b{r['batch']}_" + (
-                    f"ctx{r['context']}" if r["phase"] == "decode" else f"n{r['tokens']}")
-                speedups[name] = dict(eager=r["ms"] / mine[0]["ms"])
-                if "graph_ms" in mine[0]:
-                    speedups[name]["graph"] = r["ms"] / mine[0]["graph_ms"]
-    print(json.dumps(speedups, indent=1))
-    if args.json:
-        out = dict(benchmark="slice", layers="KDA+dense, KDA+MoE, KDA+MoE, DSA+MoE",
-                   device=torch.cuda.get_device_name(), commit=args.commit,
-                   date=datetime.now(UTC).isoformat(timespec="seconds"),
-                   torch=torch.__version__, results=rows, speedup_vs_transformers=speedups)
-        with open(args.json, "w") as f:
-            json.dump(out, f, indent=2)
-
+        rows.add(dict(model="transformers", error=repr(exc)[:500]))
+    print(json.dumps(rows.speedups(), indent=1))
 
 if __name__ == "__main__":
     main()
