@@ -26,6 +26,7 @@ BW = 4.3e12  # measured device-to-device copy bandwidth of an H200 (read + write
 
 
 def _ms(fn, graph: bool) -> float:
+    torch.cuda.synchronize()  # do_bench_cudagraph's stream does not wait for the inputs
     if graph:
         return float(do_bench_cudagraph(fn, rep=50, return_mode="median"))
     return float(do_bench(fn, warmup=10, rep=100, return_mode="median"))
@@ -102,8 +103,9 @@ def bench_kda_decode(rows, gen, quick):
 
 def bench_kda_decode_fla(rows, gen, quick):
     """fla's fused_recurrent_kda on the same decode shapes (batch form, one token per
-    sequence, in-place state slots), eager and as graph replays. A separate part: the previous
-    H200 run died with an illegal address around this call, which poisons the CUDA context."""
+    sequence, in-place state slots), eager and as graph replays. A separate part: an earlier
+    H200 run died with an illegal address around this call (most likely the timing race `_ms`
+    now closes: the graph benchmark's stream read inputs still being written)."""
     fla = _fla()
     if fla is None:
         rows.append(dict(kernel="kda_decode_fla", error="fla not installed"))

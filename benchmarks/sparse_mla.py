@@ -39,6 +39,10 @@ BLOCK, LATENT, BUDGET, KPOOL, INDEX_HEADS, INDEX_DIM = 64, 512, 512, 4, 32, 128
 
 
 def _us(fn) -> float:
+    # do_bench_cudagraph runs fn on a fresh stream that does not wait for the default stream:
+    # without this sync it read block tables and caches still being written (an illegal
+    # address at batch 16 x 128K, where filling the 2 GiB latent cache takes longest)
+    torch.cuda.synchronize()
     return float(do_bench_cudagraph(fn, rep=20, return_mode="median")) * 1e3
 
 

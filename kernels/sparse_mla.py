@@ -232,7 +232,7 @@ def indexer_write_kernel(scores, positions, hists, out, P, NCH, BUDGET, WOUT,
         take = m_p
         slot = o_p
     # slot < BUDGET holds when the histograms are consistent; the mask keeps every store inside
-    # its row regardless (an unexplained illegal access on the H200, see the benchmark notes)
+    # its row regardless
     tl.store(p_out + slot[:, None] * KPOOL + o_k[None, :], o_p[:, None] * KPOOL + o_k[None, :],
              mask=(take & (slot >= 0) & (slot < BUDGET))[:, None] & m_k[None, :])
     if i_c == 0:
