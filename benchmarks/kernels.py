@@ -128,58 +128,71 @@ def bench_kda_decode_fla(rows, gen, quick):
             print(json.dumps(row), flush=True)
 
 
-ROUNDS = 4  # alternating timing rounds of the dispatch and fla direct
+ROUNDS = 3  # alternating timing rounds of the dispatch and fla direct
 
 
 def bench_kda_prefill(rows, gen, quick):
     """Chunked prefill on the same inputs (initial states, final states out, in-kernel l2norm):
-    what `kda_attention` dispatches to (fla's `chunk_kda` through our slot gather/scatter when
-    fla is installed), our own chunked kernel, fla called directly, and our recurrent kernel."""
+    what `kda_attention` dispatches to for the model's bounded gate (fla's `chunk_kda` with its
+    bounded-gate path, through our slot gather/scatter, when fla is installed), our own chunked
+    kernel, our recurrent kernel, and fla called directly: with its defaults, and with the
+    bounded-gate path. q, k and v are dense planes, as the layer's conv writes them."""
     fla = _fla()
-    cases = [[4096], [16384], [2048] * 8] if not quick else [[4096]]
-    for heads in (32, 64):
-        for lens in cases:
-            t, n = sum(lens), len(lens)
-            q, k, v, g, beta = _kda_inputs(t, heads, gen)
-            state = torch.randn(n + 1, heads, 128, 128, device=DEV, generator=gen) * 0.01
-            cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], device=DEV)
-            ids = torch.arange(1, n + 1, device=DEV)
-            init = torch.ones(n, dtype=torch.bool, device=DEV)
-            args = (q, k, v, g, beta, state, cu, ids, init)
-            row = dict(kernel="kda_prefill", heads=heads, tokens=t, seqs=n)
-            row["ours_chunk_ms"] = _ms(lambda: kda_chunk.kda_chunk_attention(*args), False)
-            row["ours_chunk_mtok_per_s"] = t / row["ours_chunk_ms"] / 1e3
-            # our recurrent kernel, forced
-            saved, kda.CHUNK_MIN_TOKENS_PER_SEQ = kda.CHUNK_MIN_TOKENS_PER_SEQ, 1 << 62
-            try:
-                row["ours_recurrent_ms"] = _ms(lambda: kda.kda_attention(*args), False)
-            finally:
-                kda.CHUNK_MIN_TOKENS_PER_SEQ = saved
+    cases = [(32, [4096]), (32, [16384]), (32, [2048] * 8), (64, [4096]), (64, [16384])]
+    for heads, lens in cases if not quick else cases[:1]:
+        t, n = sum(lens), len(lens)
+        q, k, v, g, beta = _kda_inputs(t, heads, gen)  # g = -5 sigmoid(.): bounded by -5
+        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+        state = torch.randn(n + 1, heads, 128, 128, device=DEV, generator=gen) * 0.01
+        cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], device=DEV)
+        ids = torch.arange(1, n + 1, device=DEV)
+        init = torch.ones(n, dtype=torch.bool, device=DEV)
+        args = (q, k, v, g, beta, state, cu, ids, init)
+        row = dict(kernel="kda_prefill", heads=heads, tokens=t, seqs=n)
+        row["ours_chunk_ms"] = _ms(lambda: kda_chunk.kda_chunk_attention(*args), False)
+        row["ours_chunk_mtok_per_s"] = t / row["ours_chunk_ms"] / 1e3
+        # our recurrent kernel, forced
+        saved, kda.CHUNK_MIN_TOKENS_PER_SEQ = kda.CHUNK_MIN_TOKENS_PER_SEQ, 1 << 62
+        try:
+            row["ours_recurrent_ms"] = _ms(lambda: kda.kda_attention(*args), False)
+        finally:
+            kda.CHUNK_MIN_TOKENS_PER_SEQ = saved
 
-            def dispatch():
-                return kda.kda_attention(*args)
-            if fla is None:
-                row["dispatch_ms"] = _ms(dispatch, False)
-            else:
-                qc, kc, vc = (x.contiguous().unsqueeze(0) for x in (q, k, v))
-                gc, bc, h0 = g.unsqueeze(0), beta.unsqueeze(0), state[ids]
+        def dispatch():
+            return kda.kda_attention(*args, gate_lower_bound=-5.0)
+        if fla is None:
+            row["dispatch_ms"] = _ms(dispatch, False)
+        else:
+            h0 = state[ids]
 
-                def fla_direct():
-                    return fla.chunk_kda(qc, kc, vc, gc, bc, scale=128 ** -0.5, initial_state=h0,
-                                         output_final_state=True, use_qk_l2norm_in_kernel=True,
-                                         cu_seqlens=cu)
-                # alternate the two (fla autotunes on first use; clocks drift): best of rounds
-                times = {"dispatch_ms": [], "fla_chunk_ms": []}
-                for _ in range(ROUNDS):
-                    times["dispatch_ms"].append(_ms(dispatch, False))
-                    times["fla_chunk_ms"].append(_ms(fla_direct, False))
-                row.update({key: min(vals) for key, vals in times.items()})
-                row["dispatch_rounds_ms"] = times["dispatch_ms"]
-                row["fla_rounds_ms"] = times["fla_chunk_ms"]
-                row["dispatch_vs_fla"] = row["fla_chunk_ms"] / row["dispatch_ms"]
-                row["ours_chunk_vs_fla"] = row["fla_chunk_ms"] / row["ours_chunk_ms"]
-            rows.append(row)
-            print(json.dumps(row), flush=True)
+            def fla_direct(safe_gate=False):
+                return fla.chunk_kda(q[None], k[None], v[None], g[None], beta[None],
+                                     scale=128 ** -0.5, initial_state=h0,
+                                     output_final_state=True, use_qk_l2norm_in_kernel=True,
+                                     safe_gate=safe_gate, cu_seqlens=cu)
+            # same answer first: the dispatch (states through the slots) against fla's default
+            want, want_h = fla_direct()
+            before = state.clone()
+            got = dispatch()
+            row["dispatch_rel_err"] = float((got.float() - want[0].float()).norm()
+                                            / want.float().norm())
+            row["state_rel_err"] = float((state[ids] - want_h).norm() / want_h.norm())
+            state.copy_(before)
+            row["check"] = "ok" if max(row["dispatch_rel_err"], row["state_rel_err"]) < 2e-2 \
+                else "FAILED"
+            # alternate the three (fla autotunes on first use; clocks drift): best of rounds
+            timed = {"dispatch_ms": dispatch, "fla_chunk_ms": fla_direct,
+                     "fla_safe_gate_ms": lambda: fla_direct(True)}
+            times = {key: [] for key in timed}
+            for _ in range(ROUNDS):
+                for key, fn in timed.items():
+                    times[key].append(_ms(fn, False))
+            row.update({key: min(vals) for key, vals in times.items()})
+            row["rounds_ms"] = times
+            row["dispatch_vs_fla"] = row["fla_chunk_ms"] / row["dispatch_ms"]
+            row["ours_chunk_vs_fla"] = row["fla_chunk_ms"] / row["ours_chunk_ms"]
+        rows.append(row)
+        print(json.dumps(row), flush=True)
 
 
 def bench_moe(rows, gen, quick):

@@ -32,8 +32,9 @@ __all__ = ["causal_conv1d", "conv_commit", "gated_rms_norm", "kda_attention", "k
 
 @triton.jit
 def causal_conv1d_fwd_kernel(x, weight, conv_state, y, cu_seqlens, state_ids, has_initial_state,
-                             T, N, C, stride_x, LOG_N: tl.constexpr, W: tl.constexpr,
+                             T, N, C, PW, stride_x, LOG_N: tl.constexpr, W: tl.constexpr,
                              BT: tl.constexpr, BC: tl.constexpr):
+    """y is `C / PW` planes of [T, PW], one after another (one plane of [T, C] when PW = C)."""
     i_t, i_c = tl.program_id(0), tl.program_id(1)
     o_t = i_t * BT + tl.arange(0, BT)
     o_c = i_c * BC + tl.arange(0, BC)
@@ -56,8 +57,9 @@ def causal_conv1d_fwd_kernel(x, weight, conv_state, y, cu_seqlens, state_ids, ha
         b_w = tl.load(weight + o_c * (W + 1) + j, mask=m_c, other=0.0).to(tl.float32)
         b_y += (b_x + b_h) * b_w[None, :]
     b_y = b_y * tl.sigmoid(b_y)
-    tl.store(y + o_t[:, None] * C + o_c[None, :], b_y.to(y.dtype.element_ty),
-             mask=m_t[:, None] & m_c[None, :])
+    o_pl = o_c // PW
+    p_y = y + (o_pl.to(tl.int64) * T * PW + o_c - o_pl * PW)[None, :] + o_t[:, None] * PW
+    tl.store(p_y, b_y.to(y.dtype.element_ty), mask=m_t[:, None] & m_c[None, :])
 
 
 @triton.jit
@@ -95,31 +97,36 @@ def causal_conv1d(
     state_ids: torch.Tensor,
     has_initial_state: torch.Tensor,
     defer: torch.Tensor | None = None,
+    planes: int = 1,
 ) -> torch.Tensor:
     """Depthwise causal conv + SiLU per sequence, continuing from (and updating) its window.
 
     x: [T, C] (rows may be strided); weight: [C, K]; conv_state: [S, C, K-1]; cu_seqlens: [N+1];
     state_ids, has_initial_state: [N]; defer: [N] bool or None (those windows stay unwritten).
-    Returns [T, C] in x's dtype.
+    Returns [T, C] in x's dtype, or with planes > 1 [T, planes, C / planes] whose planes are
+    each contiguous in memory (q, k and v as separate dense tensors for fla's kernels).
     """
     n_tok, chans = x.shape
     width = weight.shape[1] - 1
     n_seq = cu_seqlens.shape[0] - 1
+    if chans % planes:
+        raise ValueError(f"{chans} channels do not split into {planes} planes")
     assert x.stride(1) == 1 and weight.is_contiguous() and conv_state.is_contiguous()
     assert conv_state.shape[1:] == (chans, width)
-    y = torch.empty((n_tok, chans), dtype=x.dtype, device=x.device)
+    y = torch.empty((planes, n_tok, chans // planes), dtype=x.dtype, device=x.device)
     bt, bc = 16, 128 if INTERPRET else 256
     if n_tok:
         grid = (triton.cdiv(n_tok, bt), triton.cdiv(chans, bc))
         causal_conv1d_fwd_kernel[grid](x, weight, conv_state, y, cu_seqlens, state_ids,
-                                       has_initial_state, n_tok, n_seq, chans, x.stride(0),
-                                       LOG_N=log2_ceil(n_seq), W=width, BT=bt, BC=bc)
+                                       has_initial_state, n_tok, n_seq, chans, chans // planes,
+                                       x.stride(0), LOG_N=log2_ceil(n_seq), W=width, BT=bt,
+                                       BC=bc)
     if n_seq:
         causal_conv1d_state_kernel[(n_seq, triton.cdiv(chans, bc))](
             x, conv_state, cu_seqlens, state_ids, has_initial_state, defer, None, chans,
             x.stride(0), W=width, BW=next_pow2(width), BC=bc, HAS_DEFER=defer is not None,
             HAS_ACC=False)
-    return y
+    return y[0] if planes == 1 else y.permute(1, 0, 2)
 
 
 def conv_commit(
@@ -222,13 +229,20 @@ def _fla_chunk_kda():
     return chunk_kda
 
 
-def _kda_chunk_fla(chunk, q, k, v, g, beta, state, cu_seqlens, state_ids, has_initial_state):
-    """fla's chunked KDA over the varlen batch; states gathered from and scattered to slots."""
+# fla's bounded-gate (tensor-core) intra-chunk path holds for log gates in [-5, 0)
+FLA_SAFE_GATE_BOUND = -5.0
+
+
+def _kda_chunk_fla(chunk, q, k, v, g, beta, state, cu_seqlens, state_ids, has_initial_state,
+                   gate_lower_bound):
+    """fla's chunked KDA over the varlen batch; states gathered from and scattered to slots.
+    q, k and v should be dense (fla copies strided inputs first)."""
     slots = state_ids.long()
     h0 = state[slots] * has_initial_state.view(-1, 1, 1, 1).to(state.dtype)
+    safe = gate_lower_bound is not None and gate_lower_bound >= FLA_SAFE_GATE_BOUND
     o, ht = chunk(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), g.unsqueeze(0),
                   beta.unsqueeze(0), scale=q.shape[-1] ** -0.5, initial_state=h0,
-                  output_final_state=True, use_qk_l2norm_in_kernel=True,
+                  output_final_state=True, use_qk_l2norm_in_kernel=True, safe_gate=safe,
                   cu_seqlens=cu_seqlens.long())
     state[slots] = ht.to(state.dtype)
     return o[0].to(v.dtype)
@@ -250,13 +264,15 @@ def kda_attention(
     state_ids: torch.Tensor,
     has_initial_state: torch.Tensor,
     defer: torch.Tensor | None = None,
+    gate_lower_bound: float | None = None,
 ) -> torch.Tensor:
     """Gated delta rule with per-channel decay; q and k are L2-normalised in the kernel.
 
     q, k: [T, H, dk] (rows may be strided); v: [T, H, dv]; g: [T, H, dk] log-decay; beta: [T, H];
     state: [S, H, dk, dv] fp32, updated in place for the slots used except those with defer[i]
     (speculative verification; `kda_commit` writes them later). Returns o: [T, H, dv] in v's
-    dtype.
+    dtype. gate_lower_bound: the caller's promise that g >= it (not checked here: the reference
+    checks it); from -5 up, fla's chunked prefill takes its bounded-gate tensor-core path.
     """
     n_tok, heads, dk = q.shape
     dv = v.shape[-1]
@@ -269,7 +285,7 @@ def kda_attention(
         fla_chunk = _fla_chunk_kda() if q.is_cuda else None
         if fla_chunk is not None:
             return _kda_chunk_fla(fla_chunk, q, k, v, g, beta, state, cu_seqlens, state_ids,
-                                  has_initial_state)
+                                  has_initial_state, gate_lower_bound)
         return kda_chunk.kda_chunk_attention(q, k, v, g, beta, state, cu_seqlens, state_ids,
                                              has_initial_state)
     o = torch.empty((n_tok, heads, dv), dtype=v.dtype, device=v.device)

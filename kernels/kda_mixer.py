@@ -169,13 +169,18 @@ def _unfused(pre, conv_weight, conv_state, gate_logits, dt_bias, a_log, lower_bo
     n_tok = pre.shape[0]
     heads, dv = out_gate.shape[1], out_gate.shape[2]
     dk = gate_logits.shape[1] // heads
-    mixed = kda.causal_conv1d(pre, conv_weight, conv_state, cu_seqlens, state_ids,
-                              has_initial_state, defer)
-    q, k, v = mixed.split([heads * dk, heads * dk, heads * dv], dim=-1)
-    q, k = q.view(n_tok, heads, dk), k.view(n_tok, heads, dk)
-    v = v.view(n_tok, heads, dv)
+    if dk == dv:  # q, k and v as three dense planes (fla's chunked kernels copy strided ones)
+        mixed = kda.causal_conv1d(pre, conv_weight, conv_state, cu_seqlens, state_ids,
+                                  has_initial_state, defer, planes=3)
+        q, k, v = (mixed[:, i].view(n_tok, heads, dk) for i in range(3))
+    else:
+        mixed = kda.causal_conv1d(pre, conv_weight, conv_state, cu_seqlens, state_ids,
+                                  has_initial_state, defer)
+        q, k, v = mixed.split([heads * dk, heads * dk, heads * dv], dim=-1)
+        q, k = q.view(n_tok, heads, dk), k.view(n_tok, heads, dk)
+        v = v.view(n_tok, heads, dv)
     g = kda.kda_gate(gate_logits, dt_bias, a_log, lower_bound)
     beta = torch.sigmoid(beta_logits.float())
     o = kda.kda_attention(q, k, v, g, beta, state, cu_seqlens, state_ids, has_initial_state,
-                          defer)
+                          defer, gate_lower_bound=lower_bound)
     return kda.gated_rms_norm(o, out_gate, norm_weight, eps), q, k, v, g, beta

@@ -28,13 +28,17 @@ def causal_conv1d(
     state_ids: torch.Tensor,
     has_initial_state: torch.Tensor,
     defer: torch.Tensor | None = None,
+    planes: int = 1,
 ) -> torch.Tensor:
     """Depthwise causal conv + SiLU per sequence, continuing from (and updating) its window.
 
     x: [T, C]; weight: [C, K] (tap K-1 multiplies the current token); conv_state: [S, C, K-1]
     holds the last K-1 pre-conv inputs of each slot (oldest first), not updated for sequences
-    with `defer[i]` (see `conv_commit`). Returns [T, C] in x's dtype.
+    with `defer[i]` (see `conv_commit`). Returns [T, C] in x's dtype, or with planes > 1 the
+    same values as [T, planes, C / planes] (the Triton twin lays each plane out contiguously).
     """
+    if x.shape[1] % planes:
+        raise ValueError(f"{x.shape[1]} channels do not split into {planes} planes")
     width = weight.shape[1] - 1
     out = torch.empty_like(x)
     w = weight.float().unsqueeze(1)  # [C, 1, K]
@@ -47,7 +51,7 @@ def causal_conv1d(
         out[start:end] = F.silu(y).t().to(x.dtype)
         if defer is None or not bool(defer[i]):
             conv_state[slot] = seq[:, seq.shape[1] - width:].to(conv_state.dtype)
-    return out
+    return out if planes == 1 else out.view(x.shape[0], planes, -1)
 
 
 def conv_commit(
@@ -101,6 +105,7 @@ def kda_attention(
     state_ids: torch.Tensor,
     has_initial_state: torch.Tensor,
     defer: torch.Tensor | None = None,
+    gate_lower_bound: float | None = None,
 ) -> torch.Tensor:
     """Gated delta rule with per-channel decay; q and k are L2-normalised here (fp32).
 
@@ -108,7 +113,12 @@ def kda_attention(
     state: [S, H, dk, dv] fp32, updated in place for the slots used (except sequences with
     `defer[i]`, see `kda_commit`). Returns o: [T, H, dv] in v's dtype. Per token:
     S = diag(e^g) S; S += k (beta (v - S^T k))^T; o = S^T (q / sqrt(dk)).
+    gate_lower_bound: the caller's promise that g >= it (the bounded sigmoid gate), which lets
+    the Triton twin's chunked path use fla's bounded-gate kernels; checked here.
     """
+    if gate_lower_bound is not None and g.numel() and float(g.min()) < gate_lower_bound:
+        raise ValueError(f"gate below its promised lower bound {gate_lower_bound}: "
+                         f"{float(g.min())}")
     spans = _seq_spans(cu_seqlens)
     scale = q.shape[-1] ** -0.5
     qf = l2norm(q.float()) * scale

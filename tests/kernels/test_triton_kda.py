@@ -44,6 +44,42 @@ def test_causal_conv1d_matches_ref(defer):
     assert torch.equal(s_dev.cpu(), s_ref)
 
 
+def test_causal_conv1d_planes():
+    """planes=3 (q|k|v for fla): the same values as [T, 3, C/3], each plane a dense [T, C/3]
+    tensor. 3 planes of 20 channels lie inside one of the interpreter's 128-channel blocks;
+    3 x 50 channels cross a block edge mid-plane."""
+    from glm53.kernels import kda
+
+    g = torch.Generator().manual_seed(2)
+    for chans in (60, 150):
+        lens, width = [5, 1, 12], 4
+        cu, ids, init = _batch(lens, [2, 0, 1], [True, False, True], g)
+        x = torch.randn(sum(lens), chans, generator=g)
+        w = torch.randn(chans, width, generator=g)
+        state = torch.randn(3, chans, width - 1, generator=g)
+        s_ref = state.clone()
+        y_ref = ref.causal_conv1d(x, w, s_ref, cu.cpu(), ids.cpu(), init.cpu(), planes=3)
+        s_dev = state.to(DEVICE)
+        y = kda.causal_conv1d(x.to(DEVICE), w.to(DEVICE), s_dev, cu, ids, init, planes=3)
+        assert y.shape == y_ref.shape == (sum(lens), 3, chans // 3)
+        assert all(y[:, i].is_contiguous() for i in range(3))
+        assert rel_err(y, y_ref) < TOL
+        assert torch.equal(s_dev.cpu(), s_ref)
+    with pytest.raises(ValueError, match="planes"):
+        kda.causal_conv1d(x.to(DEVICE)[:, :59], w.to(DEVICE)[:59], s_dev[:, :59].contiguous(),
+                          cu, ids, init, planes=3)
+
+
+def test_gate_lower_bound_is_checked_by_the_reference():
+    q = torch.randn(3, 2, 8)
+    g = torch.full((3, 2, 8), -6.0)
+    args = (q, q, q, g, torch.full((3, 2), 0.5), torch.zeros(1, 2, 8, 8),
+            torch.tensor([0, 3]), torch.tensor([0]), torch.tensor([False]))
+    with pytest.raises(ValueError, match="lower bound"):
+        ref.kda_attention(*args, gate_lower_bound=-5.0)
+    assert ref.kda_attention(*args).abs().sum() > 0  # unbounded: runs
+
+
 @pytest.mark.parametrize("lower_bound", [-5.0, None])
 def test_kda_gate_matches_ref(lower_bound):
     from glm53.kernels import kda
