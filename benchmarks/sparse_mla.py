@@ -139,9 +139,10 @@ def bench_case(batch, ctx, heads_list, gen, rows):
 
 def bench_sweep(gen, rows):
     """The tiling constants at 32K context, 64 heads, batch 1 and 16: latent halved or not x
-    fewest rows per split, the attention pipeline depth, and the select chunk."""
+    fewest rows per split, the attention pipeline depth, rows per attention step, and the
+    select chunk."""
     saved = (sparse_mla.COL_TILE, sparse_mla.MIN_SPLIT_ROWS, sparse_mla.SELECT_CHUNK,
-             sparse_mla.ATTENTION_STAGES)
+             sparse_mla.ATTENTION_STAGES, sparse_mla.ATTENTION_ROWS)
     try:
         for batch in (1, 16):
             table, latent, pools, q_idx, w, pos, qs = _case_inputs(batch, 32768, gen)
@@ -177,6 +178,19 @@ def bench_sweep(gen, rows):
                                      error=repr(exc)[:300]))
                 print(json.dumps(rows[-1]), flush=True)
             sparse_mla.ATTENTION_STAGES = saved[3]
+            for n_rows in (16, 64):  # the default (32) is in the grid above
+                sparse_mla.ATTENTION_ROWS = n_rows
+                try:
+                    t = _us(lambda: sparse_mla.sparse_mla_attention(q, latent, table, qs, tokens,
+                                                                    1 / 16))
+                    rows.append(dict(kernel="sweep_attention", batch=batch, heads=64,
+                                     rows_per_step=n_rows, attention_us=t,
+                                     attention_bw_pct=_pct(att_bytes, t)))
+                except Exception as exc:  # e.g. out of shared memory / registers
+                    rows.append(dict(kernel="sweep_attention", batch=batch,
+                                     rows_per_step=n_rows, error=repr(exc)[:300]))
+                print(json.dumps(rows[-1]), flush=True)
+            sparse_mla.ATTENTION_ROWS = saved[4]
             for chunk in (1024, 2048, 4096):
                 sparse_mla.SELECT_CHUNK = chunk
                 t = _us(lambda: sparse_mla._select_pools(scores, pos, BUDGET, KPOOL))
@@ -186,7 +200,7 @@ def bench_sweep(gen, rows):
             sparse_mla.SELECT_CHUNK = saved[2]
     finally:
         (sparse_mla.COL_TILE, sparse_mla.MIN_SPLIT_ROWS, sparse_mla.SELECT_CHUNK,
-         sparse_mla.ATTENTION_STAGES) = saved
+         sparse_mla.ATTENTION_STAGES, sparse_mla.ATTENTION_ROWS) = saved
 
 
 def _git_commit() -> str | None:

@@ -36,6 +36,8 @@ MIN_SPLIT_ROWS = 32 if INTERPRET else 128
 COL_TILE = 16 if INTERPRET else 256
 # software-pipeline depth of the attention loop (the row loads of the next step in flight)
 ATTENTION_STAGES = 2
+# selected rows per attention step in bf16 (the N of the QK^T tile, the K of PV); fp32 takes 16
+ATTENTION_ROWS = 32
 # pools per radix-select program (8 warps: 8 keys a thread); small in the interpreter so CPU
 # tests cover several chunks
 SELECT_CHUNK = 64 if INTERPRET else 2048
@@ -467,7 +469,7 @@ def _attention_plan(n_tok: int, heads: int, width: int, lc: int, f32: bool) -> d
     every split writes a [H, Lc] fp32 partial (2x its row reads at 128 rows)."""
     bh = min(64, max(16, next_pow2(heads)))
     bc = next_pow2(lc)
-    bw = 16 if f32 else 32
+    bw = 16 if f32 else ATTENTION_ROWS
     halves = bc >= 2 * COL_TILE
     base = n_tok * triton.cdiv(heads, bh) * (2 if halves else 1)
     splits = max(1, min(triton.cdiv(TARGET_PROGRAMS, base), triton.cdiv(width, MIN_SPLIT_ROWS)))
