@@ -2,7 +2,8 @@
 # The GPU validation run of the kernels issue, on one bare GPU machine from the repo root:
 #   bash scripts/gpu_check.sh tests|kernels|slice [COMMIT]
 # tests:   every `gpu`-marked test (junit XML + log; the first run compiles every kernel and lets
-#          fla autotune: budget ~10 minutes)
+#          fla autotune: ~10 minutes in one process, spread over GPU_TEST_WORKERS (4) processes
+#          when pytest-xdist is carried)
 # kernels: benchmarks/kernels.py part by part (each in its own process: a fault poisons the
 #          CUDA context) and benchmarks/sparse_mla.py
 # slice:   benchmarks/slice.py, ours vs transformers eager in one run
@@ -17,8 +18,12 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
 case $stage in
   tests)
-    python -m pytest -m gpu tests -q -p no:cacheprovider --junitxml "$out/gpu_tests.xml" \
-      2>&1 | tee "$out/gpu_tests.log" ;;
+    # with pytest-xdist carried (scripts/gpu_wheels.sh), files spread over workers: the first
+    # run is dominated by Triton compiling every kernel, which uses one core per process
+    par=()
+    python -c "import xdist" 2>/dev/null && par=(-n "${GPU_TEST_WORKERS:-4}" --dist loadfile)
+    python -m pytest -m gpu tests -q -p no:cacheprovider "${par[@]}" \
+      --junitxml "$out/gpu_tests.xml" 2>&1 | tee "$out/gpu_tests.log" ;;
   kernels)
     for part in kda_decode kda_decode_fla kda_prefill moe; do
       python benchmarks/kernels.py --parts $part --commit "$commit" --json "$out/kernels.json" \

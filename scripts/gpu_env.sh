@@ -1,6 +1,6 @@
 # Source on a bare GPU machine (the device image: torch + triton, no glm53 install) from the
 # repo root:  . scripts/gpu_env.sh
-# Installs any wheels carried in .whl/ (fla-core, transformers 5.24.0, ...) into /tmp/site and
+# Installs any wheels carried in .whl/ (scripts/gpu_wheels.sh fetches them) into /tmp/site and
 # makes the four folders importable as glm53.* without an install (symlinks under /tmp/pkg).
 set -e
 if compgen -G ".whl/*.whl" >/dev/null; then
