@@ -63,6 +63,25 @@ def test_decode_attention(heads, batch, ctx, verify):
     assert torch.allclose(lse, lse_ref, atol=LSE_TOL)
 
 
+@pytest.mark.parametrize("rows,col_tile,min_split", [(64, 256, 128), (16, 256, 128),
+                                                    (32, 512, 256), (64, 512, 64)])
+def test_decode_attention_tilings(monkeypatch, rows, col_tile, min_split):
+    """The tiling constants the benchmark sweeps (rows per step, halved latent or not, fewest
+    rows per split) give the reference's answer too, so a faster one can become the default."""
+    from glm53.kernels import sparse_mla
+
+    monkeypatch.setattr(sparse_mla, "ATTENTION_ROWS", rows)
+    monkeypatch.setattr(sparse_mla, "COL_TILE", col_tile)
+    monkeypatch.setattr(sparse_mla, "MIN_SPLIT_ROWS", min_split)
+    for heads, batch, verify in ((64, 1, 1), (64, 16, 4), (32, 64, 1)):
+        gen = torch.Generator(device=DEV).manual_seed(rows + batch)
+        q, cache, table, qs, idx = _attention_inputs(heads, batch, 32768, verify, gen)
+        o_ref, lse_ref = ref_mla.sparse_mla_attention(q, cache, table, qs, idx, 1 / 16)
+        o, lse = sparse_mla.sparse_mla_attention(q, cache, table, qs, idx, 1 / 16)
+        assert rel(o, o_ref) < BF16_TOL
+        assert torch.allclose(lse, lse_ref, atol=LSE_TOL)
+
+
 @pytest.mark.parametrize("heads", [32, 64])
 def test_decode_attention_dcp2(heads):
     """Rank 1 of 2 attends its half of the rows; queries with no row there get lse -inf."""
