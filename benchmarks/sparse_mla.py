@@ -22,6 +22,7 @@ scores and its attention against the torch reference (`check_case`).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import subprocess
 import traceback
@@ -137,70 +138,54 @@ def bench_case(batch, ctx, heads_list, gen, rows):
                           for k, v in row.items()}), flush=True)
 
 
-def bench_sweep(gen, rows):
-    """The tiling constants at 32K context, 64 heads, batch 1 and 16: latent halved or not x
-    fewest rows per split, the attention pipeline depth, rows per attention step, and the
-    select chunk."""
-    saved = (sparse_mla.COL_TILE, sparse_mla.MIN_SPLIT_ROWS, sparse_mla.SELECT_CHUNK,
-             sparse_mla.ATTENTION_STAGES, sparse_mla.ATTENTION_ROWS)
+# the attention tilings swept, as overrides of kernels/sparse_mla.py's constants (the defaults:
+# COL_TILE 256, MIN_SPLIT_ROWS 128, ATTENTION_STAGES 2, ATTENTION_ROWS 32)
+ATTENTION_VARIANTS = (
+    [dict(COL_TILE=c, MIN_SPLIT_ROWS=m) for c in (256, 512) for m in (64, 128, 256)]
+    + [dict(ATTENTION_STAGES=n) for n in (1, 3)]
+    + [dict(ATTENTION_ROWS=n) for n in (16, 64)]
+)
+
+
+@contextlib.contextmanager
+def _constants(**overrides):
+    saved = {name: getattr(sparse_mla, name) for name in overrides}
     try:
-        for batch in (1, 16):
-            table, latent, pools, q_idx, w, pos, qs = _case_inputs(batch, 32768, gen)
-            scores = sparse_mla._score_pools(q_idx, w, pools, table, qs, pos, KPOOL)
-            tokens = sparse_mla._select_pools(scores, pos, BUDGET, KPOOL)
-            q = torch.randn(batch, 64, LATENT, device=DEV, dtype=torch.bfloat16, generator=gen)
-            att_bytes = int((tokens >= 0).sum()) * LATENT * 2
-            for col_tile in (256, 512):  # halves, or one program over all 512 columns
-                for min_rows in (64, 128, 256):
-                    sparse_mla.COL_TILE, sparse_mla.MIN_SPLIT_ROWS = col_tile, min_rows
-                    try:
-                        t = _us(lambda: sparse_mla.sparse_mla_attention(q, latent, table, qs,
-                                                                        tokens, 1 / 16))
-                        rows.append(dict(kernel="sweep_attention", batch=batch, heads=64,
-                                         col_tile=col_tile, min_split_rows=min_rows,
-                                         attention_us=t, attention_bw_pct=_pct(att_bytes, t)))
-                    except Exception as exc:  # e.g. out of shared memory at 512 columns
-                        rows.append(dict(kernel="sweep_attention", batch=batch,
-                                         col_tile=col_tile, min_split_rows=min_rows,
-                                         error=repr(exc)[:300]))
-                    print(json.dumps(rows[-1]), flush=True)
-            sparse_mla.COL_TILE, sparse_mla.MIN_SPLIT_ROWS = saved[:2]
-            for stages in (1, 3):  # the default (2) is in the grid above
-                sparse_mla.ATTENTION_STAGES = stages
-                try:
-                    t = _us(lambda: sparse_mla.sparse_mla_attention(q, latent, table, qs, tokens,
-                                                                    1 / 16))
-                    rows.append(dict(kernel="sweep_attention", batch=batch, heads=64,
-                                     stages=stages, attention_us=t,
-                                     attention_bw_pct=_pct(att_bytes, t)))
-                except Exception as exc:  # e.g. out of shared memory at 3 stages
-                    rows.append(dict(kernel="sweep_attention", batch=batch, stages=stages,
-                                     error=repr(exc)[:300]))
-                print(json.dumps(rows[-1]), flush=True)
-            sparse_mla.ATTENTION_STAGES = saved[3]
-            for n_rows in (16, 64):  # the default (32) is in the grid above
-                sparse_mla.ATTENTION_ROWS = n_rows
-                try:
-                    t = _us(lambda: sparse_mla.sparse_mla_attention(q, latent, table, qs, tokens,
-                                                                    1 / 16))
-                    rows.append(dict(kernel="sweep_attention", batch=batch, heads=64,
-                                     rows_per_step=n_rows, attention_us=t,
-                                     attention_bw_pct=_pct(att_bytes, t)))
-                except Exception as exc:  # e.g. out of shared memory / registers
-                    rows.append(dict(kernel="sweep_attention", batch=batch,
-                                     rows_per_step=n_rows, error=repr(exc)[:300]))
-                print(json.dumps(rows[-1]), flush=True)
-            sparse_mla.ATTENTION_ROWS = saved[4]
-            for chunk in (1024, 2048, 4096):
-                sparse_mla.SELECT_CHUNK = chunk
-                t = _us(lambda: sparse_mla._select_pools(scores, pos, BUDGET, KPOOL))
-                rows.append(dict(kernel="sweep_select", batch=batch, select_chunk=chunk,
-                                 select_us=t))
-                print(json.dumps(rows[-1]), flush=True)
-            sparse_mla.SELECT_CHUNK = saved[2]
+        for name, value in overrides.items():
+            setattr(sparse_mla, name, value)
+        yield
     finally:
-        (sparse_mla.COL_TILE, sparse_mla.MIN_SPLIT_ROWS, sparse_mla.SELECT_CHUNK,
-         sparse_mla.ATTENTION_STAGES, sparse_mla.ATTENTION_ROWS) = saved
+        for name, value in saved.items():
+            setattr(sparse_mla, name, value)
+
+
+def bench_sweep(gen, rows):
+    """The tiling constants at 32K context, 64 heads, batch 1 and 16: latent halved (256-column
+    tiles) or not x fewest rows per split, the attention pipeline depth, rows per attention
+    step, and the select chunk."""
+    for batch in (1, 16):
+        table, latent, pools, q_idx, w, pos, qs = _case_inputs(batch, 32768, gen)
+        scores = sparse_mla._score_pools(q_idx, w, pools, table, qs, pos, KPOOL)
+        tokens = sparse_mla._select_pools(scores, pos, BUDGET, KPOOL)
+        q = torch.randn(batch, 64, LATENT, device=DEV, dtype=torch.bfloat16, generator=gen)
+        att_bytes = int((tokens >= 0).sum()) * LATENT * 2
+        for variant in ATTENTION_VARIANTS:
+            row = dict(kernel="sweep_attention", batch=batch, heads=64, **variant)
+            try:  # a variant may not compile (shared memory, registers)
+                with _constants(**variant):
+                    t = _us(lambda: sparse_mla.sparse_mla_attention(q, latent, table, qs,
+                                                                    tokens, 1 / 16))
+                row.update(attention_us=t, attention_bw_pct=_pct(att_bytes, t))
+            except Exception as exc:
+                row["error"] = repr(exc)[:300]
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+        for chunk in (1024, 2048, 4096):
+            with _constants(SELECT_CHUNK=chunk):
+                t = _us(lambda: sparse_mla._select_pools(scores, pos, BUDGET, KPOOL))
+            rows.append(dict(kernel="sweep_select", batch=batch, select_chunk=chunk,
+                             select_us=t))
+            print(json.dumps(rows[-1]), flush=True)
 
 
 def _git_commit() -> str | None:

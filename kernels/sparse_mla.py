@@ -494,6 +494,9 @@ def sparse_mla_attention(
     log-sum-exp merge when the selection is split (few queries)."""
     n_tok, heads, lc = q_latent.shape
     width = token_indices.shape[1]
+    if token_indices.shape[0] != n_tok or query_seq.shape[0] != n_tok:
+        raise ValueError(f"{n_tok} queries but {token_indices.shape[0]} index rows and "
+                         f"{query_seq.shape[0]} sequence ids")
     q_latent, token_indices = q_latent.contiguous(), token_indices.contiguous()
     assert latent_cache.is_contiguous()
     out = torch.empty_like(q_latent)

@@ -77,6 +77,19 @@ def test_sparse_mla_attention_split_selection_matches_ref():
     assert torch.allclose(lse.cpu(), lse_ref, atol=1e-5)
 
 
+def test_sparse_mla_attention_rejects_mismatched_rows():
+    """More queries than index rows would read past the index tensor: a clear error instead."""
+    from glm53.kernels import sparse_mla
+
+    q = torch.randn(3, 4, 16, device=DEVICE)
+    cache = torch.randn(4, 16, 16, device=DEVICE)
+    table = torch.zeros(2, 2, dtype=torch.long, device=DEVICE)
+    idx = torch.zeros(2, 8, dtype=torch.long, device=DEVICE)
+    with pytest.raises(ValueError, match="3 queries but 2 index rows"):
+        sparse_mla.sparse_mla_attention(q, cache, table, torch.zeros(3, dtype=torch.long,
+                                                                     device=DEVICE), idx, 0.25)
+
+
 def test_merge_attention_states_matches_ref():
     from glm53.kernels import sparse_mla
 
