@@ -13,6 +13,8 @@ whatever the values); transformers decodes after a real prefill of that context 
 where its eager DSA attention would not fit). Prints a table and writes JSON.
 
     python benchmarks/slice.py [--json benchmarks/results/slice_h200.json] [--commit SHA]
+        [--decode 1x2048,...] [--hf-decode 1x2048,...] [--prefill 4096,...] [--no-graphs]
+        [--no-transformers] [--profile]
 """
 
 from __future__ import annotations
@@ -105,7 +107,27 @@ def engine_step_ms(model, caches: ModelCaches, cfg: ModelConfig, batch_size: int
     return _timed(decode, steps)
 
 
-def bench_ours(cfg: ModelConfig, decode_cases, prefill_lens, rows, graphs: bool) -> None:
+def kernel_profile(fn, top: int = 20) -> dict:
+    """One call of fn under torch.profiler: device time per kernel (self time, so nothing is
+    counted twice), the `top` largest and the total, in ms."""
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if torch.cuda.is_available():
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    fn()  # compiled and warm before the profiled call
+    with torch.profiler.profile(activities=activities) as prof:
+        fn()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+    events = [e for e in prof.key_averages() if e.self_device_time_total > 0]
+    events.sort(key=lambda e: e.self_device_time_total, reverse=True)
+    total = sum(e.self_device_time_total for e in events) / 1e3
+    kernels = [dict(name=e.key[:120], calls=e.count, ms=e.self_device_time_total / 1e3)
+               for e in events[:top]]
+    return dict(device_ms=total, kernels=kernels)
+
+
+def bench_ours(cfg: ModelConfig, decode_cases, prefill_lens, rows, graphs: bool,
+               profile: bool = False) -> None:
     model = build_model(cfg, dtype=torch.bfloat16, device=DEV)
     randomize_(model)
     max_seqs = max(b for b, _ in decode_cases)
@@ -134,6 +156,8 @@ def bench_ours(cfg: ModelConfig, decode_cases, prefill_lens, rows, graphs: bool)
                 return step(b, ids)
             row = dict(model="ours", phase="decode", batch=batch_size, context=ctx,
                        ms=_timed(decode, 10))
+            if profile:
+                row["profile"] = kernel_profile(decode)
             if graphs:
                 try:
                     b = ForwardBatch.build([ctx - 1] * batch_size, [1] * batch_size,
@@ -162,8 +186,11 @@ def bench_ours(cfg: ModelConfig, decode_cases, prefill_lens, rows, graphs: bool)
                 b = ForwardBatch.build([0], [n], [0], table, BLOCK, device=DEV)
                 return step(b, tokens)
             ms = _timed(prefill, 3)
-            rows.add(dict(model="ours", phase="prefill", batch=1, tokens=n, ms=ms,
-                          tok_per_s=n / ms * 1e3))
+            row = dict(model="ours", phase="prefill", batch=1, tokens=n, ms=ms,
+                       tok_per_s=n / ms * 1e3)
+            if profile:
+                row["profile"] = kernel_profile(prefill)
+            rows.add(row)
     gc.collect()
     torch.cuda.empty_cache()
 
@@ -268,6 +295,10 @@ def main() -> None:
     ap.add_argument("--decode", default="1x2048,16x2048,64x2048,1x32768,16x32768,64x32768",
                     help="our decode cases BATCHxCONTEXT")
     ap.add_argument("--prefill", default="4096,16384", help="prefill lengths (both models)")
+    ap.add_argument("--profile", action="store_true",
+                    help="also profile one eager step of each of our cases: device time per "
+                         "kernel (where prefill and eager decode spend their time)")
+    ap.add_argument("--no-transformers", action="store_true")
     args = ap.parse_args()
     config = slice_config()
     cfg = ModelConfig.from_hf(config)
@@ -280,11 +311,13 @@ def main() -> None:
         device=torch.cuda.get_device_name(), commit=args.commit,
         date=datetime.now(UTC).isoformat(timespec="seconds"), torch=torch.__version__,
         fla=_version("fla-core")))
-    bench_ours(cfg, ours_decode, prefill, rows, graphs=not args.no_graphs)
-    try:
-        bench_transformers(config, hf_decode, prefill, rows)
-    except Exception as exc:
-        rows.add(dict(model="transformers", error=repr(exc)[:500]))
+    bench_ours(cfg, ours_decode, prefill, rows, graphs=not args.no_graphs,
+               profile=args.profile)
+    if not args.no_transformers:
+        try:
+            bench_transformers(config, hf_decode, prefill, rows)
+        except Exception as exc:
+            rows.add(dict(model="transformers", error=repr(exc)[:500]))
     print(json.dumps(rows.speedups(), indent=1))
 
 if __name__ == "__main__":
