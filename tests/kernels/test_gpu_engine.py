@@ -11,7 +11,8 @@ the CPU within 5e-6), and the reference kernels in bf16 on the CPU split from fp
 0.36-1.12 on these prompts. After a split the continuations are different sequences and are
 not compared further. So that a loose noise bound cannot hide a wrong bf16 kernel, the GPU's
 bf16 logits (relative L2 distance from fp32, per prompt) must lie within BF16_SPREAD times the
-distance of the reference ops run in bf16 on the CPU (plus 1e-2).
+distance of the reference ops run in bf16 on the CPU (plus 1e-2); measured on the H200: GPU
+0.05-0.27, references 0.05-0.31, per prompt.
 """
 
 from __future__ import annotations
