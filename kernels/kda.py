@@ -238,7 +238,8 @@ def _kda_chunk_fla(chunk, q, k, v, g, beta, state, cu_seqlens, state_ids, has_in
     """fla's chunked KDA over the varlen batch; states gathered from and scattered to slots.
     q, k and v should be dense (fla copies strided inputs first)."""
     slots = state_ids.long()
-    h0 = state[slots] * has_initial_state.view(-1, 1, 1, 1).to(state.dtype)
+    # where, not a multiply: a fresh slot's stale contents (even inf/NaN) must not leak in
+    h0 = torch.where(has_initial_state.view(-1, 1, 1, 1).bool(), state[slots], 0.0)
     safe = gate_lower_bound is not None and gate_lower_bound >= FLA_SAFE_GATE_BOUND
     o, ht = chunk(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), g.unsqueeze(0),
                   beta.unsqueeze(0), scale=q.shape[-1] ** -0.5, initial_state=h0,

@@ -161,3 +161,42 @@ def test_commit_kernels_match_ref():
     kda.conv_commit(x.to(DEVICE), c_dev, cu, ids, init, acc.to(DEVICE))
     assert rel_err(s_dev, s_ref) < TOL
     assert torch.equal(c_dev.cpu(), c_ref)
+
+
+@pytest.mark.parametrize("bound,safe", [(-5.0, True), (-8.0, False), (None, False)])
+def test_fla_chunk_wrapper_slots_and_gate_path(bound, safe):
+    """The wrapper around fla's chunk_kda (CUDA-only; here with a stand-in that runs the
+    reference recurrence from the initial states it is given): states come from and go back to
+    the right slots, a fresh slot's stale contents (NaN here) never leak in, and the bounded
+    gate asks for fla's safe_gate path only within fla's [-5, 0) range."""
+    from glm53.kernels import kda
+
+    seen = {}
+
+    def chunk(q, k, v, g, beta, *, scale, initial_state, output_final_state,
+              use_qk_l2norm_in_kernel, safe_gate, cu_seqlens):
+        seen.update(safe_gate=safe_gate, scale=scale, l2=use_qk_l2norm_in_kernel)
+        n = initial_state.shape[0]
+        states = initial_state.clone()
+        o = ref.kda_attention(q[0], k[0], v[0], g[0], beta[0], states, cu_seqlens,
+                              torch.arange(n), torch.ones(n, dtype=torch.bool))
+        return o[None], states
+
+    gen = torch.Generator().manual_seed(5)
+    lens, heads, dk = [70, 3, 66], 2, 8
+    cu, ids, init = _batch(lens, [4, 1, 2], [True, False, True])
+    cu, ids, init = cu.cpu(), ids.cpu(), init.cpu()
+    t = sum(lens)
+    q, k, v = (torch.randn(t, heads, dk, generator=gen) for _ in range(3))
+    g = -5 * torch.sigmoid(torch.randn(t, heads, dk, generator=gen))
+    beta = torch.sigmoid(torch.randn(t, heads, generator=gen))
+    state = torch.randn(6, heads, dk, dk, generator=gen)
+    state[1] = float("nan")  # slot of the fresh sequence
+    want_state = state.clone()
+    want = ref.kda_attention(q, k, v, g, beta, want_state, cu, ids, init)
+    got = kda._kda_chunk_fla(chunk, q, k, v, g, beta, state, cu, ids, init, bound)
+    assert seen == dict(safe_gate=safe, scale=dk ** -0.5, l2=True)
+    assert torch.isfinite(got).all()
+    assert rel_err(got, want) < TOL
+    assert torch.allclose(state[[4, 1, 2]], want_state[[4, 1, 2]], rtol=1e-5, atol=1e-6)
+    assert torch.equal(state[[0, 3, 5]], want_state[[0, 3, 5]])  # other slots untouched
