@@ -139,11 +139,13 @@ def bench_case(batch, ctx, heads_list, gen, rows):
 
 
 # the attention tilings swept, as overrides of kernels/sparse_mla.py's constants (the defaults:
-# COL_TILE 256, MIN_SPLIT_ROWS 128, ATTENTION_STAGES 2, ATTENTION_ROWS 32)
+# COL_TILE 256, MIN_SPLIT_ROWS 128, ATTENTION_STAGES 2, ATTENTION_ROWS 32, ATTENTION_WARPS 8)
 ATTENTION_VARIANTS = (
     [dict(COL_TILE=c, MIN_SPLIT_ROWS=m) for c in (256, 512) for m in (64, 128, 256)]
     + [dict(ATTENTION_STAGES=n) for n in (1, 3)]
     + [dict(ATTENTION_ROWS=n) for n in (16, 64)]
+    + [dict(ATTENTION_WARPS=4, ATTENTION_ROWS=n) for n in (32, 64)]
+    + [dict(ATTENTION_WARPS=4, COL_TILE=512, MIN_SPLIT_ROWS=m) for m in (64, 256)]
 )
 
 

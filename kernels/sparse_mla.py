@@ -38,6 +38,9 @@ COL_TILE = 16 if INTERPRET else 256
 ATTENTION_STAGES = 2
 # selected rows per attention step in bf16 (the N of the QK^T tile, the K of PV); fp32 takes 16
 ATTENTION_ROWS = 32
+# warps per bf16 attention program: 8 spreads the [64, 256] fp32 accumulator thin; 4 (one
+# warpgroup) is what Hopper's wgmma wants for a 64-row tile (swept by the benchmark)
+ATTENTION_WARPS = 8
 # pools per radix-select program (8 warps: 8 keys a thread); small in the interpreter so CPU
 # tests cover several chunks
 SELECT_CHUNK = 64 if INTERPRET else 2048
@@ -519,7 +522,8 @@ def sparse_mla_attention(
                                 block_tables.stride(0), dcp_rank, LBS=latent_cache.shape[1],
                                 DCP=dcp_size, C=lc, BH=plan["BH"], BW=plan["BW"],
                                 BO=plan["BO"], HALVES=plan["HALVES"], F32=f32,
-                                num_warps=4 if f32 else 8, num_stages=ATTENTION_STAGES)
+                                num_warps=4 if f32 else ATTENTION_WARPS,
+                                num_stages=ATTENTION_STAGES)
     if splits > 1:
         _merge(o_part, lse_part, out, lse)
     return out, lse

@@ -63,14 +63,17 @@ def test_decode_attention(heads, batch, ctx, verify):
     assert torch.allclose(lse, lse_ref, atol=LSE_TOL)
 
 
-@pytest.mark.parametrize("rows,col_tile,min_split", [(64, 256, 128), (16, 256, 128),
-                                                    (32, 512, 256), (64, 512, 64)])
-def test_decode_attention_tilings(monkeypatch, rows, col_tile, min_split):
+@pytest.mark.parametrize("rows,col_tile,min_split,warps", [
+    (64, 256, 128, 8), (16, 256, 128, 8), (32, 512, 256, 8), (64, 512, 64, 8),
+    (32, 256, 128, 4), (64, 256, 128, 4), (32, 512, 64, 4)])
+def test_decode_attention_tilings(monkeypatch, rows, col_tile, min_split, warps):
     """The tiling constants the benchmark sweeps (rows per step, halved latent or not, fewest
-    rows per split) give the reference's answer too, so a faster one can become the default."""
+    rows per split, warps) give the reference's answer too, so a faster one can become the
+    default."""
     from glm53.kernels import sparse_mla
 
     monkeypatch.setattr(sparse_mla, "ATTENTION_ROWS", rows)
+    monkeypatch.setattr(sparse_mla, "ATTENTION_WARPS", warps)
     monkeypatch.setattr(sparse_mla, "COL_TILE", col_tile)
     monkeypatch.setattr(sparse_mla, "MIN_SPLIT_ROWS", min_split)
     for heads, batch, verify in ((64, 1, 1), (64, 16, 4), (32, 64, 1)):
