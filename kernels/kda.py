@@ -58,7 +58,8 @@ def causal_conv1d_fwd_kernel(x, weight, conv_state, y, cu_seqlens, state_ids, ha
         b_y += (b_x + b_h) * b_w[None, :]
     b_y = b_y * tl.sigmoid(b_y)
     o_pl = o_c // PW
-    p_y = y + (o_pl.to(tl.int64) * T * PW + o_c - o_pl * PW)[None, :] + o_t[:, None] * PW
+    p_y = (y + (o_pl.to(tl.int64) * T * PW + o_c - o_pl * PW)[None, :]
+           + o_t.to(tl.int64)[:, None] * PW)
     tl.store(p_y, b_y.to(y.dtype.element_ty), mask=m_t[:, None] & m_c[None, :])
 
 
