@@ -27,6 +27,8 @@ from glm53.raycluster.config import EngineConfig
 from glm53.raycluster.engine import LLMEngine
 from tests.naive_runner import SequenceRunner
 
+from .triton_util import rel_err
+
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 NEAR_TIE = 0.1
@@ -69,21 +71,17 @@ def test_gpu_bf16_engine_greedy_matches_cpu_fp32(tmp_path):
         want = _cpu_logits(fp32, prompt, a)
         ours = _cpu_logits(gpu_bf16, prompt, a).float().cpu()
         refs = _cpu_logits(ref_bf16, prompt, a).float()
-        print(f"prompt of {len(prompt)}: bf16 rel. distance from fp32: GPU {_rel(ours, want):.3f}"
-              f", CPU references {_rel(refs, want):.3f}")
+        print(f"prompt of {len(prompt)}: bf16 rel. distance from fp32: "
+              f"GPU {rel_err(ours, want):.3f}, CPU references {rel_err(refs, want):.3f}")
         # the GPU kernels in bf16 are as close to fp32 as the reference ops in bf16 are
-        assert _rel(ours, want) < BF16_SPREAD * _rel(refs, want) + 1e-2, (
-            prompt, _rel(ours, want), _rel(refs, want))
+        assert rel_err(ours, want) < BF16_SPREAD * rel_err(refs, want) + 1e-2, (
+            prompt, rel_err(ours, want), rel_err(refs, want))
         split = next((i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), None)
         if split is not None:
             gap = float(want[split, a[split]] - want[split, b[split]])
             noise = float((ours[split] - want[split]).abs().max())
             # a legitimate split: the fp32 margin lies within the bf16 error of the logits
             assert gap < max(NEAR_TIE, 2 * noise), (prompt, split, gap, noise)
-
-
-def _rel(a, b):
-    return float((a - b).norm() / b.norm())
 
 
 def test_transformers_oracle_on_gpu_agrees(tmp_path):
@@ -101,9 +99,9 @@ def test_transformers_oracle_on_gpu_agrees(tmp_path):
         return _cpu_logits(model, ids[:1], ids[1:]).float().cpu()
 
     want = logits(torch.float32, "cpu")
-    assert _rel(logits(torch.float32, "cuda"), want) < 1e-4
+    assert rel_err(logits(torch.float32, "cuda"), want) < 1e-4
     hf = load_hf(path).to("cuda", torch.bfloat16)
     theirs = hf_logits(hf, ids).cpu()
     ours = logits(torch.bfloat16, "cuda")
-    assert _rel(ours, want) < 1.5 * _rel(theirs, want) + 1e-2, (_rel(ours, want),
-                                                                _rel(theirs, want))
+    assert rel_err(ours, want) < 1.5 * rel_err(theirs, want) + 1e-2, (rel_err(ours, want),
+                                                                rel_err(theirs, want))

@@ -17,16 +17,12 @@ import torch
 
 from glm53.kernels.ref import kda as ref_kda
 
+from .triton_util import rel_err
+
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 DEV = "cuda"
 TOL = {torch.float32: 5e-3, torch.bfloat16: 1e-2}
-
-
-def rel(a, b):
-    a, b = a.double(), b.double()
-    assert not torch.isnan(a).any()
-    return float((a - b).norm() / b.norm())
 
 
 def _inputs(lens, heads, dtype, seed):
@@ -59,8 +55,8 @@ def test_chunk_matches_ref_recurrence(heads, lens, dtype):
     o = kda_chunk.kda_chunk_attention(q, k, v, g, beta, s_ours, cu, ids, init)
     torch.cuda.synchronize()
     assert o.dtype == dtype
-    assert rel(o, o_ref) < TOL[dtype]
-    assert rel(s_ours, s_ref) < TOL[dtype]
+    assert rel_err(o, o_ref) < TOL[dtype]
+    assert rel_err(s_ours, s_ref) < TOL[dtype]
     untouched = torch.ones(state.shape[0], dtype=torch.bool, device=DEV)
     untouched[ids] = False
     assert torch.equal(s_ours[untouched], state[untouched])
@@ -75,8 +71,8 @@ def test_chunk_without_prefetch(monkeypatch):
     s_ref = state.clone()
     o_ref = ref_kda.kda_attention(q, k, v, g, beta, s_ref, cu, ids, init)
     o = kda_chunk.kda_chunk_attention(q, k, v, g, beta, state, cu, ids, init)
-    assert rel(o, o_ref) < TOL[torch.bfloat16]
-    assert rel(state, s_ref) < TOL[torch.bfloat16]
+    assert rel_err(o, o_ref) < TOL[torch.bfloat16]
+    assert rel_err(state, s_ref) < TOL[torch.bfloat16]
 
 
 @pytest.mark.parametrize("gate", [-20.0, -1e-6])
@@ -89,8 +85,8 @@ def test_chunk_extreme_gates(gate):
     s_ref = state.clone()
     o_ref = ref_kda.kda_attention(q, k, v, g, beta, s_ref, cu, ids, init)
     o = kda_chunk.kda_chunk_attention(q, k, v, g, beta, state, cu, ids, init)
-    assert rel(o, o_ref) < TOL[torch.float32]
-    assert rel(state, s_ref) < TOL[torch.float32]
+    assert rel_err(o, o_ref) < TOL[torch.float32]
+    assert rel_err(state, s_ref) < TOL[torch.float32]
 
 
 @pytest.mark.parametrize("heads,lens", [(32, [4096]), (64, [2000, 1, 63, 4100])])
@@ -105,8 +101,8 @@ def test_chunk_matches_fla(heads, lens):
         scale=128 ** -0.5, initial_state=h0, output_final_state=True,
         use_qk_l2norm_in_kernel=True, cu_seqlens=cu)
     o = kda.kda_attention(q, k, v, g, beta, state, cu, ids, init)  # dispatches to the chunks
-    assert rel(o, o_fla[0]) < 2e-2
-    assert rel(state[ids], ht) < 2e-2
+    assert rel_err(o, o_fla[0]) < 2e-2
+    assert rel_err(state[ids], ht) < 2e-2
 
 
 def test_chunk_cuda_graph_replay():

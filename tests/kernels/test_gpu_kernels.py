@@ -21,16 +21,12 @@ from glm53.kernels.ref import moe as ref_moe
 from glm53.kernels.ref import norm as ref_norm
 from glm53.kernels.ref import sparse_mla as ref_mla
 
+from .triton_util import rel_err
+
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 BF16_TOL, STATE_TOL = 1e-2, 1e-4
 DEV = "cuda"
-
-
-def rel(a, b):
-    a, b = a.double(), b.double()
-    assert not torch.isnan(a).any()
-    return float((a - b).norm() / b.norm())
 
 
 def _kda_inputs(lens, heads, gen, dk=128):
@@ -57,9 +53,9 @@ def test_kda_attention(heads, lens):
     s_ref = state.clone()
     o_ref = ref_kda.kda_attention(q, k, v, g, beta, s_ref, cu, ids, init)
     o = kda.kda_attention(q, k, v, g, beta, state, cu, ids, init)
-    assert rel(o, o_ref) < BF16_TOL
+    assert rel_err(o, o_ref) < BF16_TOL
     chunked = sum(lens) >= kda.CHUNK_MIN_TOKENS_PER_SEQ * n
-    assert rel(state, s_ref) < (1e-2 if chunked else STATE_TOL)
+    assert rel_err(state, s_ref) < (1e-2 if chunked else STATE_TOL)
 
 
 @pytest.mark.parametrize("lens", [[1] * 64, [3, 1000, 17]])
@@ -77,7 +73,7 @@ def test_causal_conv1d(lens):
     s_ref = state.clone()
     y_ref = ref_kda.causal_conv1d(x, w, s_ref, cu, ids, init)
     y = kda.causal_conv1d(x, w, state, cu, ids, init)
-    assert rel(y, y_ref) < BF16_TOL
+    assert rel_err(y, y_ref) < BF16_TOL
     assert torch.equal(state, s_ref)
 
 
@@ -105,7 +101,7 @@ def test_sparse_mla_attention(heads, batch, ctx, verify):
     qs = torch.arange(batch, device=DEV).repeat_interleave(verify)
     o_ref, lse_ref = ref_mla.sparse_mla_attention(q, cache, table, qs, idx, 1 / 16)
     o, lse = sparse_mla.sparse_mla_attention(q, cache, table, qs, idx, 1 / 16)
-    assert rel(o, o_ref) < BF16_TOL
+    assert rel_err(o, o_ref) < BF16_TOL
     assert torch.allclose(lse, lse_ref, atol=1e-2)
 
 
@@ -141,7 +137,7 @@ def test_fused_moe(tokens):
     ids = torch.stack([torch.randperm(e, generator=gen, device=DEV)[:8] for _ in range(tokens)])
     wts = torch.rand(tokens, 8, generator=gen, device=DEV)
     out_ref = ref_moe.fused_moe(x, w13, w2, wts, ids, 10.0)
-    assert rel(moe.fused_moe(x, w13, w2, wts, ids, 10.0), out_ref) < BF16_TOL
+    assert rel_err(moe.fused_moe(x, w13, w2, wts, ids, 10.0), out_ref) < BF16_TOL
 
 
 def test_small_ops():
@@ -150,16 +146,16 @@ def test_small_ops():
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(64, 4096, generator=gen).to(DEV, torch.bfloat16)
     w = torch.randn(4096, generator=gen).to(DEV, torch.bfloat16)
-    assert rel(norm.rms_norm(x, w, 1e-5), ref_norm.rms_norm(x, w, 1e-5)) < BF16_TOL
+    assert rel_err(norm.rms_norm(x, w, 1e-5), ref_norm.rms_norm(x, w, 1e-5)) < BF16_TOL
     streams = torch.randn(16, 4, 4096, generator=gen).to(DEV, torch.bfloat16)
     fn = (torch.randn(24, 4 * 4096, generator=gen) * 0.01).to(DEV)
     base, scale = torch.randn(24, generator=gen).to(DEV), torch.rand(3, generator=gen).to(DEV)
     for a, b in zip(mhc.hc_pre(streams, fn, base, scale, 1e-5, 1e-6, 20),
                     ref_mhc.hc_pre(streams, fn, base, scale, 1e-5, 1e-6, 20), strict=True):
-        assert rel(a, b) < BF16_TOL
+        assert rel_err(a, b) < BF16_TOL
     post, comb, _ = ref_mhc.hc_pre(streams, fn, base, scale, 1e-5, 1e-6, 20)
     y = torch.randn(16, 4096, generator=gen).to(DEV, torch.bfloat16)
-    assert rel(mhc.hc_post(streams, y, post, comb),
+    assert rel_err(mhc.hc_post(streams, y, post, comb),
                ref_mhc.hc_post(streams.float(), y.float(), post, comb)) < BF16_TOL
 
 
@@ -175,7 +171,7 @@ def test_route_topk(tokens):
     w_ref, ids_ref = ref_moe.route_topk(logits, bias, 8, True, 2.5)
     order, order_ref = ids.argsort(-1), ids_ref.argsort(-1)
     assert torch.equal(ids.gather(1, order), ids_ref.gather(1, order_ref))
-    assert rel(w.gather(1, order), w_ref.gather(1, order_ref)) < 1e-6
+    assert rel_err(w.gather(1, order), w_ref.gather(1, order_ref)) < 1e-6
 
 
 @pytest.mark.parametrize("heads", [32, 64])
@@ -209,6 +205,6 @@ def test_kda_mixer(heads, lens, defer):
     want = ref_mixer.kda_mixer(pre, w, c_ref, logits, dt, alog, -5.0, bl, z, nw, 1e-5, s_ref,
                                cu, ids, init, dfr)
     for a, b in zip(got, want, strict=True):
-        assert rel(a, b) < BF16_TOL
-    assert rel(state[ids], s_ref[ids]) < STATE_TOL
-    assert rel(conv[ids], c_ref[ids]) < BF16_TOL
+        assert rel_err(a, b) < BF16_TOL
+    assert rel_err(state[ids], s_ref[ids]) < STATE_TOL
+    assert rel_err(conv[ids], c_ref[ids]) < BF16_TOL
