@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 from datetime import UTC, datetime
 
 import torch
-from triton.testing import do_bench, do_bench_cudagraph
+from bench_common import git_commit, graph_ms
+from triton.testing import do_bench
 
 from glm53.kernels import kda, kda_chunk, kda_mixer, moe
 from glm53.kernels.ref import kda as ref_kda
@@ -26,9 +26,8 @@ BW = 4.3e12  # measured device-to-device copy bandwidth of an H200 (read + write
 
 
 def _ms(fn, graph: bool) -> float:
-    torch.cuda.synchronize()  # do_bench_cudagraph's stream does not wait for the inputs
     if graph:
-        return float(do_bench_cudagraph(fn, rep=50, return_mode="median"))
+        return graph_ms(fn, rep=50)
     return float(do_bench(fn, warmup=10, rep=100, return_mode="median"))
 
 
@@ -104,7 +103,7 @@ def bench_kda_decode(rows, gen, quick):
 def bench_kda_decode_fla(rows, gen, quick):
     """fla's fused_recurrent_kda on the same decode shapes (batch form, one token per
     sequence, in-place state slots), eager and as graph replays. A separate part: an earlier
-    H200 run died with an illegal address around this call (most likely the timing race `_ms`
+    H200 run died with an illegal address around this call (most likely the timing race `graph_ms`
     now closes: the graph benchmark's stream read inputs still being written)."""
     fla = _fla()
     if fla is None:
@@ -221,14 +220,6 @@ def bench_ref_kda_decode(rows, gen):
     rows.append(dict(kernel="kda_decode_ref_eager", heads=64, batch=1, ref_us=t * 1e3))
 
 
-def _git_commit() -> str | None:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                              text=True).stdout.strip() or None
-    except OSError:
-        return None
-
-
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--json")
@@ -255,7 +246,7 @@ def main() -> None:
         print(json.dumps({k: (round(v, 3) if isinstance(v, float) else v)
                           for k, v in r.items()}))
     if args.json:
-        commit = args.commit or _git_commit()
+        commit = args.commit or git_commit()
         fla = _fla()
         out = dict(benchmark="kernels", device=torch.cuda.get_device_name(), commit=commit,
                    date=datetime.now(UTC).isoformat(timespec="seconds"),

@@ -320,5 +320,6 @@ def main() -> None:
             rows.add(dict(model="transformers", error=repr(exc)[:500]))
     print(json.dumps(rows.speedups(), indent=1))
 
+
 if __name__ == "__main__":
     main()

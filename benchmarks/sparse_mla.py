@@ -24,12 +24,11 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import subprocess
 import traceback
 from datetime import UTC, datetime
 
 import torch
-from triton.testing import do_bench_cudagraph
+from bench_common import git_commit, graph_ms
 
 from glm53.kernels import sparse_mla
 from glm53.kernels.ref import sparse_mla as ref_sparse_mla
@@ -40,11 +39,7 @@ BLOCK, LATENT, BUDGET, KPOOL, INDEX_HEADS, INDEX_DIM = 64, 512, 512, 4, 32, 128
 
 
 def _us(fn) -> float:
-    # do_bench_cudagraph runs fn on a fresh stream that does not wait for the default stream:
-    # without this sync it read block tables and caches still being written (an illegal
-    # address at batch 16 x 128K, where filling the 2 GiB latent cache takes longest)
-    torch.cuda.synchronize()
-    return float(do_bench_cudagraph(fn, rep=20, return_mode="median")) * 1e3
+    return graph_ms(fn, rep=20) * 1e3
 
 
 def _pct(nbytes: float, us: float) -> float:
@@ -190,14 +185,6 @@ def bench_sweep(gen, rows):
             print(json.dumps(rows[-1]), flush=True)
 
 
-def _git_commit() -> str | None:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                              text=True).stdout.strip() or None
-    except OSError:
-        return None
-
-
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--json")
@@ -222,7 +209,7 @@ def main() -> None:
         bench_sweep(gen, rows)
     if args.json:
         out = dict(benchmark="sparse_mla_decode", device=torch.cuda.get_device_name(),
-                   commit=args.commit or _git_commit(),
+                   commit=args.commit or git_commit(),
                    date=datetime.now(UTC).isoformat(timespec="seconds"),
                    torch=torch.__version__, bandwidth_ceiling_Bps=BW, results=rows)
         with open(args.json, "w") as f:

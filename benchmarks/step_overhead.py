@@ -13,12 +13,12 @@ import argparse
 import json
 import logging
 import platform
-import subprocess
 import time
 from datetime import UTC, datetime
 
 import numpy as np
 import ray
+from bench_common import git_commit
 
 from glm53.actors.caches import CachePlan
 from glm53.actors.sampler import build_sampling_inputs
@@ -102,8 +102,7 @@ def main() -> None:
             print(f"TP{tp} {channel:>3}: median {stats['median_ms']:.3f} ms  "
                   f"p90 {stats['p90_ms']:.3f} ms  ({payload} B StepInput)", flush=True)
     if args.json:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                                text=True).stdout.strip()
+        commit = git_commit()
         record = {"benchmark": "step_overhead", "device": args.device,
                   "host": platform.node(), "commit": commit,
                   "date": datetime.now(UTC).isoformat(timespec="seconds"),
