@@ -16,7 +16,7 @@ HBM, not L2. Before timing, each case checks its selection against torch.topk of
 scores and its attention against the torch reference (`check_case`).
 
     python benchmarks/sparse_mla.py [--json benchmarks/results/sparse_mla_h200.json]
-        [--commit X] [--quick]
+        [--commit X] [--quick | --sweep-only]
 """
 
 from __future__ import annotations
@@ -134,13 +134,19 @@ def bench_case(batch, ctx, heads_list, gen, rows):
 
 
 # the attention tilings swept, as overrides of kernels/sparse_mla.py's constants (the defaults:
-# COL_TILE 256, MIN_SPLIT_ROWS 128, ATTENTION_STAGES 2, ATTENTION_ROWS 32, ATTENTION_WARPS 8)
+# COL_TILE 256, MIN_SPLIT_ROWS 128, ATTENTION_STAGES 2, ATTENTION_ROWS 32, ATTENTION_WARPS 8,
+# ATTENTION_CHAIN_IN_LOOP False)
 ATTENTION_VARIANTS = (
     [dict(COL_TILE=c, MIN_SPLIT_ROWS=m) for c in (256, 512) for m in (64, 128, 256)]
     + [dict(ATTENTION_STAGES=n) for n in (1, 3)]
     + [dict(ATTENTION_ROWS=n) for n in (16, 64)]
     + [dict(ATTENTION_WARPS=4, ATTENTION_ROWS=n) for n in (32, 64)]
     + [dict(ATTENTION_WARPS=4, COL_TILE=512, MIN_SPLIT_ROWS=m) for m in (64, 256)]
+    # the row-address chain in the step, pipelined by Triton
+    + [dict(ATTENTION_CHAIN_IN_LOOP=True, ATTENTION_STAGES=n, ATTENTION_ROWS=r)
+       for n in (3, 4) for r in (32, 64)]
+    + [dict(ATTENTION_CHAIN_IN_LOOP=True, ATTENTION_STAGES=n, ATTENTION_WARPS=4) for n in (3, 4)]
+    + [dict(ATTENTION_CHAIN_IN_LOOP=True, ATTENTION_STAGES=4, MIN_SPLIT_ROWS=m) for m in (64, 256)]
 )
 
 
@@ -156,33 +162,40 @@ def _constants(**overrides):
             setattr(sparse_mla, name, value)
 
 
-def bench_sweep(gen, rows):
-    """The tiling constants at 32K context, 64 heads, batch 1 and 16: latent halved (256-column
-    tiles) or not x fewest rows per split, the attention pipeline depth, rows per attention
-    step, and the select chunk."""
-    for batch in (1, 16):
+def bench_sweep(gen, rows, save):
+    """The tiling constants at 32K context, 64 heads, batch 1, 16 and 64: latent halved
+    (256-column tiles) or not x fewest rows per split, the attention pipeline depth, rows per
+    attention step, warps, where the row-address chain is resolved, and the select chunk. Each
+    variant's output is compared with the defaults' (`rel_err_vs_default`)."""
+    for batch in (1, 16, 64):
         table, latent, pools, q_idx, w, pos, qs = _case_inputs(batch, 32768, gen)
         scores = sparse_mla._score_pools(q_idx, w, pools, table, qs, pos, KPOOL)
         tokens = sparse_mla._select_pools(scores, pos, BUDGET, KPOOL)
         q = torch.randn(batch, 64, LATENT, device=DEV, dtype=torch.bfloat16, generator=gen)
         att_bytes = int((tokens >= 0).sum()) * LATENT * 2
+        o_default = sparse_mla.sparse_mla_attention(q, latent, table, qs, tokens, 1 / 16)[0]
         for variant in ATTENTION_VARIANTS:
             row = dict(kernel="sweep_attention", batch=batch, heads=64, **variant)
             try:  # a variant may not compile (shared memory, registers)
                 with _constants(**variant):
+                    o = sparse_mla.sparse_mla_attention(q, latent, table, qs, tokens, 1 / 16)[0]
                     t = _us(lambda: sparse_mla.sparse_mla_attention(q, latent, table, qs,
                                                                     tokens, 1 / 16))
-                row.update(attention_us=t, attention_bw_pct=_pct(att_bytes, t))
+                err = float((o.float() - o_default.float()).norm() / o_default.float().norm())
+                row.update(attention_us=t, attention_bw_pct=_pct(att_bytes, t),
+                           rel_err_vs_default=err)
             except Exception as exc:
                 row["error"] = repr(exc)[:300]
             rows.append(row)
             print(json.dumps(row), flush=True)
+            save()
         for chunk in (1024, 2048, 4096):
             with _constants(SELECT_CHUNK=chunk):
                 t = _us(lambda: sparse_mla._select_pools(scores, pos, BUDGET, KPOOL))
             rows.append(dict(kernel="sweep_select", batch=batch, select_chunk=chunk,
                              select_us=t))
             print(json.dumps(rows[-1]), flush=True)
+        save()
 
 
 def main() -> None:
@@ -190,13 +203,24 @@ def main() -> None:
     ap.add_argument("--json")
     ap.add_argument("--commit", help="the commit measured (the device copy has no .git)")
     ap.add_argument("--quick", action="store_true", help="batch 1 and 16 at 32K only, no sweep")
+    ap.add_argument("--sweep-only", action="store_true", help="the tiling sweep, not the grid")
     args = ap.parse_args()
     gen = torch.Generator(device=DEV).manual_seed(0)
     rows: list[dict] = []
+
+    def save() -> None:  # after every case: a run cut short keeps what it measured
+        if args.json:
+            out = dict(benchmark="sparse_mla_decode", device=torch.cuda.get_device_name(),
+                       commit=args.commit or git_commit(),
+                       date=datetime.now(UTC).isoformat(timespec="seconds"),
+                       torch=torch.__version__, bandwidth_ceiling_Bps=BW, results=rows)
+            with open(args.json, "w") as f:
+                json.dump(out, f, indent=2)
+
     cases = [(b, c) for b in (1, 16, 64) for c in (2048, 32768, 131072)]
     if args.quick:
         cases = [(1, 32768), (16, 32768)]
-    for batch, ctx in cases:
+    for batch, ctx in [] if args.sweep_only else cases:
         try:
             bench_case(batch, ctx, (64, 32), gen, rows)
         except Exception as exc:  # keep the other numbers when one case fails
@@ -205,15 +229,10 @@ def main() -> None:
                              error=repr(exc)[:500]))
             print(json.dumps(rows[-1]), flush=True)
         torch.cuda.empty_cache()  # the case's caches are gone: give the next one room
+        save()
     if not args.quick:
-        bench_sweep(gen, rows)
-    if args.json:
-        out = dict(benchmark="sparse_mla_decode", device=torch.cuda.get_device_name(),
-                   commit=args.commit or git_commit(),
-                   date=datetime.now(UTC).isoformat(timespec="seconds"),
-                   torch=torch.__version__, bandwidth_ceiling_Bps=BW, results=rows)
-        with open(args.json, "w") as f:
-            json.dump(out, f, indent=2)
+        bench_sweep(gen, rows, save)
+    save()
 
 
 if __name__ == "__main__":

@@ -36,6 +36,11 @@ MIN_SPLIT_ROWS = 32 if INTERPRET else 128
 COL_TILE = 16 if INTERPRET else 256
 # software-pipeline depth of the attention loop (the row loads of the next step in flight)
 ATTENTION_STAGES = 2
+# where the index -> block table -> row chain of the next step is resolved: False: by hand,
+# one step ahead, carried through the loop (the row loads wait inside the step); True: inside
+# the step, left to Triton's pipeliner, which issues each link of the chain ATTENTION_STAGES - 1
+# steps ahead as cp.async (3+ stages to cover the whole chain; swept by the benchmark)
+ATTENTION_CHAIN_IN_LOOP = False
 # selected rows per attention step in bf16 (the N of the QK^T tile, the K of PV); fp32 takes 16
 ATTENTION_ROWS = 32
 # warps per bf16 attention program: 8 spreads the [64, 256] fp32 accumulator thin; 4 (one
@@ -322,29 +327,30 @@ def indexer_topk(
 
 
 @triton.jit
-def _row_offsets(token_indices, block_tables, seq, i_t, o_w, w_hi, W, stride_bt, dcp_rank,
-                 LBS: tl.constexpr, DCP: tl.constexpr, C: tl.constexpr):
-    """Element offsets of the latent rows of selected slots o_w ([BW]) of query i_t, and which
-    slots hold a row on this rank."""
+def _cache_rows(token_indices, block_tables, seq, i_t, o_w, w_hi, W, stride_bt, dcp_rank,
+                LBS: tl.constexpr, DCP: tl.constexpr):
+    """Cache rows (block * LBS + offset) holding the latent rows of selected slots o_w ([BW])
+    of query i_t, and which slots hold a row on this rank."""
     b_idx = tl.load(token_indices + i_t * W + o_w, mask=o_w < w_hi, other=-1).to(tl.int64)
     ok = b_idx >= 0
     if DCP > 1:
         ok = ok & (b_idx % DCP == dcp_rank)
     b_idx = tl.maximum(b_idx, 0)
     i_b = tl.load(block_tables + seq * stride_bt + b_idx // (LBS * DCP), mask=ok, other=0)
-    return (i_b.to(tl.int64) * LBS + (b_idx % (LBS * DCP)) // DCP) * C, ok
+    return i_b.to(tl.int64) * LBS + (b_idx % (LBS * DCP)) // DCP, ok
 
 
 @triton.jit
 def sparse_mla_fwd_kernel(q, kv, block_tables, query_seq, token_indices, o, lse, scale, T, H, W,
                           WS, stride_bt, dcp_rank, LBS: tl.constexpr, DCP: tl.constexpr,
                           C: tl.constexpr, BH: tl.constexpr, BW: tl.constexpr, BO: tl.constexpr,
-                          HALVES: tl.constexpr, F32: tl.constexpr):
+                          HALVES: tl.constexpr, F32: tl.constexpr,
+                          CHAIN_IN_LOOP: tl.constexpr):
     """Program (i_c, i_s, i_t * n_ht + i_h): heads i_h*BH.. of query i_t over selected rows
     i_s*WS.. (a split), accumulating output columns i_c*BO.. . With HALVES the row is read as
     this program's column half (scores and values) and the other half (scores only), so each
-    row byte is loaded once; the indices of the next rows are fetched a step ahead (the
-    index -> block table -> row chain is three dependent loads)."""
+    row byte is loaded once. The index -> block table -> row chain is three dependent loads:
+    resolved a step ahead by hand, or (CHAIN_IN_LOOP) in the step for the pipeliner."""
     i_c, i_s, i_th = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     n_ht = tl.cdiv(H, BH)
     i_t, i_h = (i_th // n_ht).to(tl.int64), i_th % n_ht
@@ -366,17 +372,23 @@ def sparse_mla_fwd_kernel(q, kv, block_tables, query_seq, token_indices, o, lse,
     b_acc = tl.zeros([BH, BO], dtype=tl.float32)
     w_lo = i_s * WS
     w_hi = tl.minimum(w_lo + WS, W)
-    o_row, ok = _row_offsets(token_indices, block_tables, seq, i_t, w_lo + tl.arange(0, BW),
-                             w_hi, W, stride_bt, dcp_rank, LBS, DCP, C)
+    if not CHAIN_IN_LOOP:
+        i_row, ok = _cache_rows(token_indices, block_tables, seq, i_t, w_lo + tl.arange(0, BW),
+                                w_hi, W, stride_bt, dcp_rank, LBS, DCP)
     for w0 in range(w_lo, w_hi, BW):
+        if CHAIN_IN_LOOP:
+            i_row, ok = _cache_rows(token_indices, block_tables, seq, i_t, w0 + tl.arange(0, BW),
+                                    w_hi, W, stride_bt, dcp_rank, LBS, DCP)
+        o_row = i_row * C
         b_kv = tl.load(kv + o_row[:, None] + o_own[None, :], mask=ok[:, None] & m_own[None, :],
                        other=0.0)
         if HALVES:
             b_kv2 = tl.load(kv + o_row[:, None] + o_oth[None, :],
                             mask=ok[:, None] & m_oth[None, :], other=0.0)
-        o_next, ok_next = _row_offsets(token_indices, block_tables, seq, i_t,
-                                       w0 + BW + tl.arange(0, BW), w_hi, W, stride_bt,
-                                       dcp_rank, LBS, DCP, C)
+        if not CHAIN_IN_LOOP:
+            i_next, ok_next = _cache_rows(token_indices, block_tables, seq, i_t,
+                                          w0 + BW + tl.arange(0, BW), w_hi, W, stride_bt,
+                                          dcp_rank, LBS, DCP)
         if F32:
             b_kv = b_kv.to(tl.float32)
             b_s = tl.dot(b_q, tl.trans(b_kv), input_precision="ieee")
@@ -397,7 +409,8 @@ def sparse_mla_fwd_kernel(q, kv, block_tables, query_seq, token_indices, o, lse,
         else:
             b_acc = b_acc * b_a[:, None] + tl.dot(b_p.to(b_kv.dtype), b_kv)
         b_m = b_mn
-        o_row, ok = o_next, ok_next
+        if not CHAIN_IN_LOOP:
+            i_row, ok = i_next, ok_next
     has = b_l > 0
     b_o = b_acc / tl.where(has, b_l, 1.0)[:, None]
     # natural-log lse from the base-2 running max
@@ -522,6 +535,7 @@ def sparse_mla_attention(
                                 block_tables.stride(0), dcp_rank, LBS=latent_cache.shape[1],
                                 DCP=dcp_size, C=lc, BH=plan["BH"], BW=plan["BW"],
                                 BO=plan["BO"], HALVES=plan["HALVES"], F32=f32,
+                                CHAIN_IN_LOOP=ATTENTION_CHAIN_IN_LOOP,
                                 num_warps=4 if f32 else ATTENTION_WARPS,
                                 num_stages=ATTENTION_STAGES)
     if splits > 1:

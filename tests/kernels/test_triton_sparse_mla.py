@@ -31,9 +31,14 @@ def _tables(lens, block_size, n_blocks, gen):
     return table
 
 
+@pytest.mark.parametrize("chain_in_loop", [False, True])
 @pytest.mark.parametrize("dcp", [(0, 1), (1, 2)])
-def test_sparse_mla_attention_matches_ref(dcp):
+def test_sparse_mla_attention_matches_ref(dcp, chain_in_loop, monkeypatch):
+    """Both placements of the index -> block table -> row chain (by hand a step ahead, or in the
+    step for the pipeliner)."""
     from glm53.kernels import sparse_mla
+
+    monkeypatch.setattr(sparse_mla, "ATTENTION_CHAIN_IN_LOOP", chain_in_loop)
 
     rank, size = dcp
     g = torch.Generator().manual_seed(7)
@@ -59,9 +64,12 @@ def test_sparse_mla_attention_matches_ref(dcp):
     assert torch.equal(o.cpu()[5], torch.zeros_like(o_ref[5]))
 
 
-def test_sparse_mla_attention_split_selection_matches_ref():
+@pytest.mark.parametrize("chain_in_loop", [False, True])
+def test_sparse_mla_attention_split_selection_matches_ref(chain_in_loop, monkeypatch):
     """A single query with a long selection is split across programs and merged by lse."""
     from glm53.kernels import sparse_mla
+
+    monkeypatch.setattr(sparse_mla, "ATTENTION_CHAIN_IN_LOOP", chain_in_loop)
 
     g = torch.Generator().manual_seed(8)
     heads, lc, bs, n = 16, 16, 16, 200
