@@ -1,0 +1,257 @@
+"""Build every Triton kernel for an H100/H200 (sm_90) on a machine without a GPU.
+
+Each op's own wrapper is called on CPU tensors of the model's real shapes with the launch
+replaced by a compile (Triton's warmup path, against a stand-in driver that reports an sm_90
+target), so the configurations are exactly the ones a GPU run would launch. Per kernel build
+it prints registers, spilled bytes (local memory), shared memory, and whether the tensor-core
+loops use wgmma. It fails on a kernel that does not compile (the interpreter accepts things
+the compiler rejects: a constexpr reassigned in a loop, one variable typed differently in the
+two branches of an `if`) and, with --no-spills, on a kernel that spills.
+
+    python scripts/sm90_build.py [--json FILE] [--no-spills]
+
+Run it with TRITON_INTERPRET unset (the interpreter replaces the compiler).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+
+import torch
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.runtime import driver
+from triton.runtime.jit import JITFunction
+
+CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin",
+                         "cuobjdump")
+
+
+class _Sm90Driver:
+    """What JITFunction asks the active driver for while binding and compiling."""
+
+    def get_current_device(self) -> int:
+        return 0
+
+    def get_current_stream(self, device: int | None = None) -> int:
+        return 0
+
+    def get_current_target(self) -> GPUTarget:
+        return GPUTarget("cuda", 90, 32)
+
+    def get_active_torch_device(self) -> torch.device:
+        return torch.device("cpu")
+
+
+@dataclass(frozen=True)
+class Build:
+    case: str
+    kernel: str
+    registers: int
+    spill_bytes: int
+    shared_bytes: int
+    num_warps: int
+    wgmma: int
+
+
+def _resources(cubin: bytes) -> dict[str, int]:
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        text = subprocess.run([CUOBJDUMP, "-res-usage", f.name], capture_output=True, text=True,
+                              check=True).stdout
+    return {k: int(v) for k, v in re.findall(r"\b(REG|STACK|LOCAL):(\d+)", text)}
+
+
+class _Recorder:
+    """JITFunction.run replaced by a compile-only run that records each build."""
+
+    def __init__(self) -> None:
+        self.case = ""
+        self.builds: list[Build] = []
+        self._run = JITFunction.run
+        self._driver = None
+
+    def __enter__(self) -> _Recorder:
+        recorder = self
+
+        def compile_only(fn, *args, grid, warmup, **kwargs):
+            kernel = recorder._run(fn, *args, grid=grid, warmup=True, **kwargs)
+            res = _resources(kernel.asm["cubin"])
+            recorder.builds.append(Build(
+                recorder.case, fn.fn.__name__, res.get("REG", 0),
+                max(res.get("LOCAL", 0), res.get("STACK", 0)), kernel.metadata.shared,
+                kernel.metadata.num_warps, kernel.asm["ptx"].count("wgmma.mma_async")))
+            return kernel
+
+        self._driver = driver._active  # None here: no default driver exists without a GPU
+        driver.set_active(_Sm90Driver())
+        JITFunction.run = compile_only
+        return self
+
+    def __exit__(self, *exc) -> None:
+        JITFunction.run = self._run
+        driver._active = self._driver
+
+
+def _cases() -> dict[str, Callable[[], object]]:
+    """One call per op and regime (decode, verify, prefill) at the model's real widths."""
+    from glm53.kernels import kda, kda_mixer, mhc, moe, norm, sparse_mla
+
+    bf, f32, i64 = torch.bfloat16, torch.float32, torch.long
+
+    def z(*shape, dtype=bf):
+        return torch.zeros(shape, dtype=dtype)
+
+    def cu(lens):
+        return torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()])
+
+    heads, dk, latent, budget, kpool = 64, 128, 512, 512, 4
+
+    def kda_call(lens):
+        t, n = sum(lens), len(lens)
+        q, k, v = (z(t, heads, dk) for _ in range(3))
+        return lambda: kda.kda_attention(q, k, v, z(t, heads, dk, dtype=f32),
+                                         z(t, heads, dtype=f32), z(n, heads, dk, dk, dtype=f32),
+                                         cu(lens), torch.arange(n), torch.ones(n, dtype=bool),
+                                         gate_lower_bound=-5.0)
+
+    def mixer_call(lens):
+        t, n, chans = sum(lens), len(lens), 3 * heads * dk
+        return lambda: kda_mixer.kda_mixer(
+            z(t, chans), z(chans, 4, dtype=f32), z(n, chans, 3), z(t, heads * dk),
+            z(heads * dk, dtype=f32), z(heads, dtype=f32), -5.0, z(t, heads), z(t, heads, dk),
+            z(dk), 1e-5, z(n, heads, dk, dk, dtype=f32), cu(lens), torch.arange(n),
+            torch.ones(n, dtype=bool))
+
+    def commit_call(lens):
+        t, n, chans = sum(lens), len(lens), 3 * heads * dk
+        q, k, v = (z(t, heads, dk) for _ in range(3))
+        accepted = torch.ones(n, dtype=i64)
+
+        def call():
+            kda.kda_commit(q, k, v, z(t, heads, dk, dtype=f32), z(t, heads, dtype=f32),
+                           z(n, heads, dk, dk, dtype=f32), cu(lens), torch.arange(n),
+                           torch.ones(n, dtype=bool), accepted)
+            kda.conv_commit(z(t, chans), z(n, chans, 3), cu(lens), torch.arange(n),
+                            torch.ones(n, dtype=bool), accepted)
+        return call
+
+    def conv_call(lens):
+        t, n, chans = sum(lens), len(lens), 3 * heads * dk
+        return lambda: kda.causal_conv1d(z(t, chans), z(chans, 4, dtype=f32), z(n, chans, 3),
+                                         cu(lens), torch.arange(n), torch.ones(n, dtype=bool),
+                                         planes=3)
+
+    def topk_call(batch, ctx, one_program):
+        blocks = ctx // 64
+        table = torch.arange(batch * blocks).view(batch, blocks)
+
+        def call():
+            saved = sparse_mla.SELECT_ONE_PROGRAM_POOLS
+            sparse_mla.SELECT_ONE_PROGRAM_POOLS = (1 << 62) if one_program else 0
+            try:
+                sparse_mla.indexer_topk(z(batch, 32, 128), z(batch, 32, dtype=f32),
+                                        z(batch * blocks, 64 // kpool, 128), table,
+                                        torch.arange(batch), torch.full((batch,), ctx - 1),
+                                        budget, kpool)
+            finally:
+                sparse_mla.SELECT_ONE_PROGRAM_POOLS = saved
+        return call
+
+    def attention_call(queries, width, **constants):
+        table = torch.arange(64).view(1, 64)
+
+        def call():
+            saved = {name: getattr(sparse_mla, name) for name in constants}
+            for name, value in constants.items():
+                setattr(sparse_mla, name, value)
+            try:
+                sparse_mla.sparse_mla_attention(z(queries, heads, latent), z(64, 64, latent),
+                                                table, torch.zeros(queries, dtype=i64),
+                                                z(queries, width, dtype=i64), 1 / 16)
+            finally:
+                for name, value in saved.items():
+                    setattr(sparse_mla, name, value)
+        return call
+
+    def moe_call(tokens):
+        e, d, inter = 288, 4096, 2048
+        ids = torch.arange(tokens * 8).view(tokens, 8) % e
+        return lambda: moe.fused_moe(z(tokens, d), z(e, 2 * inter, d), z(e, d, inter),
+                                     z(tokens, 8, dtype=f32), ids, 10.0)
+
+    streams = z(16, 4, 4096)
+    return {
+        "kda decode 64x1": kda_call([1] * 64),
+        "kda prefill 4 seqs": kda_call([700, 1, 2048, 77]),
+        "kda mixer decode 64x1": mixer_call([1] * 64),
+        "kda mixer verify 4x4": mixer_call([4] * 4),
+        "conv prefill planes": conv_call([3, 1000, 17]),
+        "verify commit 16x4": commit_call([4] * 16),
+        "gate": lambda: kda.kda_gate(z(16, heads * dk), z(heads * dk, dtype=f32),
+                                     z(heads, dtype=f32), -5.0),
+        "gated rms norm": lambda: kda.gated_rms_norm(z(16, heads, dk), z(16, heads, dk), z(dk),
+                                                     1e-5),
+        "indexer update": lambda: sparse_mla.indexer_update(
+            z(16, 128), z(16, 128), z(kpool, 128, dtype=f32), z(16, 8, 256), z(64, 16, 128),
+            torch.arange(16), torch.arange(16), cu([16]), torch.zeros(1, dtype=i64)),
+        "topk 1x32K one program": topk_call(1, 32768, True),
+        "topk 16x32K chunked": topk_call(16, 32768, False),
+        "attention decode 1 query": attention_call(1, budget * kpool + kpool - 1),
+        "attention decode 64 queries": attention_call(64, budget * kpool + kpool - 1),
+        "attention decode, chain in loop 4 stages": attention_call(
+            16, budget * kpool + kpool - 1, ATTENTION_CHAIN_IN_LOOP=True, ATTENTION_STAGES=4),
+        "attention decode, 64 rows 4 warps": attention_call(
+            16, budget * kpool + kpool - 1, ATTENTION_ROWS=64, ATTENTION_WARPS=4),
+        "moe 16 tokens": moe_call(16),
+        "router 64 tokens": lambda: moe.route_topk(z(64, 288, dtype=f32), z(288, dtype=f32), 8,
+                                                   True, 2.5),
+        "rms norm": lambda: norm.rms_norm(z(64, 4096), z(4096), 1e-5),
+        "mhc pre": lambda: mhc.hc_pre(streams, z(24, 4 * 4096, dtype=f32), z(24, dtype=f32),
+                                      z(3, dtype=f32), 1e-5, 1e-6, 20),
+        "mhc post": lambda: mhc.hc_post(streams, z(16, 4096), z(16, 4, dtype=f32),
+                                        z(16, 4, 4, dtype=f32)),
+    }
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--json", help="write the builds here")
+    ap.add_argument("--no-spills", action="store_true", help="fail on a kernel that spills")
+    args = ap.parse_args()
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        sys.exit("sm90_build: unset TRITON_INTERPRET (the interpreter replaces the compiler)")
+    failed: list[str] = []
+    with _Recorder() as rec:
+        for case, call in _cases().items():
+            rec.case = case
+            try:
+                call()
+            except Exception as exc:  # every case is tried; the failures are listed at the end
+                failed.append(f"{case}: {type(exc).__name__}: {str(exc)[:2000]}")
+    print(f"{'case':44} {'kernel':28} {'regs':>5} {'spill':>6} {'smem':>7} {'warps':>5} "
+          f"{'wgmma':>5}")
+    for b in rec.builds:
+        print(f"{b.case:44} {b.kernel:28} {b.registers:5d} {b.spill_bytes:6d} "
+              f"{b.shared_bytes:7d} {b.num_warps:5d} {b.wgmma:5d}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump([asdict(b) for b in rec.builds], f, indent=1)
+    spills = [f"{b.case}: {b.kernel} spills {b.spill_bytes} B" for b in rec.builds
+              if b.spill_bytes]
+    for line in failed + (spills if args.no_spills else []):
+        print("FAIL", line, file=sys.stderr)
+    return 1 if failed or (args.no_spills and spills) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
