@@ -165,9 +165,8 @@ def _constants(**overrides):
 def bench_sweep(gen, rows, save):
     """The tiling constants at 32K context, 64 heads, batch 1, 16 and 64: latent halved
     (256-column tiles) or not x fewest rows per split, the attention pipeline depth, rows per
-    attention step, warps, where the row-address chain is resolved, and the select (chunk, one
-    program per query or per chunk). Each variant's output is compared with the defaults'
-    (`rel_err_vs_default`, `same_tokens`)."""
+    attention step, warps, where the row-address chain is resolved, and the select chunk. Each
+    variant's output is compared with the defaults' (`rel_err_vs_default`)."""
     for batch in (1, 16, 64):
         table, latent, pools, q_idx, w, pos, qs = _case_inputs(batch, 32768, gen)
         scores = sparse_mla._score_pools(q_idx, w, pools, table, qs, pos, KPOOL)
@@ -191,15 +190,11 @@ def bench_sweep(gen, rows, save):
             print(json.dumps(row), flush=True)
             save()
         for chunk in (1024, 2048, 4096):
-            for one_program in (False, True):
-                with _constants(SELECT_CHUNK=chunk,
-                                SELECT_ONE_PROGRAM_POOLS=(1 << 62) if one_program else 0):
-                    same = torch.equal(
-                        sparse_mla._select_pools(scores, pos, BUDGET, KPOOL), tokens)
-                    t = _us(lambda: sparse_mla._select_pools(scores, pos, BUDGET, KPOOL))
-                rows.append(dict(kernel="sweep_select", batch=batch, select_chunk=chunk,
-                                 one_program=one_program, select_us=t, same_tokens=same))
-                print(json.dumps(rows[-1]), flush=True)
+            with _constants(SELECT_CHUNK=chunk):
+                t = _us(lambda: sparse_mla._select_pools(scores, pos, BUDGET, KPOOL))
+            rows.append(dict(kernel="sweep_select", batch=batch, select_chunk=chunk,
+                             select_us=t))
+            print(json.dumps(rows[-1]), flush=True)
         save()
 
 

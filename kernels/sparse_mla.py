@@ -6,8 +6,7 @@
 - `indexer_topk`: one program per (BP pools, query) scores the visible pools of the query's
   sequence through its block table (sum_h w_h relu(q_h . K_p / sqrt(d)));
   an exact radix select (4 histogram passes of 8 bits over chunks of the visible scores, then
-  a write pass; one program per query, or one launch per pass over (chunk, query) programs)
-  expands the top pools to token positions and appends the open-pool tail.
+  a write pass) expands the top pools to token positions and appends the open-pool tail.
 - `sparse_mla_attention`: absorbed MLA over the selected latent rows. One program covers all
   heads of a query (up to 64, a tensor-core tile), so every selected row is read once per
   query; the output columns are halved across two programs, and the selection is split when
@@ -50,9 +49,6 @@ ATTENTION_WARPS = 8
 # pools per radix-select program (8 warps: 8 keys a thread); small in the interpreter so CPU
 # tests cover several chunks
 SELECT_CHUNK = 64 if INTERPRET else 2048
-# up to this many addressed pools, one program per query runs the whole radix select (one
-# launch instead of five: decode is launch-bound there); beyond it, programs per chunk
-SELECT_ONE_PROGRAM_POOLS = 1 << 62
 
 
 @triton.jit
@@ -175,15 +171,6 @@ def _order_key(b_v):
 
 
 @triton.jit
-def _radix_digit(b_h, need, o_bin):
-    """From one digit's histogram b_h [256] of the keys still matching the prefix: the highest
-    bin holding the need-th largest key, and how many keys of that bin are still to be taken."""
-    above = tl.sum(b_h, 0) - tl.cumsum(b_h, 0)  # keys in bins above each bin
-    b_bin = tl.max(tl.where(above + b_h >= need, o_bin, -1), 0)
-    return b_bin, need - tl.sum(tl.where(o_bin == b_bin, above, 0), 0)
-
-
-@triton.jit
 def _threshold(hists, i_t, NCH, n_ch, BUDGET, PASSES: tl.constexpr, BNCH: tl.constexpr):
     """From the per-chunk radix histograms of the first PASSES digits (hists: [T, 4, NCH, 256],
     8 bits a digit from the top): the key prefix of the BUDGET-th largest key, how many keys
@@ -197,7 +184,11 @@ def _threshold(hists, i_t, NCH, n_ch, BUDGET, PASSES: tl.constexpr, BNCH: tl.con
     for d in tl.static_range(PASSES):
         p_h = hists + ((i_t * 4 + d) * NCH + o_ch)[:, None] * 256 + o_bin[None, :]
         b_hc = tl.load(p_h, mask=(o_ch < n_ch)[:, None], other=0)  # [BNCH, 256]
-        b_bin, need = _radix_digit(tl.sum(b_hc, 0), need, o_bin)
+        b_h = tl.sum(b_hc, 0)
+        above = tl.sum(b_h, 0) - tl.cumsum(b_h, 0)  # keys in bins above each bin
+        # the highest bin with at least `need` keys in it and above it
+        b_bin = tl.max(tl.where(above + b_h >= need, o_bin, -1), 0)
+        need -= tl.sum(tl.where(o_bin == b_bin, above, 0), 0)
         prefix += b_bin.to(tl.int64) << (24 - 8 * d)
         n_gt += tl.sum(tl.where(o_bin[None, :] > b_bin, b_hc, 0), 1)
         n_eq = tl.sum(tl.where(o_bin[None, :] == b_bin, b_hc, 0), 1)
@@ -265,60 +256,6 @@ def indexer_write_kernel(scores, positions, hists, out, P, NCH, BUDGET, WOUT,
                  mask=o_k < KPOOL - 1)
 
 
-@triton.jit
-def indexer_select_kernel(scores, positions, out, P, BUDGET, WOUT, KPOOL: tl.constexpr,
-                          BKP: tl.constexpr, CH: tl.constexpr):
-    """Program (query): the whole radix select of `indexer_write_kernel` in one program: 4
-    histogram passes over the query's visible scores in chunks of CH, then the write pass with
-    running counts of the keys above and at the threshold (same output, same tie order)."""
-    i_t = tl.program_id(0).to(tl.int64)
-    pos = tl.load(positions + i_t)
-    n = tl.minimum((pos + 1) // KPOOL, P)
-    p_s, p_out = scores + i_t * P, out + i_t * WOUT
-    o_c, o_k, o_bin = tl.arange(0, CH), tl.arange(0, BKP), tl.arange(0, 256)
-    m_k = o_k < KPOOL
-    if n > BUDGET:
-        prefix = tl.zeros([1], dtype=tl.int64)
-        need = tl.zeros([1], dtype=tl.int32) + BUDGET
-        for d in tl.static_range(4):
-            shift = 24 - 8 * d
-            b_h = tl.zeros([256], dtype=tl.int32)
-            for c in range(0, n, CH):
-                o_p = c + o_c
-                b_key = _order_key(tl.load(p_s + o_p, mask=o_p < n, other=0.0))
-                match = (o_p < n) & ((b_key >> (shift + 8)) == (prefix >> (shift + 8)))
-                b_h += tl.histogram(((b_key >> shift) & 255).to(tl.int32), 256, mask=match)
-            b_bin, need = _radix_digit(b_h, need, o_bin)
-            prefix += b_bin.to(tl.int64) << shift
-        n_gt = tl.zeros([1], dtype=tl.int32)  # keys above / at the threshold in earlier chunks
-        n_eq = tl.zeros([1], dtype=tl.int32)
-        for c in range(0, n, CH):
-            o_p = c + o_c
-            m_p = o_p < n
-            b_key = _order_key(tl.load(p_s + o_p, mask=m_p, other=0.0))
-            gt = m_p & (b_key > prefix)
-            eq = m_p & (b_key == prefix)
-            r_gt = n_gt + tl.cumsum(gt.to(tl.int32), 0) - 1
-            r_eq = n_eq + tl.cumsum(eq.to(tl.int32), 0) - 1
-            take = gt | (eq & (r_eq < need))
-            slot = tl.where(gt, r_gt, BUDGET - need + r_eq)
-            tl.store(p_out + slot[:, None] * KPOOL + o_k[None, :],
-                     o_p[:, None] * KPOOL + o_k[None, :],
-                     mask=(take & (slot >= 0) & (slot < BUDGET))[:, None] & m_k[None, :])
-            n_gt += tl.sum(gt.to(tl.int32), 0)
-            n_eq += tl.sum(eq.to(tl.int32), 0)
-    else:
-        for j in range(0, BUDGET, CH):  # every visible pool in order, then -1 padding
-            o_j = j + o_c
-            b_tok = tl.where((o_j < n)[:, None], o_j[:, None] * KPOOL + o_k[None, :], -1)
-            tl.store(p_out + o_j[:, None] * KPOOL + o_k[None, :], b_tok,
-                     mask=(o_j < BUDGET)[:, None] & m_k[None, :])
-    # the open pool holding the query: (pos + 1) % KPOOL tokens, -1 padded to KPOOL - 1
-    b_tail = (pos + 1) // KPOOL * KPOOL + o_k
-    tl.store(p_out + BUDGET * KPOOL + o_k, tl.where(b_tail <= pos, b_tail, -1),
-             mask=o_k < KPOOL - 1)
-
-
 def _score_pools(q, head_weights, pool_cache, block_tables, query_seq, positions,
                  kpool) -> torch.Tensor:
     """Index scores [T, M * bs/kpool] fp32 of the pool slots the block table addresses, defined
@@ -345,16 +282,10 @@ def _select_pools(scores: torch.Tensor, positions: torch.Tensor, pool_budget: in
     of 8 bits, each one launch over (chunk of SELECT_CHUNK pools, query) storing per-chunk
     histograms (no atomics: later programs sum them), then the write launch. Only the pools a
     query sees are read; when the block table addresses at most `pool_budget` pools every
-    visible pool is taken and the passes are skipped. Up to SELECT_ONE_PROGRAM_POOLS addressed
-    pools one program per query does all of it instead (`indexer_select_kernel`, one launch)."""
+    visible pool is taken and the passes are skipped."""
     n_tok, n_pools = scores.shape
     width = pool_budget * kpool + kpool - 1
     out = torch.empty((n_tok, width), dtype=torch.long, device=scores.device)
-    if n_pools <= SELECT_ONE_PROGRAM_POOLS:
-        indexer_select_kernel[(n_tok,)](scores, positions, out, n_pools, pool_budget, width,
-                                        KPOOL=kpool, BKP=next_pow2(kpool), CH=SELECT_CHUNK,
-                                        num_warps=4 if INTERPRET else 8)
-        return out
     n_ch = triton.cdiv(n_pools, SELECT_CHUNK)
     args = dict(CH=SELECT_CHUNK, BNCH=next_pow2(n_ch), num_warps=4 if INTERPRET else 8)
     passes = 4 if n_pools > pool_budget else 0
@@ -383,8 +314,8 @@ def indexer_topk(
     query_seq, positions: [T]. Returns token positions [T, pool_budget*kpool + kpool-1] int64
     (-1 = unused): the top pools' tokens (in pool order, ties to the lower pool), then the
     open-pool tail. No host sync: scoring of every pool slot the block table can address, then
-    the radix select over each query's visible pools (2 launches; 6 when the select runs
-    per chunk, 2 when the table addresses at most `pool_budget` pools)."""
+    the radix select over each query's visible pools (6 launches; 2 when the table addresses
+    at most `pool_budget` pools)."""
     n_tok = q.shape[0]
     if n_tok == 0:
         return torch.empty((0, pool_budget * kpool + kpool - 1), dtype=torch.long,

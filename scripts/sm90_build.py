@@ -151,21 +151,12 @@ def _cases() -> dict[str, Callable[[], object]]:
                                          cu(lens), torch.arange(n), torch.ones(n, dtype=bool),
                                          planes=3)
 
-    def topk_call(batch, ctx, one_program):
+    def topk_call(batch, ctx):
         blocks = ctx // 64
         table = torch.arange(batch * blocks).view(batch, blocks)
-
-        def call():
-            saved = sparse_mla.SELECT_ONE_PROGRAM_POOLS
-            sparse_mla.SELECT_ONE_PROGRAM_POOLS = (1 << 62) if one_program else 0
-            try:
-                sparse_mla.indexer_topk(z(batch, 32, 128), z(batch, 32, dtype=f32),
-                                        z(batch * blocks, 64 // kpool, 128), table,
-                                        torch.arange(batch), torch.full((batch,), ctx - 1),
-                                        budget, kpool)
-            finally:
-                sparse_mla.SELECT_ONE_PROGRAM_POOLS = saved
-        return call
+        return lambda: sparse_mla.indexer_topk(
+            z(batch, 32, 128), z(batch, 32, dtype=f32), z(batch * blocks, 64 // kpool, 128), table,
+            torch.arange(batch), torch.full((batch,), ctx - 1), budget, kpool)
 
     def attention_call(queries, width, **constants):
         table = torch.arange(64).view(1, 64)
@@ -204,8 +195,7 @@ def _cases() -> dict[str, Callable[[], object]]:
         "indexer update": lambda: sparse_mla.indexer_update(
             z(16, 128), z(16, 128), z(kpool, 128, dtype=f32), z(16, 8, 256), z(64, 16, 128),
             torch.arange(16), torch.arange(16), cu([16]), torch.zeros(1, dtype=i64)),
-        "topk 1x32K one program": topk_call(1, 32768, True),
-        "topk 16x32K chunked": topk_call(16, 32768, False),
+        "topk 16x32K": topk_call(16, 32768),
         "attention decode 1 query": attention_call(1, budget * kpool + kpool - 1),
         "attention decode 64 queries": attention_call(64, budget * kpool + kpool - 1),
         "attention decode, chain in loop 4 stages": attention_call(

@@ -236,18 +236,14 @@ def _pool_scores(q, w, pools, table, seq, n_pools):
     return torch.einsum("h,hp->p", w.float(), s)
 
 
-@pytest.mark.parametrize("one_program", [False, True])
-def test_indexer_topk_radix_select_matches_ref(one_program, monkeypatch):
+def test_indexer_topk_radix_select_matches_ref():
     """Radix select over several 64-pool chunks: 3 sequences (lengths off the block and pool
     size), verify-width runs of consecutive positions, queries seeing fewer pools than the
     budget, none, or an empty open pool; mixed-sign head weights (negative scores) and
     duplicated pool keys (exact ties at the threshold). The selected pools must be distinct,
     visible, and carry the top-k scores (rel 1e-5); tie-free queries equal the reference as
-    sets; the tails equal exactly. Both forms of the select: programs per 64-pool chunk, and
-    one program per query looping over the chunks."""
+    sets; the tails equal exactly."""
     from glm53.kernels import sparse_mla
-
-    monkeypatch.setattr(sparse_mla, "SELECT_ONE_PROGRAM_POOLS", 1 << 30 if one_program else 0)
 
     g = torch.Generator().manual_seed(13)
     hi, d, kpool, bs, budget = 6, 16, 4, 16, 20
@@ -291,12 +287,9 @@ def test_indexer_topk_radix_select_matches_ref(one_program, monkeypatch):
     assert (w < 0).any() and n_vis > budget
 
 
-@pytest.mark.parametrize("one_program", [False, True])
-def test_indexer_topk_table_within_budget(one_program, monkeypatch):
+def test_indexer_topk_table_within_budget():
     """A block table addressing no more pools than the budget: every visible pool, no passes."""
     from glm53.kernels import sparse_mla
-
-    monkeypatch.setattr(sparse_mla, "SELECT_ONE_PROGRAM_POOLS", 1 << 30 if one_program else 0)
 
     g = torch.Generator().manual_seed(14)
     hi, d, kpool, bs, budget = 4, 16, 4, 8, 6
