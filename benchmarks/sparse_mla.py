@@ -134,19 +134,18 @@ def bench_case(batch, ctx, heads_list, gen, rows):
 
 
 # the attention tilings swept, as overrides of kernels/sparse_mla.py's constants (the defaults:
-# COL_TILE 256, MIN_SPLIT_ROWS 128, ATTENTION_STAGES 2, ATTENTION_ROWS 32, ATTENTION_WARPS 8,
-# ATTENTION_CHAIN_IN_LOOP False)
+# COL_TILE 256, MIN_SPLIT_ROWS 128, ATTENTION_STAGES 4, ATTENTION_ROWS 32, ATTENTION_WARPS 4,
+# TARGET_PROGRAMS 264)
 ATTENTION_VARIANTS = (
     [dict(COL_TILE=c, MIN_SPLIT_ROWS=m) for c in (256, 512) for m in (64, 128, 256)]
-    + [dict(ATTENTION_STAGES=n) for n in (1, 3)]
+    + [dict(ATTENTION_STAGES=n) for n in (2, 3)]
     + [dict(ATTENTION_ROWS=n) for n in (16, 64)]
-    + [dict(ATTENTION_WARPS=4, ATTENTION_ROWS=n) for n in (32, 64)]
-    + [dict(ATTENTION_WARPS=4, COL_TILE=512, MIN_SPLIT_ROWS=m) for m in (64, 256)]
-    # the row-address chain in the step, pipelined by Triton
-    + [dict(ATTENTION_CHAIN_IN_LOOP=True, ATTENTION_STAGES=n, ATTENTION_ROWS=r)
-       for n in (3, 4) for r in (32, 64)]
-    + [dict(ATTENTION_CHAIN_IN_LOOP=True, ATTENTION_STAGES=n, ATTENTION_WARPS=4) for n in (3, 4)]
-    + [dict(ATTENTION_CHAIN_IN_LOOP=True, ATTENTION_STAGES=4, MIN_SPLIT_ROWS=m) for m in (64, 256)]
+    + [dict(ATTENTION_WARPS=8, ATTENTION_ROWS=n) for n in (32, 64)]
+    + [dict(ATTENTION_WARPS=8, ATTENTION_STAGES=2)]  # the earlier default
+    # the unhalved latent (fewer FLOPs, half the programs) on 8 warps
+    + [dict(ATTENTION_WARPS=8, COL_TILE=512, MIN_SPLIT_ROWS=m) for m in (64, 256)]
+    # waves: the programs wanted in flight (one program per SM fits at these tiles)
+    + [dict(TARGET_PROGRAMS=n) for n in (132, 396)]
 )
 
 

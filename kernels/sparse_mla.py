@@ -34,18 +34,16 @@ MIN_SPLIT_ROWS = 32 if INTERPRET else 128
 # to [64, 256] (64 registers a thread over 8 warps); narrow in the interpreter so CPU tests
 # cover the halves
 COL_TILE = 16 if INTERPRET else 256
-# software-pipeline depth of the attention loop (the row loads of the next step in flight)
-ATTENTION_STAGES = 2
-# where the index -> block table -> row chain of the next step is resolved: False: by hand,
-# one step ahead, carried through the loop (the row loads wait inside the step); True: inside
-# the step, left to Triton's pipeliner, which issues each link of the chain ATTENTION_STAGES - 1
-# steps ahead as cp.async (3+ stages to cover the whole chain; swept by the benchmark)
-ATTENTION_CHAIN_IN_LOOP = False
+# software-pipeline depth of the attention loop: the pipeliner issues the index -> block table
+# -> row chain of a step as cp.async this many - 1 steps ahead (4 covers the whole chain; on
+# the H200, 4 stages with the chain in the step beat resolving it a step ahead by hand by
+# 3% / 19% / 32% at batch 1 / 16 / 64: benchmarks/results/sparse_mla_sweep_h200_c3a58b4.json)
+ATTENTION_STAGES = 4
 # selected rows per attention step in bf16 (the N of the QK^T tile, the K of PV); fp32 takes 16
 ATTENTION_ROWS = 32
-# warps per bf16 attention program: 8 spreads the [64, 256] fp32 accumulator thin; 4 (one
-# warpgroup) is what Hopper's wgmma wants for a 64-row tile (swept by the benchmark)
-ATTENTION_WARPS = 8
+# warps per bf16 attention program: 4 (one warpgroup, what Hopper's wgmma wants for a 64-row
+# tile) measured faster than 8 with the pipelined chain
+ATTENTION_WARPS = 4
 # pools per radix-select program (8 warps: 8 keys a thread); small in the interpreter so CPU
 # tests cover several chunks
 SELECT_CHUNK = 64 if INTERPRET else 2048
@@ -344,13 +342,12 @@ def _cache_rows(token_indices, block_tables, seq, i_t, o_w, w_hi, W, stride_bt, 
 def sparse_mla_fwd_kernel(q, kv, block_tables, query_seq, token_indices, o, lse, scale, T, H, W,
                           WS, stride_bt, dcp_rank, LBS: tl.constexpr, DCP: tl.constexpr,
                           C: tl.constexpr, BH: tl.constexpr, BW: tl.constexpr, BO: tl.constexpr,
-                          HALVES: tl.constexpr, F32: tl.constexpr,
-                          CHAIN_IN_LOOP: tl.constexpr):
+                          HALVES: tl.constexpr, F32: tl.constexpr):
     """Program (i_c, i_s, i_t * n_ht + i_h): heads i_h*BH.. of query i_t over selected rows
     i_s*WS.. (a split), accumulating output columns i_c*BO.. . With HALVES the row is read as
     this program's column half (scores and values) and the other half (scores only), so each
-    row byte is loaded once. The index -> block table -> row chain is three dependent loads:
-    resolved a step ahead by hand, or (CHAIN_IN_LOOP) in the step for the pipeliner."""
+    row byte is loaded once. The index -> block table -> row chain (three dependent loads) sits
+    in the step, where Triton's pipeliner issues it stages ahead as cp.async."""
     i_c, i_s, i_th = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     n_ht = tl.cdiv(H, BH)
     i_t, i_h = (i_th // n_ht).to(tl.int64), i_th % n_ht
@@ -372,23 +369,15 @@ def sparse_mla_fwd_kernel(q, kv, block_tables, query_seq, token_indices, o, lse,
     b_acc = tl.zeros([BH, BO], dtype=tl.float32)
     w_lo = i_s * WS
     w_hi = tl.minimum(w_lo + WS, W)
-    if not CHAIN_IN_LOOP:
-        i_row, ok = _cache_rows(token_indices, block_tables, seq, i_t, w_lo + tl.arange(0, BW),
-                                w_hi, W, stride_bt, dcp_rank, LBS, DCP)
     for w0 in range(w_lo, w_hi, BW):
-        if CHAIN_IN_LOOP:
-            i_row, ok = _cache_rows(token_indices, block_tables, seq, i_t, w0 + tl.arange(0, BW),
-                                    w_hi, W, stride_bt, dcp_rank, LBS, DCP)
+        i_row, ok = _cache_rows(token_indices, block_tables, seq, i_t, w0 + tl.arange(0, BW), w_hi,
+                                W, stride_bt, dcp_rank, LBS, DCP)
         o_row = i_row * C
         b_kv = tl.load(kv + o_row[:, None] + o_own[None, :], mask=ok[:, None] & m_own[None, :],
                        other=0.0)
         if HALVES:
             b_kv2 = tl.load(kv + o_row[:, None] + o_oth[None, :],
                             mask=ok[:, None] & m_oth[None, :], other=0.0)
-        if not CHAIN_IN_LOOP:
-            i_next, ok_next = _cache_rows(token_indices, block_tables, seq, i_t,
-                                          w0 + BW + tl.arange(0, BW), w_hi, W, stride_bt,
-                                          dcp_rank, LBS, DCP)
         if F32:
             b_kv = b_kv.to(tl.float32)
             b_s = tl.dot(b_q, tl.trans(b_kv), input_precision="ieee")
@@ -409,8 +398,6 @@ def sparse_mla_fwd_kernel(q, kv, block_tables, query_seq, token_indices, o, lse,
         else:
             b_acc = b_acc * b_a[:, None] + tl.dot(b_p.to(b_kv.dtype), b_kv)
         b_m = b_mn
-        if not CHAIN_IN_LOOP:
-            i_row, ok = i_next, ok_next
     has = b_l > 0
     b_o = b_acc / tl.where(has, b_l, 1.0)[:, None]
     # natural-log lse from the base-2 running max
@@ -535,7 +522,6 @@ def sparse_mla_attention(
                                 block_tables.stride(0), dcp_rank, LBS=latent_cache.shape[1],
                                 DCP=dcp_size, C=lc, BH=plan["BH"], BW=plan["BW"],
                                 BO=plan["BO"], HALVES=plan["HALVES"], F32=f32,
-                                CHAIN_IN_LOOP=ATTENTION_CHAIN_IN_LOOP,
                                 num_warps=4 if f32 else ATTENTION_WARPS,
                                 num_stages=ATTENTION_STAGES)
     if splits > 1:

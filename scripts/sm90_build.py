@@ -198,10 +198,10 @@ def _cases() -> dict[str, Callable[[], object]]:
         "topk 16x32K": topk_call(16, 32768),
         "attention decode 1 query": attention_call(1, budget * kpool + kpool - 1),
         "attention decode 64 queries": attention_call(64, budget * kpool + kpool - 1),
-        "attention decode, chain in loop 4 stages": attention_call(
-            16, budget * kpool + kpool - 1, ATTENTION_CHAIN_IN_LOOP=True, ATTENTION_STAGES=4),
-        "attention decode, 64 rows 4 warps": attention_call(
-            16, budget * kpool + kpool - 1, ATTENTION_ROWS=64, ATTENTION_WARPS=4),
+        "attention decode, 64 rows a step": attention_call(
+            16, budget * kpool + kpool - 1, ATTENTION_ROWS=64),
+        "attention decode, unhalved latent 8 warps": attention_call(
+            16, budget * kpool + kpool - 1, COL_TILE=512, ATTENTION_WARPS=8),
         "moe 16 tokens": moe_call(16),
         "router 64 tokens": lambda: moe.route_topk(z(64, 288, dtype=f32), z(288, dtype=f32), 8,
                                                    True, 2.5),

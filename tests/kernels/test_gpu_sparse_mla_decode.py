@@ -59,24 +59,23 @@ def test_decode_attention(heads, batch, ctx, verify):
     assert torch.allclose(lse, lse_ref, atol=LSE_TOL)
 
 
-@pytest.mark.parametrize("rows,col_tile,min_split,warps,chain_in_loop,stages", [
-    (64, 256, 128, 8, False, 2), (16, 256, 128, 8, False, 2), (32, 512, 256, 8, False, 2),
-    (64, 512, 64, 8, False, 2), (32, 256, 128, 4, False, 2), (64, 256, 128, 4, False, 2),
-    (32, 512, 64, 4, False, 2), (32, 256, 128, 8, True, 3), (32, 256, 128, 8, True, 4),
-    (64, 256, 128, 8, True, 3), (32, 256, 128, 4, True, 3), (64, 256, 64, 4, True, 4)])
-def test_decode_attention_tilings(monkeypatch, rows, col_tile, min_split, warps, chain_in_loop,
-                                  stages):
+@pytest.mark.parametrize("rows,col_tile,min_split,warps,stages,programs", [
+    (64, 256, 128, 4, 4, 264), (16, 256, 128, 4, 4, 264), (32, 512, 256, 4, 4, 264),
+    (64, 512, 64, 8, 3, 264), (32, 256, 128, 8, 2, 264), (64, 256, 128, 8, 4, 264),
+    (32, 512, 64, 8, 4, 132), (32, 256, 128, 4, 3, 132), (64, 256, 64, 4, 4, 396)])
+def test_decode_attention_tilings(monkeypatch, rows, col_tile, min_split, warps, stages,
+                                  programs):
     """The tiling constants the benchmark sweeps (rows per step, halved latent or not, fewest
-    rows per split, warps, where the row-address chain is resolved, pipeline depth) give the
-    reference's answer too, so a faster one can become the default."""
+    rows per split, warps, pipeline depth, programs wanted in flight) give the reference's
+    answer too, so a faster one can become the default."""
     from glm53.kernels import sparse_mla
 
     monkeypatch.setattr(sparse_mla, "ATTENTION_ROWS", rows)
     monkeypatch.setattr(sparse_mla, "ATTENTION_WARPS", warps)
     monkeypatch.setattr(sparse_mla, "COL_TILE", col_tile)
     monkeypatch.setattr(sparse_mla, "MIN_SPLIT_ROWS", min_split)
-    monkeypatch.setattr(sparse_mla, "ATTENTION_CHAIN_IN_LOOP", chain_in_loop)
     monkeypatch.setattr(sparse_mla, "ATTENTION_STAGES", stages)
+    monkeypatch.setattr(sparse_mla, "TARGET_PROGRAMS", programs)
     for heads, batch, verify in ((64, 1, 1), (64, 16, 4), (32, 64, 1)):
         gen = torch.Generator(device=DEV).manual_seed(rows + batch)
         q, cache, table, qs, idx = _attention_inputs(heads, batch, 32768, verify, gen)

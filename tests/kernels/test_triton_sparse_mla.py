@@ -31,14 +31,9 @@ def _tables(lens, block_size, n_blocks, gen):
     return table
 
 
-@pytest.mark.parametrize("chain_in_loop", [False, True])
 @pytest.mark.parametrize("dcp", [(0, 1), (1, 2)])
-def test_sparse_mla_attention_matches_ref(dcp, chain_in_loop, monkeypatch):
-    """Both placements of the index -> block table -> row chain (by hand a step ahead, or in the
-    step for the pipeliner)."""
+def test_sparse_mla_attention_matches_ref(dcp):
     from glm53.kernels import sparse_mla
-
-    monkeypatch.setattr(sparse_mla, "ATTENTION_CHAIN_IN_LOOP", chain_in_loop)
 
     rank, size = dcp
     g = torch.Generator().manual_seed(7)
@@ -64,12 +59,9 @@ def test_sparse_mla_attention_matches_ref(dcp, chain_in_loop, monkeypatch):
     assert torch.equal(o.cpu()[5], torch.zeros_like(o_ref[5]))
 
 
-@pytest.mark.parametrize("chain_in_loop", [False, True])
-def test_sparse_mla_attention_split_selection_matches_ref(chain_in_loop, monkeypatch):
+def test_sparse_mla_attention_split_selection_matches_ref():
     """A single query with a long selection is split across programs and merged by lse."""
     from glm53.kernels import sparse_mla
-
-    monkeypatch.setattr(sparse_mla, "ATTENTION_CHAIN_IN_LOOP", chain_in_loop)
 
     g = torch.Generator().manual_seed(8)
     heads, lc, bs, n = 16, 16, 16, 200
