@@ -11,6 +11,7 @@ calls with triton's do_bench (median). Prints a table and writes JSON.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 from datetime import UTC, datetime
 
@@ -130,7 +131,7 @@ def bench_kda_decode_fla(rows, gen, quick):
 ROUNDS = 3  # alternating timing rounds of the dispatch and fla direct
 
 
-def bench_kda_prefill(rows, gen, quick):
+def bench_kda_prefill(rows, gen, quick, head_counts=(32, 64)):
     """Chunked prefill on the same inputs (initial states, final states out, in-kernel l2norm):
     what `kda_attention` dispatches to for the model's bounded gate (fla's `chunk_kda` with its
     bounded-gate path, through our slot gather/scatter, when fla is installed), our own chunked
@@ -138,6 +139,7 @@ def bench_kda_prefill(rows, gen, quick):
     bounded-gate path. q, k and v are dense planes, as the layer's conv writes them."""
     fla = _fla()
     cases = [(32, [4096]), (32, [16384]), (32, [2048] * 8), (64, [4096]), (64, [16384])]
+    cases = [(h, lens) for h, lens in cases if h in head_counts]
     for heads, lens in cases if not quick else cases[:1]:
         t, n = sum(lens), len(lens)
         q, k, v, g, beta = _kda_inputs(t, heads, gen)  # g = -5 sigmoid(.): bounded by -5
@@ -229,16 +231,20 @@ def main() -> None:
                     help="comma-separated subset (run parts in separate processes to isolate a "
                          "fault: an illegal access poisons the CUDA context; --json then "
                          "appends to the file)")
+    ap.add_argument("--prefill-heads", default="32,64",
+                    help="head counts of the kda_prefill cases (comma-separated)")
     args = ap.parse_args()
     gen = torch.Generator(device=DEV).manual_seed(0)
     rows: list[dict] = []
+    prefill_heads = tuple(int(h) for h in args.prefill_heads.split(","))
     parts = {"kda_decode": bench_kda_decode, "kda_decode_fla": bench_kda_decode_fla,
-             "kda_prefill": bench_kda_prefill, "moe": bench_moe}
-    for part in (parts[name] for name in args.parts.split(",")):
+             "kda_prefill": functools.partial(bench_kda_prefill, head_counts=prefill_heads),
+             "moe": bench_moe}
+    for name in args.parts.split(","):
         try:
-            part(rows, gen, args.quick)
+            parts[name](rows, gen, args.quick)
         except Exception as exc:  # keep the other numbers when one part fails
-            rows.append(dict(kernel=part.__name__, error=repr(exc)[:500]))
+            rows.append(dict(kernel=name, error=repr(exc)[:500]))
         torch.cuda.empty_cache()
     if "kda_decode" in args.parts:
         bench_ref_kda_decode(rows, gen)
