@@ -194,27 +194,46 @@ def _threshold(hists, i_t, NCH, n_ch, BUDGET, PASSES: tl.constexpr, BNCH: tl.con
 
 
 @triton.jit
-def indexer_hist_kernel(scores, positions, hists, P, NCH, BUDGET, KPOOL: tl.constexpr,
-                        PASS: tl.constexpr, CH: tl.constexpr, BNCH: tl.constexpr):
+def indexer_hist_kernel(scores, positions, hists, sel, before, arrivals, P, NCH, BUDGET,
+                        KPOOL: tl.constexpr, PASS: tl.constexpr, CH: tl.constexpr,
+                        BNCH: tl.constexpr):
     """Program (chunk, query), radix pass PASS: the histogram of digit PASS over the chunk's
     visible keys that share the prefix the earlier passes fixed (only when the query sees more
-    than BUDGET pools)."""
+    than BUDGET pools). The query's last program to arrive (a counter per query and pass)
+    folds the histograms into the next prefix and `need` (sel: [T, 2]) and, after the last
+    pass, each chunk's count of keys above and at the threshold in the chunks before it
+    (before: [T, 2, NCH]), so no other program reads the histograms of all chunks."""
     i_c, i_t = tl.program_id(0), tl.program_id(1).to(tl.int64)
     n = tl.minimum((tl.load(positions + i_t) + 1) // KPOOL, P)  # visible pools
-    if (n > BUDGET) & (i_c * CH < n):
-        prefix, _, _, _ = _threshold(hists, i_t, NCH, tl.cdiv(n, CH), BUDGET, PASS, BNCH)
+    n_ch = tl.cdiv(n, CH)
+    if (n > BUDGET) & (i_c < n_ch):
+        if PASS == 0:
+            prefix = tl.zeros([1], dtype=tl.int64)
+        else:
+            prefix = tl.load(sel + i_t * 2 + tl.zeros([1], dtype=tl.int64))
         o_p = i_c * CH + tl.arange(0, CH)
         b_key = _order_key(tl.load(scores + i_t * P + o_p, mask=o_p < n, other=0.0))
         shift: tl.constexpr = 24 - 8 * PASS
         match = (o_p < n) & ((b_key >> (shift + 8)) == (prefix >> (shift + 8)))
         b_h = tl.histogram(((b_key >> shift) & 255).to(tl.int32), 256, mask=match)
         tl.store(hists + ((i_t * 4 + PASS) * NCH + i_c) * 256 + tl.arange(0, 256), b_h)
+        # every thread's stores before the arrival; the counter's acquire-release orders them
+        # before the last program's loads
+        tl.debug_barrier()
+        if tl.atomic_add(arrivals + i_t * 4 + PASS, 1, sem="acq_rel") == n_ch - 1:
+            prefix, need, n_gt, n_eq = _threshold(hists, i_t, NCH, n_ch, BUDGET, PASS + 1, BNCH)
+            tl.store(sel + i_t * 2 + tl.arange(0, 2),
+                     tl.where(tl.arange(0, 2) == 0, prefix, need.to(tl.int64)))
+            if PASS == 3:
+                o_ch = tl.arange(0, BNCH)
+                p_b = before + i_t * 2 * NCH + o_ch
+                tl.store(p_b, tl.cumsum(n_gt, 0) - n_gt, mask=o_ch < n_ch)
+                tl.store(p_b + NCH, tl.cumsum(n_eq, 0) - n_eq, mask=o_ch < n_ch)
 
 
 @triton.jit
-def indexer_write_kernel(scores, positions, hists, out, P, NCH, BUDGET, WOUT,
-                         KPOOL: tl.constexpr, BKP: tl.constexpr, CH: tl.constexpr,
-                         BNCH: tl.constexpr, PASSES: tl.constexpr):
+def indexer_write_kernel(scores, positions, sel, before, out, P, NCH, BUDGET, WOUT,
+                         KPOOL: tl.constexpr, BKP: tl.constexpr, CH: tl.constexpr):
     """Program (chunk, query): writes the tokens of the chunk's selected pools. Winners take
     output slots in pool order: keys above the threshold first, then the lowest pools among
     those equal to it, so the output is deterministic. Chunk 0 also writes the -1 padding
@@ -226,14 +245,16 @@ def indexer_write_kernel(scores, positions, hists, out, P, NCH, BUDGET, WOUT,
     o_p, o_k = i_c * CH + tl.arange(0, CH), tl.arange(0, BKP)
     m_p, m_k = o_p < n, o_k < KPOOL
     if n > BUDGET:
-        prefix, need, n_gt, n_eq = _threshold(hists, i_t, NCH, tl.cdiv(n, CH), BUDGET, PASSES,
-                                              BNCH)
-        before = tl.arange(0, BNCH) < i_c
+        i_1 = tl.zeros([1], dtype=tl.int64)
+        prefix = tl.load(sel + i_t * 2 + i_1)
+        need = tl.load(sel + i_t * 2 + 1 + i_1).to(tl.int32)
+        gt_before = tl.load(before + (i_t * 2 + 0) * NCH + i_c + i_1, mask=i_c * CH < n, other=0)
+        eq_before = tl.load(before + (i_t * 2 + 1) * NCH + i_c + i_1, mask=i_c * CH < n, other=0)
         b_key = _order_key(tl.load(scores + i_t * P + o_p, mask=m_p, other=0.0))
         gt = m_p & (b_key > prefix)
         eq = m_p & (b_key == prefix)
-        r_gt = tl.sum(tl.where(before, n_gt, 0), 0) + tl.cumsum(gt.to(tl.int32), 0) - 1
-        r_eq = tl.sum(tl.where(before, n_eq, 0), 0) + tl.cumsum(eq.to(tl.int32), 0) - 1
+        r_gt = gt_before + tl.cumsum(gt.to(tl.int32), 0) - 1
+        r_eq = eq_before + tl.cumsum(eq.to(tl.int32), 0) - 1
         take = gt | (eq & (r_eq < need))
         slot = tl.where(gt, r_gt, BUDGET - need + r_eq)
     else:
@@ -278,23 +299,29 @@ def _select_pools(scores: torch.Tensor, positions: torch.Tensor, pool_budget: in
 
     Exact top-k by radix select over the order-preserving 32-bit keys of the scores: 4 passes
     of 8 bits, each one launch over (chunk of SELECT_CHUNK pools, query) storing per-chunk
-    histograms (no atomics: later programs sum them), then the write launch. Only the pools a
+    histograms, the last program of a query to finish a pass folding them into the next
+    prefix (an arrival counter per query and pass), then the write launch. Only the pools a
     query sees are read; when the block table addresses at most `pool_budget` pools every
     visible pool is taken and the passes are skipped."""
     n_tok, n_pools = scores.shape
     width = pool_budget * kpool + kpool - 1
     out = torch.empty((n_tok, width), dtype=torch.long, device=scores.device)
     n_ch = triton.cdiv(n_pools, SELECT_CHUNK)
-    args = dict(CH=SELECT_CHUNK, BNCH=next_pow2(n_ch), num_warps=4 if INTERPRET else 8)
-    passes = 4 if n_pools > pool_budget else 0
-    hists = torch.empty((n_tok, 4, n_ch, 256) if passes else (1,), dtype=torch.int32,
-                        device=scores.device)
-    for d in range(passes):
-        indexer_hist_kernel[(n_ch, n_tok)](scores, positions, hists, n_pools, n_ch, pool_budget,
-                                           KPOOL=kpool, PASS=d, **args)
-    indexer_write_kernel[(n_ch, n_tok)](scores, positions, hists, out, n_pools, n_ch,
+    warps = 4 if INTERPRET else 8
+    dev = scores.device
+    sel = torch.empty((n_tok, 2), dtype=torch.long, device=dev)  # prefix, need
+    before = torch.empty((n_tok, 2, n_ch), dtype=torch.int32, device=dev)
+    if n_pools > pool_budget:
+        hists = torch.empty((n_tok, 4, n_ch, 256), dtype=torch.int32, device=dev)
+        arrivals = torch.zeros((n_tok, 4), dtype=torch.int32, device=dev)
+        for d in range(4):
+            indexer_hist_kernel[(n_ch, n_tok)](scores, positions, hists, sel, before, arrivals,
+                                               n_pools, n_ch, pool_budget, KPOOL=kpool, PASS=d,
+                                               CH=SELECT_CHUNK, BNCH=next_pow2(n_ch),
+                                               num_warps=warps)
+    indexer_write_kernel[(n_ch, n_tok)](scores, positions, sel, before, out, n_pools, n_ch,
                                         pool_budget, width, KPOOL=kpool, BKP=next_pow2(kpool),
-                                        PASSES=passes, **args)
+                                        CH=SELECT_CHUNK, num_warps=warps)
     return out
 
 
