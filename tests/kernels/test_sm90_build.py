@@ -25,8 +25,6 @@ ROOT = Path(__file__).resolve().parents[2]
 KNOWN_SPILLS = {
     # the state loop keeps its [BV, 128] fp32 state and the next chunk's loads live
     ("kda_chunk_state_kernel", "kda prefill 4 seqs"),
-    # three planes of the conv window and the output tile at once
-    ("causal_conv1d_fwd_kernel", "conv prefill planes"),
     # a swept tiling, not the default: 64 rows a step on one warpgroup
     ("sparse_mla_fwd_kernel", "attention decode, 64 rows a step"),
 }
