@@ -47,6 +47,12 @@ ATTENTION_WARPS = 4
 # pools per radix-select program (8 warps: 8 keys a thread); small in the interpreter so CPU
 # tests cover several chunks
 SELECT_CHUNK = 64 if INTERPRET else 2048
+# from this many (chunk, query) programs a pass, the last program of a query to finish a pass
+# folds the chunk histograms into the next prefix once (an arrival counter per query and pass;
+# one more launch, to zero the counters); below it, every program of the next pass re-reads
+# them, which is cheaper while they are few. H200, batch 64 x 128K (1024 programs): select
+# 96 us folded vs 163 us; batch 1 x 32K / 128K (4 / 16): 33 / 35 us folded vs 29 / 31 us
+SELECT_FOLD_PROGRAMS = 32 if INTERPRET else 512
 
 
 @triton.jit
@@ -196,31 +202,38 @@ def _threshold(hists, i_t, NCH, n_ch, BUDGET, PASSES: tl.constexpr, BNCH: tl.con
 @triton.jit
 def indexer_hist_kernel(scores, positions, hists, sel, before, arrivals, P, NCH, BUDGET,
                         KPOOL: tl.constexpr, PASS: tl.constexpr, CH: tl.constexpr,
-                        BNCH: tl.constexpr):
+                        BNCH: tl.constexpr, FOLD: tl.constexpr):
     """Program (chunk, query), radix pass PASS: the histogram of digit PASS over the chunk's
     visible keys that share the prefix the earlier passes fixed (only when the query sees more
-    than BUDGET pools). The query's last program to arrive (a counter per query and pass)
-    folds the histograms into the next prefix and `need` (sel: [T, 2]) and, after the last
-    pass, each chunk's count of keys above and at the threshold in the chunks before it
-    (before: [T, 2, NCH]), so no other program reads the histograms of all chunks."""
+    than BUDGET pools). The prefix comes from the earlier passes' histograms of all chunks or,
+    with FOLD, from sel ([T, 2]: prefix, need), which the query's last program to arrive (a
+    counter per query and pass) writes once; after the last pass that program also writes
+    each chunk's count of keys above and at the threshold in the chunks before it (before:
+    [T, 2, NCH])."""
     i_c, i_t = tl.program_id(0), tl.program_id(1).to(tl.int64)
     n = tl.minimum((tl.load(positions + i_t) + 1) // KPOOL, P)  # visible pools
     n_ch = tl.cdiv(n, CH)
     if (n > BUDGET) & (i_c < n_ch):
         if PASS == 0:
             prefix = tl.zeros([1], dtype=tl.int64)
-        else:
+        elif FOLD:
             prefix = tl.load(sel + i_t * 2 + tl.zeros([1], dtype=tl.int64))
+        else:
+            prefix, _, _, _ = _threshold(hists, i_t, NCH, n_ch, BUDGET, PASS, BNCH)
         o_p = i_c * CH + tl.arange(0, CH)
         b_key = _order_key(tl.load(scores + i_t * P + o_p, mask=o_p < n, other=0.0))
         shift: tl.constexpr = 24 - 8 * PASS
         match = (o_p < n) & ((b_key >> (shift + 8)) == (prefix >> (shift + 8)))
         b_h = tl.histogram(((b_key >> shift) & 255).to(tl.int32), 256, mask=match)
         tl.store(hists + ((i_t * 4 + PASS) * NCH + i_c) * 256 + tl.arange(0, 256), b_h)
-        # every thread's stores before the arrival; the counter's acquire-release orders them
-        # before the last program's loads
-        tl.debug_barrier()
-        if tl.atomic_add(arrivals + i_t * 4 + PASS, 1, sem="acq_rel") == n_ch - 1:
+        if FOLD:
+            # every thread's stores before the arrival; the counter's acquire-release orders
+            # them before the last program's loads
+            tl.debug_barrier()
+            last = tl.atomic_add(arrivals + i_t * 4 + PASS, 1, sem="acq_rel") == n_ch - 1
+        else:
+            last = False
+        if last:
             prefix, need, n_gt, n_eq = _threshold(hists, i_t, NCH, n_ch, BUDGET, PASS + 1, BNCH)
             tl.store(sel + i_t * 2 + tl.arange(0, 2),
                      tl.where(tl.arange(0, 2) == 0, prefix, need.to(tl.int64)))
@@ -232,8 +245,9 @@ def indexer_hist_kernel(scores, positions, hists, sel, before, arrivals, P, NCH,
 
 
 @triton.jit
-def indexer_write_kernel(scores, positions, sel, before, out, P, NCH, BUDGET, WOUT,
-                         KPOOL: tl.constexpr, BKP: tl.constexpr, CH: tl.constexpr):
+def indexer_write_kernel(scores, positions, hists, sel, before, out, P, NCH, BUDGET, WOUT,
+                         KPOOL: tl.constexpr, BKP: tl.constexpr, CH: tl.constexpr,
+                         BNCH: tl.constexpr, FOLD: tl.constexpr):
     """Program (chunk, query): writes the tokens of the chunk's selected pools. Winners take
     output slots in pool order: keys above the threshold first, then the lowest pools among
     those equal to it, so the output is deterministic. Chunk 0 also writes the -1 padding
@@ -245,11 +259,19 @@ def indexer_write_kernel(scores, positions, sel, before, out, P, NCH, BUDGET, WO
     o_p, o_k = i_c * CH + tl.arange(0, CH), tl.arange(0, BKP)
     m_p, m_k = o_p < n, o_k < KPOOL
     if n > BUDGET:
-        i_1 = tl.zeros([1], dtype=tl.int64)
-        prefix = tl.load(sel + i_t * 2 + i_1)
-        need = tl.load(sel + i_t * 2 + 1 + i_1).to(tl.int32)
-        gt_before = tl.load(before + (i_t * 2 + 0) * NCH + i_c + i_1, mask=i_c * CH < n, other=0)
-        eq_before = tl.load(before + (i_t * 2 + 1) * NCH + i_c + i_1, mask=i_c * CH < n, other=0)
+        if FOLD:
+            i_1 = tl.zeros([1], dtype=tl.int64)
+            m_c = i_c * CH < n
+            prefix = tl.load(sel + i_t * 2 + i_1)
+            need = tl.load(sel + i_t * 2 + 1 + i_1).to(tl.int32)
+            gt_before = tl.load(before + (i_t * 2 + 0) * NCH + i_c + i_1, mask=m_c, other=0)
+            eq_before = tl.load(before + (i_t * 2 + 1) * NCH + i_c + i_1, mask=m_c, other=0)
+        else:
+            prefix, need, n_gt, n_eq = _threshold(hists, i_t, NCH, tl.cdiv(n, CH), BUDGET, 4,
+                                                  BNCH)
+            ahead = tl.arange(0, BNCH) < i_c
+            gt_before = tl.sum(tl.where(ahead, n_gt, 0), 0)
+            eq_before = tl.sum(tl.where(ahead, n_eq, 0), 0)
         b_key = _order_key(tl.load(scores + i_t * P + o_p, mask=m_p, other=0.0))
         gt = m_p & (b_key > prefix)
         eq = m_p & (b_key == prefix)
@@ -299,8 +321,8 @@ def _select_pools(scores: torch.Tensor, positions: torch.Tensor, pool_budget: in
 
     Exact top-k by radix select over the order-preserving 32-bit keys of the scores: 4 passes
     of 8 bits, each one launch over (chunk of SELECT_CHUNK pools, query) storing per-chunk
-    histograms, the last program of a query to finish a pass folding them into the next
-    prefix (an arrival counter per query and pass), then the write launch. Only the pools a
+    histograms (with many programs, the last program of a query to finish a pass folds them
+    into the next prefix: SELECT_FOLD_PROGRAMS), then the write launch. Only the pools a
     query sees are read; when the block table addresses at most `pool_budget` pools every
     visible pool is taken and the passes are skipped."""
     n_tok, n_pools = scores.shape
@@ -311,17 +333,21 @@ def _select_pools(scores: torch.Tensor, positions: torch.Tensor, pool_budget: in
     dev = scores.device
     sel = torch.empty((n_tok, 2), dtype=torch.long, device=dev)  # prefix, need
     before = torch.empty((n_tok, 2, n_ch), dtype=torch.int32, device=dev)
+    fold = n_ch * n_tok >= SELECT_FOLD_PROGRAMS
+    hists = torch.empty((n_tok, 4, n_ch, 256) if n_pools > pool_budget else (1,),
+                        dtype=torch.int32, device=dev)
     if n_pools > pool_budget:
-        hists = torch.empty((n_tok, 4, n_ch, 256), dtype=torch.int32, device=dev)
-        arrivals = torch.zeros((n_tok, 4), dtype=torch.int32, device=dev)
+        arrivals = (torch.zeros if fold else torch.empty)((n_tok, 4), dtype=torch.int32,
+                                                          device=dev)
         for d in range(4):
             indexer_hist_kernel[(n_ch, n_tok)](scores, positions, hists, sel, before, arrivals,
                                                n_pools, n_ch, pool_budget, KPOOL=kpool, PASS=d,
-                                               CH=SELECT_CHUNK, BNCH=next_pow2(n_ch),
+                                               CH=SELECT_CHUNK, BNCH=next_pow2(n_ch), FOLD=fold,
                                                num_warps=warps)
-    indexer_write_kernel[(n_ch, n_tok)](scores, positions, sel, before, out, n_pools, n_ch,
-                                        pool_budget, width, KPOOL=kpool, BKP=next_pow2(kpool),
-                                        CH=SELECT_CHUNK, num_warps=warps)
+    indexer_write_kernel[(n_ch, n_tok)](scores, positions, hists, sel, before, out, n_pools,
+                                        n_ch, pool_budget, width, KPOOL=kpool,
+                                        BKP=next_pow2(kpool), CH=SELECT_CHUNK,
+                                        BNCH=next_pow2(n_ch), FOLD=fold, num_warps=warps)
     return out
 
 

@@ -151,28 +151,31 @@ def _cases() -> dict[str, Callable[[], object]]:
                                          cu(lens), torch.arange(n), torch.ones(n, dtype=bool),
                                          planes=3)
 
-    def topk_call(batch, ctx):
-        blocks = ctx // 64
-        table = torch.arange(batch * blocks).view(batch, blocks)
-        return lambda: sparse_mla.indexer_topk(
-            z(batch, 32, 128), z(batch, 32, dtype=f32), z(batch * blocks, 64 // kpool, 128), table,
-            torch.arange(batch), torch.full((batch,), ctx - 1), budget, kpool)
-
-    def attention_call(queries, width, **constants):
-        table = torch.arange(64).view(1, 64)
-
-        def call():
+    def with_constants(call, **constants):
+        """call() with module constants of kernels/sparse_mla.py overridden."""
+        def run():
             saved = {name: getattr(sparse_mla, name) for name in constants}
             for name, value in constants.items():
                 setattr(sparse_mla, name, value)
             try:
-                sparse_mla.sparse_mla_attention(z(queries, heads, latent), z(64, 64, latent),
-                                                table, torch.zeros(queries, dtype=i64),
-                                                z(queries, width, dtype=i64), 1 / 16)
+                call()
             finally:
                 for name, value in saved.items():
                     setattr(sparse_mla, name, value)
-        return call
+        return run
+
+    def topk_call(batch, ctx, **constants):
+        blocks = ctx // 64
+        table = torch.arange(batch * blocks).view(batch, blocks)
+        return with_constants(lambda: sparse_mla.indexer_topk(
+            z(batch, 32, 128), z(batch, 32, dtype=f32), z(batch * blocks, 64 // kpool, 128), table,
+            torch.arange(batch), torch.full((batch,), ctx - 1), budget, kpool), **constants)
+
+    def attention_call(queries, width, **constants):
+        table = torch.arange(64).view(1, 64)
+        return with_constants(lambda: sparse_mla.sparse_mla_attention(
+            z(queries, heads, latent), z(64, 64, latent), table, torch.zeros(queries, dtype=i64),
+            z(queries, width, dtype=i64), 1 / 16), **constants)
 
     def moe_call(tokens):
         e, d, inter = 288, 4096, 2048
@@ -196,6 +199,7 @@ def _cases() -> dict[str, Callable[[], object]]:
             z(16, 128), z(16, 128), z(kpool, 128, dtype=f32), z(16, 8, 256), z(64, 16, 128),
             torch.arange(16), torch.arange(16), cu([16]), torch.zeros(1, dtype=i64)),
         "topk 16x32K": topk_call(16, 32768),
+        "topk 16x32K, histograms folded": topk_call(16, 32768, SELECT_FOLD_PROGRAMS=0),
         "attention decode 1 query": attention_call(1, budget * kpool + kpool - 1),
         "attention decode 64 queries": attention_call(64, budget * kpool + kpool - 1),
         "attention decode, 64 rows a step": attention_call(

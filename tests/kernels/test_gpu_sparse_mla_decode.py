@@ -136,7 +136,9 @@ def _indexer_inputs(batch, ctx, verify, gen, spare_blocks=0):
 @pytest.mark.parametrize("batch,ctx,verify", [(1, 2048, 1), (1, 32768, 4), (1, 131072, 1),
                                               (16, 32768, 1), (16, 131072, 4), (64, 2048, 4),
                                               (64, 32768, 1)])
-def test_indexer_topk(batch, ctx, verify):
+def test_indexer_topk(batch, ctx, verify, monkeypatch):
+    """Against the reference; the select folds the chunk histograms by the last program or not
+    (SELECT_FOLD_PROGRAMS), and both ways give the same tokens."""
     from glm53.kernels import sparse_mla
 
     gen = torch.Generator(device=DEV).manual_seed(batch + ctx + verify)
@@ -146,6 +148,10 @@ def test_indexer_topk(batch, ctx, verify):
                                    KPOOL)
     out = sparse_mla.indexer_topk(q, w, pools, table, qs, pos, BUDGET, KPOOL)
     assert torch.equal(out, sparse_mla.indexer_topk(q, w, pools, table, qs, pos, BUDGET, KPOOL))
+    for fold_programs in (0, 1 << 30):
+        monkeypatch.setattr(sparse_mla, "SELECT_FOLD_PROGRAMS", fold_programs)
+        assert torch.equal(out, sparse_mla.indexer_topk(q, w, pools, table, qs, pos, BUDGET,
+                                                        KPOOL))
     out = out.cpu()
     assert torch.equal(out[:, BUDGET * KPOOL:], out_ref[:, BUDGET * KPOOL:])
     for a, b, p in zip(out, out_ref, pos.tolist(), strict=True):

@@ -228,14 +228,18 @@ def _pool_scores(q, w, pools, table, seq, n_pools):
     return torch.einsum("h,hp->p", w.float(), s)
 
 
-def test_indexer_topk_radix_select_matches_ref():
+@pytest.mark.parametrize("fold", [False, True])
+def test_indexer_topk_radix_select_matches_ref(fold, monkeypatch):
     """Radix select over several 64-pool chunks: 3 sequences (lengths off the block and pool
     size), verify-width runs of consecutive positions, queries seeing fewer pools than the
     budget, none, or an empty open pool; mixed-sign head weights (negative scores) and
     duplicated pool keys (exact ties at the threshold). The selected pools must be distinct,
     visible, and carry the top-k scores (rel 1e-5); tie-free queries equal the reference as
-    sets; the tails equal exactly."""
+    sets; the tails equal exactly. Both ways to carry the prefix between passes: re-read from
+    every chunk's histograms, or folded once by the query's last program (`fold`)."""
     from glm53.kernels import sparse_mla
+
+    monkeypatch.setattr(sparse_mla, "SELECT_FOLD_PROGRAMS", 0 if fold else 1 << 30)
 
     g = torch.Generator().manual_seed(13)
     hi, d, kpool, bs, budget = 6, 16, 4, 16, 20
