@@ -31,7 +31,7 @@ TARGET_PROGRAMS = 264
 # at 128 rows of bf16)
 MIN_SPLIT_ROWS = 32 if INTERPRET else 128
 # output columns per attention program when the latent is halved: bounds the fp32 accumulator
-# to [64, 256] (64 registers a thread over 8 warps); narrow in the interpreter so CPU tests
+# to [64, 256] (128 registers a thread over 4 warps); narrow in the interpreter so CPU tests
 # cover the halves
 COL_TILE = 16 if INTERPRET else 256
 # software-pipeline depth of the attention loop: the pipeliner issues the index -> block table
@@ -519,8 +519,8 @@ def _attention_plan(n_tok: int, heads: int, width: int, lc: int, f32: bool) -> d
 
     All heads of a query share one program (a 64-row tensor-core tile; more heads tile the
     grid), so each selected row is read once per query. A latent of at least 2 * COL_TILE
-    columns is halved across two programs to bound the fp32 accumulator ([64, 256] over 8
-    warps); both read the whole row for the scores (the second from L2). The selection is
+    columns is halved across two programs to bound the fp32 accumulator ([64, 256] over
+    ATTENTION_WARPS); both read the whole row for the scores (the second from L2). The selection is
     split so about TARGET_PROGRAMS programs run, but never below MIN_SPLIT_ROWS rows per split:
     every split writes a [H, Lc] fp32 partial (2x its row reads at 128 rows)."""
     bh = min(64, max(16, next_pow2(heads)))
