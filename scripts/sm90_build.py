@@ -116,12 +116,13 @@ def _cases() -> dict[str, Callable[[], object]]:
 
     heads, dk, latent, budget, kpool = 64, 128, 512, 512, 4
 
-    def kda_call(lens):
+    def kda_call(lens, defer=False):
         t, n = sum(lens), len(lens)
         q, k, v = (z(t, heads, dk) for _ in range(3))
         return lambda: kda.kda_attention(q, k, v, z(t, heads, dk, dtype=f32),
                                          z(t, heads, dtype=f32), z(n, heads, dk, dk, dtype=f32),
                                          cu(lens), torch.arange(n), torch.ones(n, dtype=bool),
+                                         torch.ones(n, dtype=bool) if defer else None,
                                          gate_lower_bound=-5.0)
 
     def mixer_call(lens):
@@ -171,11 +172,12 @@ def _cases() -> dict[str, Callable[[], object]]:
             z(batch, 32, 128), z(batch, 32, dtype=f32), z(batch * blocks, 64 // kpool, 128), table,
             torch.arange(batch), torch.full((batch,), ctx - 1), budget, kpool), **constants)
 
-    def attention_call(queries, width, **constants):
+    def attention_call(queries, width, dcp=1, **constants):
         table = torch.arange(64).view(1, 64)
         return with_constants(lambda: sparse_mla.sparse_mla_attention(
-            z(queries, heads, latent), z(64, 64, latent), table, torch.zeros(queries, dtype=i64),
-            z(queries, width, dtype=i64), 1 / 16), **constants)
+            z(queries, heads, latent), z(64, 64 // dcp, latent), table,
+            torch.zeros(queries, dtype=i64), z(queries, width, dtype=i64), 1 / 16, dcp - 1, dcp),
+            **constants)
 
     def moe_call(tokens):
         e, d, inter = 288, 4096, 2048
@@ -187,6 +189,7 @@ def _cases() -> dict[str, Callable[[], object]]:
     return {
         "kda decode 64x1": kda_call([1] * 64),
         "kda prefill 4 seqs": kda_call([700, 1, 2048, 77]),
+        "kda verify 16x4 deferred": kda_call([4] * 16, defer=True),
         "kda mixer decode 64x1": mixer_call([1] * 64),
         "kda mixer verify 4x4": mixer_call([4] * 4),
         "conv prefill planes": conv_call([3, 1000, 17]),
@@ -202,6 +205,7 @@ def _cases() -> dict[str, Callable[[], object]]:
         "topk 16x32K, histograms folded": topk_call(16, 32768, SELECT_FOLD_PROGRAMS=0),
         "attention decode 1 query": attention_call(1, budget * kpool + kpool - 1),
         "attention decode 64 queries": attention_call(64, budget * kpool + kpool - 1),
+        "attention decode, DCP rank 1 of 2": attention_call(16, budget * kpool + kpool - 1, dcp=2),
         "attention decode, 64 rows a step": attention_call(
             16, budget * kpool + kpool - 1, ATTENTION_ROWS=64),
         "attention decode, unhalved latent 8 warps": attention_call(
