@@ -10,7 +10,9 @@ two branches of an `if`) and, with --no-spills, on a kernel that spills.
 
     python scripts/sm90_build.py [--json FILE] [--no-spills]
 
-Run it with TRITON_INTERPRET unset (the interpreter replaces the compiler).
+Run it with TRITON_INTERPRET unset (the interpreter replaces the compiler). It leans on Triton
+3.6 internals (JITFunction.run's warmup path, the driver registry's `_active` slot), which is
+the version the project pins for the interpreter and the GPU image has.
 """
 
 from __future__ import annotations
