@@ -22,10 +22,10 @@ scores and its attention against the torch reference (`check_case`).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import traceback
 from datetime import UTC, datetime
+from unittest import mock
 
 import torch
 from bench_common import git_commit, graph_ms
@@ -149,23 +149,16 @@ ATTENTION_VARIANTS = (
 )
 
 
-@contextlib.contextmanager
 def _constants(**overrides):
-    saved = {name: getattr(sparse_mla, name) for name in overrides}
-    try:
-        for name, value in overrides.items():
-            setattr(sparse_mla, name, value)
-        yield
-    finally:
-        for name, value in saved.items():
-            setattr(sparse_mla, name, value)
+    """kernels/sparse_mla.py's module constants overridden inside a with-block."""
+    return mock.patch.multiple(sparse_mla, **overrides)
 
 
 def bench_sweep(gen, rows, save):
     """The tiling constants at 32K context, 64 heads, batch 1, 16 and 64: latent halved
     (256-column tiles) or not x fewest rows per split, the attention pipeline depth, rows per
-    attention step, warps, where the row-address chain is resolved, and the select chunk. Each
-    variant's output is compared with the defaults' (`rel_err_vs_default`)."""
+    attention step, warps, programs in flight, and the select chunk. Each variant's output is
+    compared with the defaults' (`rel_err_vs_default`)."""
     for batch in (1, 16, 64):
         table, latent, pools, q_idx, w, pos, qs = _case_inputs(batch, 32768, gen)
         scores = sparse_mla._score_pools(q_idx, w, pools, table, qs, pos, KPOOL)

@@ -331,14 +331,17 @@ def _select_pools(scores: torch.Tensor, positions: torch.Tensor, pool_budget: in
     n_ch = triton.cdiv(n_pools, SELECT_CHUNK)
     warps = 4 if INTERPRET else 8
     dev = scores.device
-    sel = torch.empty((n_tok, 2), dtype=torch.long, device=dev)  # prefix, need
-    before = torch.empty((n_tok, 2, n_ch), dtype=torch.int32, device=dev)
-    fold = n_ch * n_tok >= SELECT_FOLD_PROGRAMS
-    hists = torch.empty((n_tok, 4, n_ch, 256) if n_pools > pool_budget else (1,),
-                        dtype=torch.int32, device=dev)
-    if n_pools > pool_budget:
-        arrivals = (torch.zeros if fold else torch.empty)((n_tok, 4), dtype=torch.int32,
-                                                          device=dev)
+    passes = n_pools > pool_budget
+    fold = passes and n_ch * n_tok >= SELECT_FOLD_PROGRAMS
+    hists = torch.empty((n_tok, 4, n_ch, 256) if passes else (1,), dtype=torch.int32,
+                        device=dev)
+    if fold:  # the folded prefix and need, per-chunk counts before each chunk, arrivals
+        sel = torch.empty((n_tok, 2), dtype=torch.long, device=dev)
+        before = torch.empty((n_tok, 2, n_ch), dtype=torch.int32, device=dev)
+        arrivals = torch.zeros((n_tok, 4), dtype=torch.int32, device=dev)
+    else:  # not read by the unfolded kernels
+        sel = before = arrivals = hists
+    if passes:
         for d in range(4):
             indexer_hist_kernel[(n_ch, n_tok)](scores, positions, hists, sel, before, arrivals,
                                                n_pools, n_ch, pool_budget, KPOOL=kpool, PASS=d,

@@ -26,6 +26,7 @@ import sys
 import tempfile
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
+from unittest import mock
 
 import torch
 import triton
@@ -155,16 +156,13 @@ def _cases() -> dict[str, Callable[[], object]]:
                                          planes=3)
 
     def with_constants(call, **constants):
-        """call() with module constants of kernels/sparse_mla.py overridden."""
+        """call() with module constants of kernels/sparse_mla.py overridden (if any)."""
+        if not constants:
+            return call
+
         def run():
-            saved = {name: getattr(sparse_mla, name) for name in constants}
-            for name, value in constants.items():
-                setattr(sparse_mla, name, value)
-            try:
+            with mock.patch.multiple(sparse_mla, **constants):
                 call()
-            finally:
-                for name, value in saved.items():
-                    setattr(sparse_mla, name, value)
         return run
 
     def topk_call(batch, ctx, **constants):
