@@ -33,6 +33,9 @@ class ForwardBatch:
     slot_mapping: torch.Tensor  # [T] int64, flat paged slot of each token
     # [N] bool: sequences verifying drafts; their KDA state is written after acceptance
     defer_state: torch.Tensor | None = None
+    # [N+1] int64 on the host (None where the step has none, e.g. a graph replay): chunked
+    # prefill plans its chunks from it rather than reading cu_seqlens back from the device
+    cu_seqlens_host: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -60,6 +63,7 @@ class ForwardBatch:
             slot_mapping=as_t(slot_mapping.astype(np.int64)),
             defer_state=(as_t(num_drafts > 0) if num_drafts is not None and num_drafts.any()
                          else None),
+            cu_seqlens_host=torch.from_numpy(cu_seqlens.astype(np.int64)),
         )
 
     @classmethod

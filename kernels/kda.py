@@ -237,7 +237,7 @@ FLA_SAFE_GATE_BOUND = -5.0
 
 
 def _kda_chunk_fla(chunk, q, k, v, g, beta, state, cu_seqlens, state_ids, has_initial_state,
-                   gate_lower_bound):
+                   gate_lower_bound, cu_seqlens_host):
     """fla's chunked KDA over the varlen batch; states gathered from and scattered to slots.
     q, k and v should be dense (fla copies strided inputs first)."""
     slots = state_ids.long()
@@ -247,8 +247,9 @@ def _kda_chunk_fla(chunk, q, k, v, g, beta, state, cu_seqlens, state_ids, has_in
     o, ht = chunk(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), g.unsqueeze(0),
                   beta.unsqueeze(0), scale=q.shape[-1] ** -0.5, initial_state=h0,
                   output_final_state=True, use_qk_l2norm_in_kernel=True, safe_gate=safe,
-                  cu_seqlens=cu_seqlens.long())
-    state[slots] = ht.to(state.dtype)
+                  cu_seqlens=cu_seqlens.long(),
+                  cu_seqlens_cpu=None if cu_seqlens_host is None else cu_seqlens_host.long())
+    state.index_copy_(0, slots, ht.to(state.dtype))
     return o[0].to(v.dtype)
 
 
@@ -269,6 +270,7 @@ def kda_attention(
     has_initial_state: torch.Tensor,
     defer: torch.Tensor | None = None,
     gate_lower_bound: float | None = None,
+    cu_seqlens_host: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Gated delta rule with per-channel decay; q and k are L2-normalised in the kernel.
 
@@ -277,6 +279,8 @@ def kda_attention(
     (speculative verification; `kda_commit` writes them later). Returns o: [T, H, dv] in v's
     dtype. gate_lower_bound: the caller's promise that g >= it (not checked here: the reference
     checks it); from -5 up, fla's chunked prefill takes its bounded-gate tensor-core path.
+    cu_seqlens_host: cu_seqlens on the host, if the caller has it: fla plans its chunks from it
+    instead of reading the device copy back (a device sync per step otherwise).
     """
     n_tok, heads, dk = q.shape
     dv = v.shape[-1]
@@ -289,7 +293,7 @@ def kda_attention(
         fla_chunk = _fla_chunk_kda() if q.is_cuda else None
         if fla_chunk is not None:
             return _kda_chunk_fla(fla_chunk, q, k, v, g, beta, state, cu_seqlens, state_ids,
-                                  has_initial_state, gate_lower_bound)
+                                  has_initial_state, gate_lower_bound, cu_seqlens_host)
         return kda_chunk.kda_chunk_attention(q, k, v, g, beta, state, cu_seqlens, state_ids,
                                              has_initial_state)
     o = torch.empty((n_tok, heads, dv), dtype=v.dtype, device=v.device)

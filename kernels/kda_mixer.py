@@ -120,6 +120,7 @@ def kda_mixer(
     state_ids: torch.Tensor,
     has_initial_state: torch.Tensor,
     defer: torch.Tensor | None = None,
+    cu_seqlens_host: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, ...]:
     """Shapes as in the reference: pre [T, H*(2dk+dv)]; gate_logits [T, H*dk]; beta_logits
     [T, H]; out_gate [T, H, dv] (rows may be strided); state [S, H, dk, dv] fp32. Returns
@@ -131,7 +132,7 @@ def kda_mixer(
     if n_tok > FUSED_MAX_TOKENS_PER_SEQ * max(n_seq, 1):
         return _unfused(pre, conv_weight, conv_state, gate_logits, dt_bias, a_log, lower_bound,
                         beta_logits, out_gate, norm_weight, eps, state, cu_seqlens, state_ids,
-                        has_initial_state, defer)
+                        has_initial_state, defer, cu_seqlens_host)
     width = conv_weight.shape[1] - 1
     assert pre.shape[1] == heads * (2 * dk + dv) and conv_state.shape[1:] == (pre.shape[1], width)
     assert conv_weight.is_contiguous() and conv_state.is_contiguous() and state.is_contiguous()
@@ -164,7 +165,7 @@ def kda_mixer(
 
 def _unfused(pre, conv_weight, conv_state, gate_logits, dt_bias, a_log, lower_bound,
              beta_logits, out_gate, norm_weight, eps, state, cu_seqlens, state_ids,
-             has_initial_state, defer):
+             has_initial_state, defer, cu_seqlens_host):
     """Prefill: the separate kernels (the recurrence runs chunked there)."""
     n_tok = pre.shape[0]
     heads, dv = out_gate.shape[1], out_gate.shape[2]
@@ -182,5 +183,5 @@ def _unfused(pre, conv_weight, conv_state, gate_logits, dt_bias, a_log, lower_bo
     g = kda.kda_gate(gate_logits, dt_bias, a_log, lower_bound)
     beta = torch.sigmoid(beta_logits.float())
     o = kda.kda_attention(q, k, v, g, beta, state, cu_seqlens, state_ids, has_initial_state,
-                          defer, gate_lower_bound=lower_bound)
+                          defer, gate_lower_bound=lower_bound, cu_seqlens_host=cu_seqlens_host)
     return kda.gated_rms_norm(o, out_gate, norm_weight, eps), q, k, v, g, beta

@@ -63,7 +63,7 @@ class KDAttention(nn.Module):
             pre, self.conv_weight, state.conv, self.f_b_proj(self.f_a_proj(x)), self.dt_bias,
             self.A_log, self.lower_bound, self.b_proj(x), gate, self.o_norm.weight,
             self.o_norm.eps, state.recurrent, batch.cu_seqlens, batch.state_ids,
-            batch.has_initial_state, batch.defer_state)
+            batch.has_initial_state, batch.defer_state, batch.cu_seqlens_host)
         # what `commit` replays once the accepted lengths are known
         self.pending = (pre, q, k, v, g, beta) if batch.defer_state is not None else None
         return self.ps.tp_all_reduce(self.o_proj(o.reshape(n_tok, -1)))

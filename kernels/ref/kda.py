@@ -106,6 +106,7 @@ def kda_attention(
     has_initial_state: torch.Tensor,
     defer: torch.Tensor | None = None,
     gate_lower_bound: float | None = None,
+    cu_seqlens_host: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Gated delta rule with per-channel decay; q and k are L2-normalised here (fp32).
 
@@ -115,6 +116,8 @@ def kda_attention(
     S = diag(e^g) S; S += k (beta (v - S^T k))^T; o = S^T (q / sqrt(dk)).
     gate_lower_bound: the caller's promise that g >= it (the bounded sigmoid gate), which lets
     the Triton twin's chunked path use fla's bounded-gate kernels; checked here.
+    cu_seqlens_host: cu_seqlens on the host, if the caller has it (the Triton twin's chunked path
+    plans its chunks from it instead of reading the device copy back); unused here.
     """
     if gate_lower_bound is not None and g.numel() and float(g.min()) < gate_lower_bound:
         raise ValueError(f"gate below its promised lower bound {gate_lower_bound}: "

@@ -29,6 +29,7 @@ def kda_mixer(
     state_ids: torch.Tensor,
     has_initial_state: torch.Tensor,
     defer: torch.Tensor | None = None,
+    cu_seqlens_host: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, ...]:
     """One KDA layer's mixer over the flat varlen batch, updating its state slots.
 
@@ -36,6 +37,7 @@ def kda_mixer(
     conv_state: [S, H*(2dk+dv), W]; gate_logits: [T, H*dk] (f_b(f_a(x)), before dt_bias);
     beta_logits: [T, H]; out_gate: [T, H, dv]; norm_weight: [dv]; state: [S, H, dk, dv] fp32.
     Slots of sequences with `defer[i]` are left unwritten (see `conv_commit` / `kda_commit`).
+    cu_seqlens_host: as in `kda_attention`.
     Returns (o [T, H, dv] normed and gated, in pre's dtype; and what a deferred commit replays:
     q, k [T, H, dk] and v [T, H, dv] after the conv, in pre's dtype; g [T, H, dk] fp32;
     beta [T, H] fp32).

@@ -168,14 +168,16 @@ def test_fla_chunk_wrapper_slots_and_gate_path(bound, safe):
     """The wrapper around fla's chunk_kda (CUDA-only; here with a stand-in that runs the
     reference recurrence from the initial states it is given): states come from and go back to
     the right slots, a fresh slot's stale contents (NaN here) never leak in, and the bounded
-    gate asks for fla's safe_gate path only within fla's [-5, 0) range."""
+    gate asks for fla's safe_gate path only within fla's [-5, 0) range; the host copy of
+    cu_seqlens reaches fla as the same object (fla caches its chunk plan by identity)."""
     from glm53.kernels import kda
 
     seen = {}
 
     def chunk(q, k, v, g, beta, *, scale, initial_state, output_final_state,
-              use_qk_l2norm_in_kernel, safe_gate, cu_seqlens):
-        seen.update(safe_gate=safe_gate, scale=scale, l2=use_qk_l2norm_in_kernel)
+              use_qk_l2norm_in_kernel, safe_gate, cu_seqlens, cu_seqlens_cpu):
+        seen.update(safe_gate=safe_gate, scale=scale, l2=use_qk_l2norm_in_kernel,
+                    host=cu_seqlens_cpu)
         n = initial_state.shape[0]
         states = initial_state.clone()
         o = ref.kda_attention(q[0], k[0], v[0], g[0], beta[0], states, cu_seqlens,
@@ -194,7 +196,9 @@ def test_fla_chunk_wrapper_slots_and_gate_path(bound, safe):
     state[1] = float("nan")  # slot of the fresh sequence
     want_state = state.clone()
     want = ref.kda_attention(q, k, v, g, beta, want_state, cu, ids, init)
-    got = kda._kda_chunk_fla(chunk, q, k, v, g, beta, state, cu, ids, init, bound)
+    cu_host = None if bound is None else cu.clone()
+    got = kda._kda_chunk_fla(chunk, q, k, v, g, beta, state, cu, ids, init, bound, cu_host)
+    assert seen.pop("host") is cu_host
     assert seen == dict(safe_gate=safe, scale=dk ** -0.5, l2=True)
     assert torch.isfinite(got).all()
     assert rel_err(got, want) < TOL
