@@ -136,7 +136,10 @@ def bench_kda_prefill(rows, gen, quick, head_counts=(32, 64)):
     what `kda_attention` dispatches to for the model's bounded gate (fla's `chunk_kda` with its
     bounded-gate path, through our slot gather/scatter, when fla is installed), our own chunked
     kernel, our recurrent kernel, and fla called directly: with its defaults, and with the
-    bounded-gate path. q, k and v are dense planes, as the layer's conv writes them."""
+    bounded-gate path. q, k and v are dense planes, as the layer's conv writes them. Then the
+    gate as well, from the projection's logits: the layer's prefill call (`kda_gated_attention`,
+    the gate inside fla's chunk cumsum), the gate op + `kda_attention` it replaced, and fla's
+    own call with the gate in its kernel (default and bounded-gate paths)."""
     fla = _fla()
     cases = [(32, [4096]), (32, [16384]), (32, [2048] * 8), (64, [4096]), (64, [16384])]
     cases = [(h, lens) for h, lens in cases if h in head_counts]
@@ -192,8 +195,40 @@ def bench_kda_prefill(rows, gen, quick, head_counts=(32, 64)):
             # alternate them (fla autotunes on first use; clocks drift): best of rounds. Wall
             # time (do_bench) is host-bound at these sizes: the launches cost more host time
             # than the kernels run; device time hides the host (bench_common.device_ms)
+            # the gate too, from the projection's logits (dt_bias = A_log = 0 gives the same
+            # g = -5 sigmoid(x) as above): the layer's prefill call, the two-op form it
+            # replaced, and fla's own call with the gate in its kernel
+            logits = torch.randn(t, heads * 128, device=DEV, dtype=torch.bfloat16,
+                                 generator=gen)
+            dt0 = torch.zeros(heads * 128, device=DEV)
+            alog0 = torch.zeros(heads, device=DEV)
+
+            def gated():
+                return kda.kda_gated_attention(q, k, v, logits, dt0, alog0, -5.0, beta, state,
+                                               cu, ids, init, cu_host)
+
+            def two_ops():
+                return kda.kda_attention(q, k, v, kda.kda_gate(logits, dt0, alog0, -5.0), beta,
+                                         state, cu, ids, init, gate_lower_bound=-5.0,
+                                         cu_seqlens_host=cu_host)
+
+            def fla_gated(safe_gate=False):
+                return fla.chunk_kda(q[None], k[None], v[None], logits.view(q.shape)[None],
+                                     beta[None], scale=128 ** -0.5, initial_state=h0,
+                                     output_final_state=True, use_qk_l2norm_in_kernel=True,
+                                     use_gate_in_kernel=True, A_log=alog0, dt_bias=dt0,
+                                     lower_bound=-5.0, safe_gate=safe_gate, cu_seqlens=cu)
+            before = state.clone()
+            got = gated()
+            want = fla_gated()[0][0]
+            state.copy_(before)
+            row["gated_rel_err"] = float((got.float() - want.float()).norm() / want.float().norm())
+            if row["gated_rel_err"] >= 2e-2:
+                row["check"] = "FAILED"
             timed = {"dispatch": dispatch, "fla_chunk": fla_direct,
-                     "fla_safe_gate": lambda: fla_direct(True)}
+                     "fla_safe_gate": lambda: fla_direct(True), "gated": gated,
+                     "two_ops": two_ops, "fla_gated": fla_gated,
+                     "fla_gated_safe_gate": lambda: fla_gated(True)}
             times = {f"{key}_{kind}": [] for key in timed for kind in ("ms", "device_ms")}
             for _ in range(ROUNDS):
                 for key, fn in timed.items():
@@ -206,6 +241,9 @@ def bench_kda_prefill(rows, gen, quick, head_counts=(32, 64)):
             row["dispatch_vs_fla_safe_gate_device"] = (row["fla_safe_gate_device_ms"]
                                                        / row["dispatch_device_ms"])
             row["ours_chunk_vs_fla"] = row["fla_chunk_ms"] / row["ours_chunk_ms"]
+            for kind in ("ms", "device_ms"):
+                row[f"gated_vs_fla_gated_{kind}"] = row[f"fla_gated_{kind}"] / row[f"gated_{kind}"]
+                row[f"gated_vs_two_ops_{kind}"] = row[f"two_ops_{kind}"] / row[f"gated_{kind}"]
             row["new_step_ms"] = _ms(lambda: new_step(True), False)
             row["new_step_without_host_cu_ms"] = _ms(lambda: new_step(False), False)
         rows.append(row)

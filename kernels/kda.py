@@ -4,6 +4,8 @@
   slot, then a per-sequence pass that writes the new window (two launches: the second must not
   overwrite history the first still reads).
 - `kda_gate`: the bounded (or softplus) per-channel log-decay, elementwise.
+- `kda_gated_attention`: the gate and the recurrence in one call, for prefill, where fla's chunked
+  kernels compute the gate themselves.
 - `kda_attention`: the gated delta rule with the q/k l2norm, scale, exp(g) and beta prologue
   fused. Decode and verify (a few tokens per sequence) run the fused recurrent kernel: one
   program per (sequence, head, BV columns) keeps its [K, BV] state tile in registers, walks the
@@ -27,7 +29,7 @@ from . import kda_chunk
 from .utils import INTERPRET, log2_ceil, next_pow2, seq_of_token
 
 __all__ = ["causal_conv1d", "conv_commit", "gated_rms_norm", "kda_attention", "kda_commit",
-           "kda_gate"]
+           "kda_gate", "kda_gated_attention"]
 
 
 @triton.jit
@@ -237,18 +239,26 @@ FLA_SAFE_GATE_BOUND = -5.0
 
 
 def _kda_chunk_fla(chunk, q, k, v, g, beta, state, cu_seqlens, state_ids, has_initial_state,
-                   gate_lower_bound, cu_seqlens_host):
+                   gate_lower_bound, cu_seqlens_host, gate_params=None):
     """fla's chunked KDA over the varlen batch; states gathered from and scattered to slots.
-    q, k and v should be dense (fla copies strided inputs first)."""
+    q, k and v should be dense (fla copies strided inputs first). With gate_params
+    (dt_bias, a_log), g holds the raw gate logits [T, H*dk] and fla's chunk cumsum computes
+    the gate (the same formula as `kda_gate`)."""
     slots = state_ids.long()
     # where, not a multiply: a fresh slot's stale contents (even inf/NaN) must not leak in
     h0 = torch.where(has_initial_state.view(-1, 1, 1, 1).bool(), state[slots], 0.0)
     safe = gate_lower_bound is not None and gate_lower_bound >= FLA_SAFE_GATE_BOUND
+    gate = {}
+    if gate_params is not None:
+        g = g.reshape(q.shape)
+        gate = dict(use_gate_in_kernel=True, dt_bias=gate_params[0], A_log=gate_params[1],
+                    lower_bound=gate_lower_bound)
     o, ht = chunk(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), g.unsqueeze(0),
                   beta.unsqueeze(0), scale=q.shape[-1] ** -0.5, initial_state=h0,
                   output_final_state=True, use_qk_l2norm_in_kernel=True, safe_gate=safe,
                   cu_seqlens=cu_seqlens.long(),
-                  cu_seqlens_cpu=None if cu_seqlens_host is None else cu_seqlens_host.long())
+                  cu_seqlens_cpu=None if cu_seqlens_host is None else cu_seqlens_host.long(),
+                  **gate)
     state.index_copy_(0, slots, ht.to(state.dtype))
     return o[0].to(v.dtype)
 
@@ -256,6 +266,11 @@ def _kda_chunk_fla(chunk, q, k, v, g, beta, state, cu_seqlens, state_ids, has_in
 # Prefill takes the chunked kernel when a step averages at least this many tokens per sequence
 # (one chunk): shorter sequences are cheaper to walk token by token than to factor per chunk.
 CHUNK_MIN_TOKENS_PER_SEQ = 64
+
+
+def _chunked(n_tok: int, n_seq: int, dk: int, dv: int, defer: torch.Tensor | None) -> bool:
+    return bool(defer is None and n_seq and n_tok >= CHUNK_MIN_TOKENS_PER_SEQ * n_seq
+                and kda_chunk.supports(dk, dv))
 
 
 def kda_attention(
@@ -288,8 +303,7 @@ def kda_attention(
     for t, d in ((q, dk), (k, dk), (v, dv)):
         assert t.stride(2) == 1 and t.stride(1) == d, "heads must be packed within a row"
     assert g.is_contiguous() and beta.is_contiguous() and state.is_contiguous()
-    if (defer is None and n_seq and n_tok >= CHUNK_MIN_TOKENS_PER_SEQ * n_seq
-            and kda_chunk.supports(dk, dv)):
+    if _chunked(n_tok, n_seq, dk, dv, defer):
         fla_chunk = _fla_chunk_kda() if q.is_cuda else None
         if fla_chunk is not None:
             return _kda_chunk_fla(fla_chunk, q, k, v, g, beta, state, cu_seqlens, state_ids,
@@ -308,6 +322,36 @@ def kda_attention(
                                HAS_DEFER=defer is not None, HAS_ACC=False,
                                num_warps=1 if bk * bv <= 2048 else 4)
     return o
+
+
+def kda_gated_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    gate_logits: torch.Tensor,
+    dt_bias: torch.Tensor,
+    a_log: torch.Tensor,
+    lower_bound: float | None,
+    beta: torch.Tensor,
+    state: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    state_ids: torch.Tensor,
+    has_initial_state: torch.Tensor,
+    cu_seqlens_host: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """`kda_gate` then `kda_attention` (no deferred slots). Where the step takes fla's chunked
+    prefill, fla computes the gate inside its chunk cumsum: no gate launch, and no fp32 g
+    written and read back (16K tokens x 32 heads x 128: 268 MB each way per layer)."""
+    n_tok, _, dk = q.shape
+    fla_chunk = None
+    if q.is_cuda and _chunked(n_tok, cu_seqlens.shape[0] - 1, dk, v.shape[-1], None):
+        fla_chunk = _fla_chunk_kda()
+    if fla_chunk is None:
+        g = kda_gate(gate_logits, dt_bias, a_log, lower_bound)
+        return kda_attention(q, k, v, g, beta, state, cu_seqlens, state_ids, has_initial_state,
+                             gate_lower_bound=lower_bound, cu_seqlens_host=cu_seqlens_host)
+    return _kda_chunk_fla(fla_chunk, q, k, v, gate_logits, beta, state, cu_seqlens, state_ids,
+                          has_initial_state, lower_bound, cu_seqlens_host, (dt_bias, a_log))
 
 
 def kda_commit(

@@ -121,10 +121,10 @@ def kda_mixer(
     has_initial_state: torch.Tensor,
     defer: torch.Tensor | None = None,
     cu_seqlens_host: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, ...]:
+) -> tuple[torch.Tensor, tuple[torch.Tensor, ...] | None]:
     """Shapes as in the reference: pre [T, H*(2dk+dv)]; gate_logits [T, H*dk]; beta_logits
     [T, H]; out_gate [T, H, dv] (rows may be strided); state [S, H, dk, dv] fp32. Returns
-    (o, q, k, v, g, beta)."""
+    (o, replay): replay = (q, k, v, g, beta) when `defer` is given, else None."""
     n_tok = pre.shape[0]
     heads, dv = out_gate.shape[1], out_gate.shape[2]
     dk = gate_logits.shape[1] // heads
@@ -160,7 +160,7 @@ def kda_mixer(
             pre.shape[1], pre.stride(0), W=width, BW=next_pow2(width), BC=CONV_BLOCK,
             HAS_DEFER=defer is not None, HAS_ACC=False)
     o = kda.gated_rms_norm(o, out_gate, norm_weight, eps)
-    return o, q, k, v, g, beta
+    return o, None if defer is None else (q, k, v, g, beta)
 
 
 def _unfused(pre, conv_weight, conv_state, gate_logits, dt_bias, a_log, lower_bound,
@@ -180,8 +180,13 @@ def _unfused(pre, conv_weight, conv_state, gate_logits, dt_bias, a_log, lower_bo
         q, k, v = mixed.split([heads * dk, heads * dk, heads * dv], dim=-1)
         q, k = q.view(n_tok, heads, dk), k.view(n_tok, heads, dk)
         v = v.view(n_tok, heads, dv)
-    g = kda.kda_gate(gate_logits, dt_bias, a_log, lower_bound)
     beta = torch.sigmoid(beta_logits.float())
+    if defer is None:
+        o = kda.kda_gated_attention(q, k, v, gate_logits, dt_bias, a_log, lower_bound, beta,
+                                    state, cu_seqlens, state_ids, has_initial_state,
+                                    cu_seqlens_host)
+        return kda.gated_rms_norm(o, out_gate, norm_weight, eps), None
+    g = kda.kda_gate(gate_logits, dt_bias, a_log, lower_bound)
     o = kda.kda_attention(q, k, v, g, beta, state, cu_seqlens, state_ids, has_initial_state,
-                          defer, gate_lower_bound=lower_bound, cu_seqlens_host=cu_seqlens_host)
-    return kda.gated_rms_norm(o, out_gate, norm_weight, eps), q, k, v, g, beta
+                          defer, gate_lower_bound=lower_bound)
+    return kda.gated_rms_norm(o, out_gate, norm_weight, eps), (q, k, v, g, beta)

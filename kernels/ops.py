@@ -21,6 +21,7 @@ from .ref.kda import (
     kda_attention,
     kda_commit,
     kda_gate,
+    kda_gated_attention,
 )
 from .ref.kda_mixer import kda_mixer
 from .ref.mhc import hc_post, hc_pre
@@ -48,6 +49,7 @@ __all__ = [
     "kda_attention",
     "kda_commit",
     "kda_gate",
+    "kda_gated_attention",
     "kda_mixer",
     "merge_attention_states",
     "process_logits",

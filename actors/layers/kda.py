@@ -59,13 +59,13 @@ class KDAttention(nn.Module):
         heads = (n_tok, self.num_heads, self.head_dim)
         pre = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
         gate = self.g_b_proj(self.g_a_proj(x)).reshape(heads)
-        o, q, k, v, g, beta = ops.kda_mixer(
+        o, replay = ops.kda_mixer(
             pre, self.conv_weight, state.conv, self.f_b_proj(self.f_a_proj(x)), self.dt_bias,
             self.A_log, self.lower_bound, self.b_proj(x), gate, self.o_norm.weight,
             self.o_norm.eps, state.recurrent, batch.cu_seqlens, batch.state_ids,
             batch.has_initial_state, batch.defer_state, batch.cu_seqlens_host)
         # what `commit` replays once the accepted lengths are known
-        self.pending = (pre, q, k, v, g, beta) if batch.defer_state is not None else None
+        self.pending = None if replay is None else (pre, *replay)
         return self.ps.tp_all_reduce(self.o_proj(o.reshape(n_tok, -1)))
 
     def commit(self, batch: ForwardBatch, state: KDAState, num_accepted: torch.Tensor) -> None:

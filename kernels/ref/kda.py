@@ -149,6 +149,29 @@ def kda_attention(
     return out.to(v.dtype)
 
 
+def kda_gated_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    gate_logits: torch.Tensor,
+    dt_bias: torch.Tensor,
+    a_log: torch.Tensor,
+    lower_bound: float | None,
+    beta: torch.Tensor,
+    state: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    state_ids: torch.Tensor,
+    has_initial_state: torch.Tensor,
+    cu_seqlens_host: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """`kda_gate` then `kda_attention` (no deferred slots: prefill and plain decode), for
+    callers that do not need g itself: the Triton twin's chunked prefill computes the gate
+    inside fla's chunk kernels and never materialises g. Shapes as in those two ops."""
+    g = kda_gate(gate_logits, dt_bias, a_log, lower_bound)
+    return kda_attention(q, k, v, g, beta, state, cu_seqlens, state_ids, has_initial_state,
+                         gate_lower_bound=lower_bound, cu_seqlens_host=cu_seqlens_host)
+
+
 def kda_commit(
     q: torch.Tensor,
     k: torch.Tensor,

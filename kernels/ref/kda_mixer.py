@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from .kda import causal_conv1d, gated_rms_norm, kda_attention, kda_gate
+from .kda import causal_conv1d, gated_rms_norm, kda_attention, kda_gate, kda_gated_attention
 
 
 def kda_mixer(
@@ -30,7 +30,7 @@ def kda_mixer(
     has_initial_state: torch.Tensor,
     defer: torch.Tensor | None = None,
     cu_seqlens_host: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, ...]:
+) -> tuple[torch.Tensor, tuple[torch.Tensor, ...] | None]:
     """One KDA layer's mixer over the flat varlen batch, updating its state slots.
 
     pre: [T, H*(2dk+dv)] pre-conv q|k|v projections; conv_weight: [H*(2dk+dv), W+1];
@@ -38,9 +38,9 @@ def kda_mixer(
     beta_logits: [T, H]; out_gate: [T, H, dv]; norm_weight: [dv]; state: [S, H, dk, dv] fp32.
     Slots of sequences with `defer[i]` are left unwritten (see `conv_commit` / `kda_commit`).
     cu_seqlens_host: as in `kda_attention`.
-    Returns (o [T, H, dv] normed and gated, in pre's dtype; and what a deferred commit replays:
-    q, k [T, H, dk] and v [T, H, dv] after the conv, in pre's dtype; g [T, H, dk] fp32;
-    beta [T, H] fp32).
+    Returns (o [T, H, dv] normed and gated, in pre's dtype; replay), replay being what a
+    deferred commit replays when `defer` is given, else None: (q, k [T, H, dk] and v [T, H, dv]
+    after the conv, in pre's dtype; g [T, H, dk] fp32; beta [T, H] fp32).
     """
     n_tok = pre.shape[0]
     heads, dv = out_gate.shape[1], out_gate.shape[2]
@@ -50,7 +50,12 @@ def kda_mixer(
     q, k, v = mixed.split([heads * dk, heads * dk, heads * dv], dim=-1)
     q, k = q.reshape(n_tok, heads, dk), k.reshape(n_tok, heads, dk)
     v = v.reshape(n_tok, heads, dv)
-    g = kda_gate(gate_logits, dt_bias, a_log, lower_bound)
     beta = torch.sigmoid(beta_logits.float())
-    o = kda_attention(q, k, v, g, beta, state, cu_seqlens, state_ids, has_initial_state, defer)
-    return gated_rms_norm(o, out_gate, norm_weight, eps), q, k, v, g, beta
+    if defer is None:
+        o = kda_gated_attention(q, k, v, gate_logits, dt_bias, a_log, lower_bound, beta, state,
+                                cu_seqlens, state_ids, has_initial_state, cu_seqlens_host)
+        return gated_rms_norm(o, out_gate, norm_weight, eps), None
+    g = kda_gate(gate_logits, dt_bias, a_log, lower_bound)
+    o = kda_attention(q, k, v, g, beta, state, cu_seqlens, state_ids, has_initial_state, defer,
+                      gate_lower_bound=lower_bound)
+    return gated_rms_norm(o, out_gate, norm_weight, eps), (q, k, v, g, beta)

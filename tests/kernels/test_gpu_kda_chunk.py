@@ -105,6 +105,28 @@ def test_chunk_matches_fla(heads, lens):
     assert rel_err(state[ids], ht) < 2e-2
 
 
+@pytest.mark.parametrize("bound", [-5.0, None])
+@pytest.mark.parametrize("heads,lens", [(32, [4096]), (64, [2000, 1, 63, 4100])])
+def test_gated_attention_matches_reference(heads, lens, bound):
+    """Prefill with the gate computed inside fla's chunk kernels (`kda_gated_attention`; our
+    chunked kernel after `kda_gate` without fla) vs the reference gate + token walk, from bf16
+    logits as the layer's projection gives them; the host copy of cu_seqlens given."""
+    from glm53.kernels import kda
+
+    q, k, v, _, beta, state, cu, ids, init = _inputs(lens, heads, torch.bfloat16, 17)
+    gen = torch.Generator().manual_seed(18)
+    logits = torch.randn(q.shape[0], heads * 128, generator=gen).to(DEV, torch.bfloat16)
+    dt_bias = (torch.randn(heads * 128, generator=gen) * 0.1).to(DEV)
+    a_log = (torch.randn(heads, generator=gen) * 0.5).to(DEV)
+    s_ref = state.clone()
+    o_ref = ref_kda.kda_gated_attention(q, k, v, logits, dt_bias, a_log, bound, beta, s_ref,
+                                        cu, ids, init)
+    o = kda.kda_gated_attention(q, k, v, logits, dt_bias, a_log, bound, beta, state, cu, ids,
+                                init, cu.cpu())
+    assert rel_err(o, o_ref) < TOL[torch.bfloat16]
+    assert rel_err(state, s_ref) < TOL[torch.bfloat16]
+
+
 def test_chunk_cuda_graph_replay():
     """No host sync inside: the chunked call captures into a CUDA graph and replays equal."""
     from glm53.kernels import kda_chunk

@@ -163,21 +163,28 @@ def test_commit_kernels_match_ref():
     assert torch.equal(c_dev.cpu(), c_ref)
 
 
+@pytest.mark.parametrize("gate_in_kernel", [False, True])
 @pytest.mark.parametrize("bound,safe", [(-5.0, True), (-8.0, False), (None, False)])
-def test_fla_chunk_wrapper_slots_and_gate_path(bound, safe):
+def test_fla_chunk_wrapper_slots_and_gate_path(bound, safe, gate_in_kernel):
     """The wrapper around fla's chunk_kda (CUDA-only; here with a stand-in that runs the
     reference recurrence from the initial states it is given): states come from and go back to
     the right slots, a fresh slot's stale contents (NaN here) never leak in, and the bounded
     gate asks for fla's safe_gate path only within fla's [-5, 0) range; the host copy of
-    cu_seqlens reaches fla as the same object (fla caches its chunk plan by identity)."""
+    cu_seqlens reaches fla as the same object (fla caches its chunk plan by identity). With the
+    gate in fla's kernel (`kda_gated_attention`), fla gets the raw logits, dt_bias, A_log and
+    the bound, and the stand-in applies `kda_gate`'s formula (the GPU tests check fla's)."""
     from glm53.kernels import kda
 
     seen = {}
 
     def chunk(q, k, v, g, beta, *, scale, initial_state, output_final_state,
-              use_qk_l2norm_in_kernel, safe_gate, cu_seqlens, cu_seqlens_cpu):
+              use_qk_l2norm_in_kernel, safe_gate, cu_seqlens, cu_seqlens_cpu,
+              use_gate_in_kernel=False, dt_bias=None, A_log=None, lower_bound=None):
         seen.update(safe_gate=safe_gate, scale=scale, l2=use_qk_l2norm_in_kernel,
-                    host=cu_seqlens_cpu)
+                    host=cu_seqlens_cpu, gate=use_gate_in_kernel, bound=lower_bound)
+        if use_gate_in_kernel:
+            assert g.shape == q.shape
+            g = ref.kda_gate(g[0].flatten(1), dt_bias, A_log, lower_bound)[None]
         n = initial_state.shape[0]
         states = initial_state.clone()
         o = ref.kda_attention(q[0], k[0], v[0], g[0], beta[0], states, cu_seqlens,
@@ -190,16 +197,23 @@ def test_fla_chunk_wrapper_slots_and_gate_path(bound, safe):
     cu, ids, init = cu.cpu(), ids.cpu(), init.cpu()
     t = sum(lens)
     q, k, v = (torch.randn(t, heads, dk, generator=gen) for _ in range(3))
-    g = -5 * torch.sigmoid(torch.randn(t, heads, dk, generator=gen))
+    logits = torch.randn(t, heads * dk, generator=gen)
+    dt_bias, a_log = torch.randn(heads * dk, generator=gen), torch.randn(heads, generator=gen)
+    g = ref.kda_gate(logits, dt_bias, a_log, bound)
     beta = torch.sigmoid(torch.randn(t, heads, generator=gen))
     state = torch.randn(6, heads, dk, dk, generator=gen)
     state[1] = float("nan")  # slot of the fresh sequence
     want_state = state.clone()
     want = ref.kda_attention(q, k, v, g, beta, want_state, cu, ids, init)
     cu_host = None if bound is None else cu.clone()
-    got = kda._kda_chunk_fla(chunk, q, k, v, g, beta, state, cu, ids, init, bound, cu_host)
+    if gate_in_kernel:
+        got = kda._kda_chunk_fla(chunk, q, k, v, logits, beta, state, cu, ids, init, bound,
+                                 cu_host, (dt_bias, a_log))
+    else:
+        got = kda._kda_chunk_fla(chunk, q, k, v, g, beta, state, cu, ids, init, bound, cu_host)
     assert seen.pop("host") is cu_host
-    assert seen == dict(safe_gate=safe, scale=dk ** -0.5, l2=True)
+    assert seen == dict(safe_gate=safe, scale=dk ** -0.5, l2=True, gate=gate_in_kernel,
+                        bound=bound if gate_in_kernel else None)
     assert torch.isfinite(got).all()
     assert rel_err(got, want) < TOL
     assert torch.allclose(state[[4, 1, 2]], want_state[[4, 1, 2]], rtol=1e-5, atol=1e-6)
