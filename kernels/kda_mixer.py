@@ -78,9 +78,10 @@ def kda_mixer_kernel(pre, conv_weight, conv_state, gate_logits, dt_bias, a_log, 
         b_q = b_q.to(q_out.dtype.element_ty)
         b_k = b_k.to(k_out.dtype.element_ty)
         b_v = b_v.to(v_out.dtype.element_ty)
-        tl.store(q_out + (i_t * H + i_h) * K + o_k, b_q, mask=m_k & first)
-        tl.store(k_out + (i_t * H + i_h) * K + o_k, b_k, mask=m_k & first)
-        tl.store(v_out + (i_t * H + i_h) * V + o_v, b_v, mask=m_v)
+        if HAS_DEFER:
+            tl.store(q_out + (i_t * H + i_h) * K + o_k, b_q, mask=m_k & first)
+            tl.store(k_out + (i_t * H + i_h) * K + o_k, b_k, mask=m_k & first)
+            tl.store(v_out + (i_t * H + i_h) * V + o_v, b_v, mask=m_v)
         b_a = tl.load(gate_logits + i_t * stride_gl + i_h * K + o_k, mask=m_k,
                       other=0.0).to(tl.float32) + b_dt
         if HAS_BOUND:
@@ -88,8 +89,9 @@ def kda_mixer_kernel(pre, conv_weight, conv_state, gate_logits, dt_bias, a_log, 
         else:
             b_g = -b_rate * tl.where(b_a > 20.0, b_a, tl.log(1.0 + tl.exp(tl.minimum(b_a, 20.0))))
         b_beta = tl.sigmoid(tl.load(beta_logits + i_t * stride_bl + i_h).to(tl.float32))
-        tl.store(g_out + (i_t * H + i_h) * K + o_k, b_g, mask=m_k & first)
-        tl.store(beta_out + i_t * H + i_h, b_beta, mask=first)
+        if HAS_DEFER:
+            tl.store(g_out + (i_t * H + i_h) * K + o_k, b_g, mask=m_k & first)
+            tl.store(beta_out + i_t * H + i_h, b_beta, mask=first)
         b_q, b_k, b_v = b_q.to(tl.float32), b_k.to(tl.float32), b_v.to(tl.float32)
         b_q = b_q / tl.sqrt(tl.sum(b_q * b_q) + 1e-6) * scale
         b_k = b_k / tl.sqrt(tl.sum(b_k * b_k) + 1e-6)
@@ -140,11 +142,14 @@ def kda_mixer(
                                      for t in (pre, gate_logits, beta_logits))
     dev, dt = pre.device, pre.dtype
     o = torch.empty((n_tok, heads, dv), dtype=dt, device=dev)
-    q = torch.empty((n_tok, heads, dk), dtype=dt, device=dev)
-    k = torch.empty((n_tok, heads, dk), dtype=dt, device=dev)
-    v = torch.empty((n_tok, heads, dv), dtype=dt, device=dev)
-    g = torch.empty((n_tok, heads, dk), dtype=torch.float32, device=dev)
-    beta = torch.empty((n_tok, heads), dtype=torch.float32, device=dev)
+    if defer is not None:
+        q = torch.empty((n_tok, heads, dk), dtype=dt, device=dev)
+        k = torch.empty((n_tok, heads, dk), dtype=dt, device=dev)
+        v = torch.empty((n_tok, heads, dv), dtype=dt, device=dev)
+        g = torch.empty((n_tok, heads, dk), dtype=torch.float32, device=dev)
+        beta = torch.empty((n_tok, heads), dtype=torch.float32, device=dev)
+    else:  # nothing to replay: the kernel stores none of them (o stands in, same dtype)
+        q = k = v = g = beta = o
     if n_seq:
         bk, bv = next_pow2(dk), min(next_pow2(dv), 8 if INTERPRET else 16)
         kda_mixer_kernel[(triton.cdiv(dv, bv), heads, n_seq)](
