@@ -192,9 +192,6 @@ def bench_kda_prefill(rows, gen, quick, head_counts=(32, 64)):
             state.copy_(before)
             row["check"] = "ok" if max(row["dispatch_rel_err"], row["state_rel_err"]) < 2e-2 \
                 else "FAILED"
-            # alternate them (fla autotunes on first use; clocks drift): best of rounds. Wall
-            # time (do_bench) is host-bound at these sizes: the launches cost more host time
-            # than the kernels run; device time hides the host (bench_common.device_ms)
             # the gate too, from the projection's logits (dt_bias = A_log = 0 gives the same
             # g = -5 sigmoid(x) as above): the layer's prefill call, the two-op form it
             # replaced, and fla's own call with the gate in its kernel
@@ -225,6 +222,9 @@ def bench_kda_prefill(rows, gen, quick, head_counts=(32, 64)):
             row["gated_rel_err"] = float((got.float() - want.float()).norm() / want.float().norm())
             if row["gated_rel_err"] >= 2e-2:
                 row["check"] = "FAILED"
+            # alternate them (fla autotunes on first use; clocks drift): best of rounds. Wall
+            # time (do_bench) is host-bound at these sizes: the launches cost more host time
+            # than the kernels run; device time hides the host (bench_common.device_ms)
             timed = {"dispatch": dispatch, "fla_chunk": fla_direct,
                      "fla_safe_gate": lambda: fla_direct(True), "gated": gated,
                      "two_ops": two_ops, "fla_gated": fla_gated,
