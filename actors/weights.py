@@ -1,8 +1,9 @@
 """Checkpoint <-> parameter mapping and safetensors loading for GLM-5.3-Flash.
 
 Checkpoint names are the release's (`model.language_model.layers.N...`, `lm_head.weight`,
-per-expert `mlp.experts.E.{gate,up,down}_proj.weight`, separate `q/k/v_conv1d`, MTP layer at
-index num_hidden_layers). Our parameters stack what the kernels want stacked (experts, convs);
+per-expert `mlp.experts.E.{gate,up,down}_proj.weight`, separate `q/k/v_conv1d` and KDA
+`q/k/v_proj`, MTP layer at index num_hidden_layers). Our parameters stack what the kernels want
+stacked (experts, convs, KDA q|k|v projections: one GEMM);
 `checkpoint_targets` maps one checkpoint name to (parameter, index into it) and
 `export_checkpoint` is its inverse (used by `make-tiny`). Block-FP8 tensors (e4m3 weight +
 `weight_scale_inv` per block) are dequantised on load. Loading reads tensor by tensor through
@@ -27,6 +28,7 @@ SCALE_SUFFIX = ".weight_scale_inv"
 _VISION_PREFIX = "model.visual."
 _HC = re.compile(r"hc_(attn|ffn)_(fn|base|scale)$")
 _CONV = re.compile(r"self_attn\.([qkv])_conv1d\.weight$")
+_QKV = re.compile(r"self_attn\.([qkv])_proj\.weight$")
 _EXPERT = re.compile(r"mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight$")
 
 
@@ -37,7 +39,7 @@ class CheckpointError(ValueError):
 @dataclass(frozen=True)
 class Target:
     """Where one checkpoint tensor goes: parameter `param`, into its `part` (index of q|k|v
-    in the stacked conv, of gate|up in w13) and `expert` row, if any."""
+    in the stacked conv or projection, of gate|up in w13) and `expert` row, if any."""
 
     param: str
     part: int | None = None
@@ -50,6 +52,8 @@ def _layer_local(rest: str, cfg: ModelConfig) -> Target:
         return Target(f"{m.group(1)}_hc.{m.group(2)}")
     if m := _CONV.fullmatch(rest):
         return Target("self_attn.conv_weight", part="qkv".index(m.group(1)))
+    if m := _QKV.fullmatch(rest):
+        return Target("self_attn.qkv_proj.weight", part="qkv".index(m.group(1)))
     if m := _EXPERT.fullmatch(rest):
         e, kind = int(m.group(1)), m.group(2)
         if e >= cfg.n_routed_experts:
@@ -105,6 +109,8 @@ def _checkpoint_names(pname: str, param: torch.Tensor, cfg: ModelConfig) -> list
         return [f"{base}hc_{m.group(1)}_{m.group(2)}"]
     if rel == "self_attn.conv_weight":
         return [f"{base}self_attn.{c}_conv1d.weight" for c in "qkv"]
+    if rel == "self_attn.qkv_proj.weight":
+        return [f"{base}self_attn.{c}_proj.weight" for c in "qkv"]
     if rel in ("mlp.w13", "mlp.w2"):
         experts = range(param.expert_offset, param.expert_offset + param.shape[0])
         kinds = ("down",) if rel == "mlp.w2" else ("gate", "up")
@@ -125,6 +131,8 @@ def export_checkpoint(model: torch.nn.Module) -> dict[str, torch.Tensor]:
         t = p.detach()
         if pname.endswith("conv_weight"):
             parts = [c.unsqueeze(1) for c in t.chunk(3, dim=0)]
+        elif pname.endswith("qkv_proj.weight"):
+            parts = list(t.chunk(3, dim=0))
         elif pname.endswith("mlp.w13"):
             parts = [half for e in range(t.shape[0]) for half in t[e].chunk(2, dim=0)]
         elif pname.endswith("mlp.w2"):
@@ -234,11 +242,11 @@ def _destination(param: torch.Tensor, target: Target) -> tuple[torch.Tensor, tup
         dest = dest[local]
     shape = list(dest.shape)
     if target.part is not None:
-        n_parts = 3 if target.expert is None else 2  # q|k|v conv taps, gate|up
+        n_parts = 3 if target.expert is None else 2  # q|k|v (conv taps, projections), gate|up
         size = dest.shape[0] // n_parts
         dest = dest[target.part * size:(target.part + 1) * size]
         shape[0] = size
-        if target.expert is None:
+        if target.param.endswith("conv_weight"):
             shape.insert(1, 1)  # conv taps are stored [C, 1, K]
     if getattr(param, "shard_size", 1) > 1:
         shape[param.shard_dim] *= param.shard_size

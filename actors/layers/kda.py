@@ -31,9 +31,9 @@ class KDAttention(nn.Module):
         self.head_dim = cfg.linear_head_dim
         width = cfg.linear_dim
         local = self.num_heads * self.head_dim
-        self.q_proj = ColumnParallelLinear(d, width, ps)
-        self.k_proj = ColumnParallelLinear(d, width, ps)
-        self.v_proj = ColumnParallelLinear(d, width, ps)
+        # q|k|v as one GEMM (checkpoint: q/k/v_proj, each sharded by heads): each rank holds
+        # its q, k and v rows stacked, the conv's channel order
+        self.qkv_proj = ColumnParallelLinear(d, 3 * width, ps)
         # q|k|v depthwise conv taps stacked along channels (checkpoint: q/k/v_conv1d [C, 1, K],
         # each sharded by heads); fp32 like the reference implementation.
         self.conv_weight = mark_shard(nn.Parameter(
@@ -57,7 +57,7 @@ class KDAttention(nn.Module):
         """x: [T, D] (normed block input) -> [T, D]."""
         n_tok = x.shape[0]
         heads = (n_tok, self.num_heads, self.head_dim)
-        pre = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
+        pre = self.qkv_proj(x)
         gate = self.g_b_proj(self.g_a_proj(x)).reshape(heads)
         o, replay = ops.kda_mixer(
             pre, self.conv_weight, state.conv, self.f_b_proj(self.f_a_proj(x)), self.dt_bias,

@@ -89,7 +89,7 @@ def test_each_rank_holds_only_its_shard(ray_session, tiny):
     finally:
         full.shutdown()
         split.shutdown()
-    sharded = ("q_proj", "k_proj", "v_proj", "conv_weight", "dt_bias", "A_log", "b_proj",
+    sharded = ("qkv_proj", "conv_weight", "dt_bias", "A_log", "b_proj",
                "o_proj", "w13", "w2", "embed_tokens", "lm_head", "gate_proj", "up_proj",
                "down_proj")  # b_proj: also f_b, g_b, q_b, kv_b
     for name, size in whole.items():
