@@ -82,9 +82,13 @@ def _timed(fn, steps: int) -> float:
 
 
 def engine_step_ms(model, caches: ModelCaches, cfg: ModelConfig, batch_size: int, ctx: int,
-                   tables: list[list[int]], steps: int = 20) -> float:
+                   tables: list[list[int]], steps: int = 20,
+                   profile: bool = False) -> tuple[float, dict]:
     """ms per greedy decode step through DecodeGraphs, as ModelRunner.execute runs it: block
-    tables as wide as the model's context (the engine's fixed graph width), the pad slot last."""
+    tables as wide as the model's context (the engine's fixed graph width), the pad slot last.
+    Also where the host spends a step (medians, ms): building the step and loading + replaying
+    the graph, the sampler's calls, and the wait for the tokens; with `profile`, the host
+    calls that take the most CPU time in one step (torch.profiler)."""
     graphs = DecodeGraphs(model, caches, pad_slot=caches.layers[0].conv.shape[0] - 1,
                           max_blocks=cfg.max_position_embeddings // BLOCK,
                           batch_sizes=(batch_size,), widths=(1,))
@@ -95,16 +99,37 @@ def engine_step_ms(model, caches: ModelCaches, cfg: ModelConfig, batch_size: int
     sampling = build_sampling_inputs(
         [(SamplingParams(temperature=0.0), 0, ctx, (), (), ())] * batch_size)
     token_ids = np.random.default_rng(0).integers(0, cfg.vocab_size, batch_size)
+    marks: list[tuple[float, float, float]] = []
 
     def decode() -> np.ndarray:
+        t0 = time.perf_counter()
         step = StepInput(0, [""] * batch_size, token_ids, positions,
                          np.arange(batch_size + 1, dtype=np.int64), table,
                          slot_mapping_for(positions, rows, table, BLOCK), rows, rows, rows,
                          sampling)
         _, _, logits = graphs.run(step, graphs.bucket(step))
+        t1 = time.perf_counter()
         ids, _ = sampler(logits[torch.tensor(step.sample_rows, device=DEV)], step.sampling)
-        return ids.cpu().numpy()
-    return _timed(decode, steps)
+        t2 = time.perf_counter()
+        out = ids.cpu().numpy()
+        marks.append((t1 - t0, t2 - t1, time.perf_counter() - t2))
+        return out
+    ms = _timed(decode, steps)
+    split = [float(v) for v in np.median(np.array(marks[1:]), axis=0) * 1e3]  # [0]: warm-up
+    host = dict(build_load_replay_ms=split[0], sampler_calls_ms=split[1], wait_ms=split[2])
+    if profile:
+        host["profile"] = host_profile(decode)
+    return ms, host
+
+
+def host_profile(fn, top: int = 15) -> list[dict]:
+    """One call of fn under torch.profiler: the `top` host calls by self CPU time (ms)."""
+    activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=activities) as prof:
+        fn()
+    events = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)
+    return [dict(name=e.key[:120], calls=e.count, cpu_ms=e.self_cpu_time_total / 1e3)
+            for e in events[:top]]
 
 
 def kernel_profile(fn, top: int = 20) -> dict:
@@ -171,8 +196,8 @@ def bench_ours(cfg: ModelConfig, decode_cases, prefill_lens, rows, graphs: bool,
                 except Exception as exc:
                     row["graph_error"] = repr(exc)[:300]
                 try:
-                    row["engine_step_ms"] = engine_step_ms(model, caches, cfg, batch_size, ctx,
-                                                           tables)
+                    row["engine_step_ms"], row["engine_step_host"] = engine_step_ms(
+                        model, caches, cfg, batch_size, ctx, tables, profile=profile)
                 except Exception as exc:
                     row["engine_step_error"] = repr(exc)[:300]
                 gc.collect()  # the case's graphs and their pool
