@@ -66,25 +66,6 @@ def causal_conv1d_fwd_kernel(x, weight, conv_state, y, cu_seqlens, state_ids, ha
 
 
 @triton.jit
-def shift_window(x, conv_state, o_c, m_c, bos, eos, i_s, init, write, C, stride_x,
-                 W: tl.constexpr, BW: tl.constexpr):
-    """Channels o_c ([BC]) of slot i_s's conv window after the rows bos..eos of x: the last W
-    entries of [old window (zeros unless init), those rows], stored where `write` holds."""
-    o_w = tl.arange(0, BW)
-    m_w = o_w < W
-    o_src = (eos - bos) + o_w
-    from_old = o_src < W
-    p_old = conv_state + i_s * C * W + o_c[:, None] * W + o_src[None, :]
-    b_old = tl.load(p_old, mask=m_c[:, None] & (m_w & from_old & init)[None, :], other=0.0)
-    p_x = x + (bos + o_src - W)[None, :] * stride_x + o_c[:, None]
-    b_x = tl.load(p_x, mask=m_c[:, None] & (m_w & ~from_old)[None, :], other=0.0)
-    b_new = tl.where(from_old[None, :], b_old.to(tl.float32), b_x.to(tl.float32))
-    p_new = conv_state + i_s * C * W + o_c[:, None] * W + o_w[None, :]
-    tl.store(p_new, b_new.to(conv_state.dtype.element_ty),
-             mask=m_c[:, None] & (m_w & write)[None, :])
-
-
-@triton.jit
 def causal_conv1d_state_kernel(x, conv_state, cu_seqlens, state_ids, has_initial_state, defer,
                                num_accepted, C, stride_x, W: tl.constexpr, BW: tl.constexpr,
                                BC: tl.constexpr, HAS_DEFER: tl.constexpr, HAS_ACC: tl.constexpr):
@@ -95,10 +76,20 @@ def causal_conv1d_state_kernel(x, conv_state, cu_seqlens, state_ids, has_initial
     i_s = tl.load(state_ids + i_n)
     init = tl.load(has_initial_state + i_n) != 0
     o_c = i_c * BC + tl.arange(0, BC)
-    write = True
+    o_w = tl.arange(0, BW)
+    m_c, m_w = o_c < C, o_w < W
+    # new window = last W entries of [old window (W), this step's inputs (L)]
+    o_src = (eos - bos) + o_w
+    from_old = o_src < W
+    p_old = conv_state + i_s * C * W + o_c[:, None] * W + o_src[None, :]
+    b_old = tl.load(p_old, mask=m_c[:, None] & (m_w & from_old & init)[None, :], other=0.0)
+    p_x = x + (bos + o_src - W)[None, :] * stride_x + o_c[:, None]
+    b_x = tl.load(p_x, mask=m_c[:, None] & (m_w & ~from_old)[None, :], other=0.0)
+    b_new = tl.where(from_old[None, :], b_old.to(tl.float32), b_x.to(tl.float32))
+    p_new = conv_state + i_s * C * W + o_c[:, None] * W + o_w[None, :]
     if HAS_DEFER:
-        write = tl.load(defer + i_n) == 0
-    shift_window(x, conv_state, o_c, o_c < C, bos, eos, i_s, init, write, C, stride_x, W, BW)
+        m_w = m_w & (tl.load(defer + i_n) == 0)
+    tl.store(p_new, b_new.to(conv_state.dtype.element_ty), mask=m_c[:, None] & m_w[None, :])
 
 
 def causal_conv1d(
@@ -393,22 +384,16 @@ def kda_commit(
 
 
 @triton.jit
-def gated_norm_row(x, gate, weight, y, eps, D, BD: tl.constexpr):
-    """One row: y[:D] = x * rsqrt(mean(x^2) + eps) * weight * sigmoid(gate) (y may be x)."""
+def gated_rms_norm_kernel(x, gate, weight, y, eps, D, BD: tl.constexpr):
+    i_r = tl.program_id(0)
     o_d = tl.arange(0, BD)
     m_d = o_d < D
-    b_x = tl.load(x + o_d, mask=m_d, other=0.0).to(tl.float32)
-    b_z = tl.load(gate + o_d, mask=m_d, other=0.0).to(tl.float32)
+    b_x = tl.load(x + i_r * D + o_d, mask=m_d, other=0.0).to(tl.float32)
+    b_z = tl.load(gate + i_r * D + o_d, mask=m_d, other=0.0).to(tl.float32)
     b_w = tl.load(weight + o_d, mask=m_d, other=0.0).to(tl.float32)
     b_r = 1.0 / tl.sqrt(tl.sum(b_x * b_x) / D + eps)
     b_y = b_x * b_r * b_w * tl.sigmoid(b_z)
-    tl.store(y + o_d, b_y.to(y.dtype.element_ty), mask=m_d)
-
-
-@triton.jit
-def gated_rms_norm_kernel(x, gate, weight, y, eps, D, BD: tl.constexpr):
-    i_r = tl.program_id(0).to(tl.int64)
-    gated_norm_row(x + i_r * D, gate + i_r * D, weight, y + i_r * D, eps, D, BD)
+    tl.store(y + i_r * D + o_d, b_y.to(y.dtype.element_ty), mask=m_d)
 
 
 def gated_rms_norm(

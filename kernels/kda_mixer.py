@@ -1,15 +1,14 @@
 """Triton KDA token mixer (twin of `kernels/ref/kda_mixer.py`).
 
-Decode and verification steps (a few tokens per sequence) take one launch instead of six
-(conv, window write, gate, beta, recurrence, norm): a program per (V block, head, sequence)
-computes the short convs of its head's q/k/v channels from the slot's window and the step's
-rows, the decay gate, sigmoid beta and the q/k L2 norms, and walks the gated delta rule with its
-[dk, BV] state tile in registers (the recurrence kernel's layout: many small programs keep the
-state reads in flight). The two jobs that need every V block of a head done, the window write
-(all of them read the old q/k window) and the gated RMSNorm (whole dv rows), fall to the head's
-last program to finish, found by an arrival counter. (One program per head owning all dv
-columns needs no counter, but measured 1.5-7x slower than the six launches on an H200: the
-[dk, dv] tile does not fit the registers.)
+Decode and verification steps (a few tokens per sequence) take three launches instead of six
+(conv, window write, gate, beta, recurrence, norm): one fused kernel, a program per (V block,
+head, sequence), computes the short convs of its head's q/k/v channels from the slot's window
+and the step's rows, the decay gate, sigmoid beta and the q/k L2 norms, and walks the gated
+delta rule with its [dk, BV] state tile in registers (the recurrence kernel's layout: many small
+programs keep the state reads in flight); then the window write, which must wait until every
+program has read the old window, and the gated RMSNorm, which needs whole dv rows. (One program
+per head owning all dv columns could fuse those too, but measured 1.5-7x slower than the six
+launches on an H200: the [dk, dv] tile does not fit the registers.)
 Prefill (many tokens per sequence) runs the separate kernels of `kernels/kda.py`, whose
 recurrence is chunked there.
 """
@@ -27,6 +26,7 @@ __all__ = ["kda_mixer"]
 
 # Steps averaging more tokens per sequence than this take the separate (chunked) kernels.
 FUSED_MAX_TOKENS_PER_SEQ = 16
+CONV_BLOCK = 128 if INTERPRET else 256
 
 
 @triton.jit
@@ -47,11 +47,10 @@ def _conv_silu(pre, conv_state, conv_weight, c, m_c, i_t, bos, i_s, init, stride
 
 @triton.jit
 def kda_mixer_kernel(pre, conv_weight, conv_state, gate_logits, dt_bias, a_log, beta_logits,
-                     out_gate, norm_weight, state, o, q_out, k_out, v_out, g_out, beta_out,
-                     cu_seqlens, state_ids, has_initial_state, defer, arrivals, lower_bound,
-                     scale, eps, stride_pre, stride_gl, stride_bl, stride_og, H: tl.constexpr,
-                     K: tl.constexpr, V: tl.constexpr, W: tl.constexpr, BK: tl.constexpr,
-                     BV: tl.constexpr, BWIN: tl.constexpr, BVH: tl.constexpr,
+                     state, o, q_out, k_out, v_out, g_out, beta_out, cu_seqlens, state_ids,
+                     has_initial_state, defer, lower_bound, scale, stride_pre, stride_gl,
+                     stride_bl, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                     W: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                      HAS_BOUND: tl.constexpr, HAS_DEFER: tl.constexpr):
     i_v, i_h, i_n = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     bos, eos = tl.load(cu_seqlens + i_n), tl.load(cu_seqlens + i_n + 1)
@@ -101,29 +100,9 @@ def kda_mixer_kernel(pre, conv_weight, conv_state, gate_logits, dt_bias, a_log, 
         b_h += b_k[:, None] * b_u[None, :]
         b_o = tl.sum(b_h * b_q[:, None], 0)
         tl.store(o + (i_t * H + i_h) * V + o_v, b_o.to(o.dtype.element_ty), mask=m_v)
-    write = True
     if HAS_DEFER:  # verification: the commit writes the state once acceptance is known
-        write = tl.load(defer + i_n) == 0
-    tl.store(p_h, b_h.to(state.dtype.element_ty), mask=m_h & write)
-    # The head's last program to finish does what needs all its V blocks done: the window
-    # write (each of them read the old q/k window) and the norm (whole dv rows). Its stores
-    # before the arrival; the counter's acquire-release orders them before the last's loads.
-    tl.debug_barrier()
-    p_arr = arrivals + i_n * H + i_h
-    if tl.atomic_add(p_arr, 1, sem="acq_rel") == tl.num_programs(0) - 1:
-        tl.store(p_arr, 0)  # zero again for the next launch
-        o_vh = tl.arange(0, BVH)
-        m_vh = o_vh < V
-        kda.shift_window(pre, conv_state, c_q, m_k, bos, eos, i_s, init, write, C, stride_pre,
-                         W, BWIN)
-        kda.shift_window(pre, conv_state, c_k, m_k, bos, eos, i_s, init, write, C, stride_pre,
-                         W, BWIN)
-        kda.shift_window(pre, conv_state, 2 * H * K + i_h * V + o_vh, m_vh, bos, eos, i_s,
-                         init, write, C, stride_pre, W, BWIN)
-        for i_t in range(bos, eos):
-            p_o = o + (i_t * H + i_h) * V
-            kda.gated_norm_row(p_o, out_gate + i_t * stride_og + i_h * V, norm_weight, p_o, eps,
-                               V, BVH)
+        m_h = m_h & (tl.load(defer + i_n) == 0)
+    tl.store(p_h, b_h.to(state.dtype.element_ty), mask=m_h)
 
 
 def kda_mixer(
@@ -172,34 +151,21 @@ def kda_mixer(
     else:  # nothing to replay: the kernel stores none of them (o stands in, same dtype)
         q = k = v = g = beta = o
     if n_seq:
-        if out_gate.stride(2) != 1 or out_gate.stride(1) != dv:
-            out_gate = out_gate.contiguous()
         bk, bv = next_pow2(dk), min(next_pow2(dv), 8 if INTERPRET else 16)
         kda_mixer_kernel[(triton.cdiv(dv, bv), heads, n_seq)](
-            pre, conv_weight, conv_state, gate_logits, dt_bias, a_log, beta_logits, out_gate,
-            norm_weight, state, o, q, k, v, g, beta, cu_seqlens, state_ids, has_initial_state,
-            defer, _arrival_counters(n_seq * heads, dev),
-            0.0 if lower_bound is None else float(lower_bound), dk ** -0.5, eps, pre.stride(0),
-            gate_logits.stride(0), beta_logits.stride(0), out_gate.stride(0), H=heads, K=dk,
-            V=dv, W=width, BK=bk, BV=bv, BWIN=next_pow2(width), BVH=next_pow2(dv),
-            HAS_BOUND=lower_bound is not None, HAS_DEFER=defer is not None,
+            pre, conv_weight, conv_state, gate_logits, dt_bias, a_log, beta_logits, state, o,
+            q, k, v, g, beta, cu_seqlens, state_ids, has_initial_state, defer,
+            0.0 if lower_bound is None else float(lower_bound), dk ** -0.5, pre.stride(0),
+            gate_logits.stride(0), beta_logits.stride(0), H=heads, K=dk, V=dv, W=width,
+            BK=bk, BV=bv, HAS_BOUND=lower_bound is not None, HAS_DEFER=defer is not None,
             num_warps=1 if bk * bv <= 2048 else 4)
+        # the windows move only now: every program above read the old ones
+        kda.causal_conv1d_state_kernel[(n_seq, triton.cdiv(pre.shape[1], CONV_BLOCK))](
+            pre, conv_state, cu_seqlens, state_ids, has_initial_state, defer, None,
+            pre.shape[1], pre.stride(0), W=width, BW=next_pow2(width), BC=CONV_BLOCK,
+            HAS_DEFER=defer is not None, HAS_ACC=False)
+    o = kda.gated_rms_norm(o, out_gate, norm_weight, eps)
     return o, None if defer is None else (q, k, v, g, beta)
-
-
-# Per-(sequence, head) arrival counters of the fused kernel, one zeroed buffer per device
-# that every launch leaves zeroed (the last program of a head resets its counter), so a decode
-# step inside a CUDA graph needs no memset. Launches on one device share it: they must run in
-# one stream's order (the model runner's), not concurrently.
-_ARRIVALS: dict[torch.device, torch.Tensor] = {}
-
-
-def _arrival_counters(n: int, device: torch.device) -> torch.Tensor:
-    buf = _ARRIVALS.get(device)
-    if buf is None or buf.numel() < n:
-        buf = torch.zeros(max(n, 1024), dtype=torch.int32, device=device)
-        _ARRIVALS[device] = buf
-    return buf
 
 
 def _unfused(pre, conv_weight, conv_state, gate_logits, dt_bias, a_log, lower_bound,
