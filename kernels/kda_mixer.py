@@ -8,7 +8,10 @@ delta rule with its [dk, BV] state tile in registers (the recurrence kernel's la
 programs keep the state reads in flight); then the window write, which must wait until every
 program has read the old window, and the gated RMSNorm, which needs whole dv rows. (One program
 per head owning all dv columns could fuse those too, but measured 1.5-7x slower than the six
-launches on an H200: the [dk, dv] tile does not fit the registers.)
+launches on an H200: the [dk, dv] tile does not fit the registers. Handing both to the head's
+last program to finish, found by an arrival counter, measured no faster at batch 1 and 10-15%
+slower at batch 64: one warp's serial tail costs what the two launches did,
+benchmarks/results/kernels_kda_decode_h200_6fb5422.json.)
 Prefill (many tokens per sequence) runs the separate kernels of `kernels/kda.py`, whose
 recurrence is chunked there.
 """
