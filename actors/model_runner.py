@@ -124,8 +124,8 @@ class ModelRunner:
         (the gathered logits are identical), so acceptance, the KDA commit and the MTP drafts
         agree everywhere without a broadcast."""
         n_sample = len(step.sample_rows)
-        rows = torch.tensor(np.concatenate([step.sample_rows, step.prompt_logprob_rows]),
-                            device=self.device)
+        rows = _row_index(np.concatenate([step.sample_rows, step.prompt_logprob_rows]),
+                          self.device)
         key = self.graphs.bucket(step) if self.graphs is not None else None
         if key is not None:
             batch = None  # built only if a verify step must commit its KDA states
@@ -202,3 +202,11 @@ class ModelRunner:
         for seq, tokens in zip(dict.fromkeys(step.sample_seqs.tolist()), emitted, strict=True):
             next_tokens[seq] = tokens[-1]
         return self.proposer.propose(step, hidden, kept, next_tokens, taps)
+
+
+def _row_index(rows: np.ndarray, device: torch.device) -> slice | torch.Tensor:
+    """Index of the logits rows a step reads: a slice when they are consecutive (every decode
+    step), which needs no copy to the device and no gather kernel."""
+    if len(rows) and (np.diff(rows) == 1).all():
+        return slice(int(rows[0]), int(rows[-1]) + 1)
+    return torch.tensor(rows, dtype=torch.long, device=device)

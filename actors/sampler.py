@@ -109,10 +109,8 @@ class Sampler:
         """
         s, device = inputs, logits.device
         logits = logits.float()
-        temperature, top_p, min_p, presence, frequency, repetition = _device(
-            [s.temperature, s.top_p, s.min_p, s.presence_penalty, s.frequency_penalty,
-             s.repetition_penalty], np.float32, device)
-        top_k, seeds, positions = _device([s.top_k, s.seeds, s.positions], np.int64, device)
+        # parameters go to the device only for the ops that read them: a pageable copy waits
+        # for the stream, so an all-greedy step (argmax) copies nothing
         if len(s.banned_ids):
             rows = np.repeat(np.arange(len(s.banned_offsets) - 1), np.diff(s.banned_offsets))
             index = torch.from_numpy(np.stack([rows, s.banned_ids])).to(device)
@@ -124,11 +122,17 @@ class Sampler:
             ragged = torch.from_numpy(np.concatenate(parts).astype(np.int64)).to(device)
             prompt_ids, prompt_offsets, output_ids, output_offsets = ragged.split(
                 [len(p) for p in parts])
+            presence, frequency, repetition = _device(
+                [s.presence_penalty, s.frequency_penalty, s.repetition_penalty], np.float32,
+                device)
             logits = ops.apply_penalties(logits, presence, frequency, repetition, prompt_ids,
                                          prompt_offsets, output_ids, output_offsets)
         if np.all(s.temperature == 0):
             processed, ids = logits, logits.argmax(dim=-1)
         else:
+            temperature, top_p, min_p = _device([s.temperature, s.top_p, s.min_p], np.float32,
+                                                device)
+            top_k, seeds, positions = _device([s.top_k, s.seeds, s.positions], np.int64, device)
             processed = ops.process_logits(logits, temperature, top_k, top_p, min_p)
             ids = ops.sample(processed, temperature, seeds, positions)
         logprobs = None
@@ -138,7 +142,8 @@ class Sampler:
         if not with_probs:
             return ids, logprobs
         probs = torch.softmax(processed, dim=-1)
-        greedy = temperature == 0
-        if greedy.any():
-            probs[greedy] = F.one_hot(ids[greedy], probs.shape[-1]).to(probs.dtype)
+        greedy = np.flatnonzero(s.temperature == 0)
+        if len(greedy):
+            rows = torch.from_numpy(greedy).to(device)
+            probs[rows] = F.one_hot(ids[rows], probs.shape[-1]).to(probs.dtype)
         return ids, logprobs, probs

@@ -142,3 +142,17 @@ def test_banned_tokens_are_never_drawn():
     assert s.banned_offsets.tolist() == [0, 1, VOCAB]
     ids, _ = SAMPLER(logits, s)
     assert ids.tolist() == [top2[1], 0]  # greedy takes the runner-up; the other has one choice
+
+
+def test_draw_distributions_are_one_hot_for_greedy_rows():
+    """with_probs (speculative verification): a greedy row's distribution is the one-hot of its
+    argmax, a sampled row's the softmax of its processed logits; a batch mixing both."""
+    logits = torch.randn(3, VOCAB, generator=torch.Generator().manual_seed(4))
+    greedy, hot = SamplingParams(temperature=0), SamplingParams(temperature=0.7)
+    inputs = build_sampling_inputs([(greedy, 1, 0, (), (), ()), (hot, 2, 0, (), (), ()),
+                                    (greedy, 3, 0, (), (), ())])
+    ids, _, probs = SAMPLER(logits, inputs, with_probs=True)
+    for row in (0, 2):
+        assert ids[row] == logits[row].argmax()
+        assert torch.equal(probs[row], torch.nn.functional.one_hot(ids[row], VOCAB).float())
+    assert torch.allclose(probs[1], torch.softmax(logits[1] / 0.7, -1), atol=1e-6)
