@@ -81,6 +81,19 @@ def _timed(fn, steps: int) -> float:
     return (time.perf_counter() - start) / steps * 1e3
 
 
+def host_call_ms(fn, calls: int = 10) -> float:
+    """Median host time of one call issued to an idle GPU (for a graph replay: what
+    cudaGraphLaunch costs the host before it can go on)."""
+    times = []
+    for _ in range(calls):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    torch.cuda.synchronize()
+    return float(np.median(times) * 1e3)
+
+
 def engine_step_ms(model, caches: ModelCaches, cfg: ModelConfig, batch_size: int, ctx: int,
                    tables: list[list[int]], steps: int = 20,
                    profile: bool = False) -> tuple[float, dict]:
@@ -193,6 +206,7 @@ def bench_ours(cfg: ModelConfig, decode_cases, prefill_lens, rows, graphs: bool,
                     with torch.cuda.graph(graph):
                         step(b, ids)
                     row["graph_ms"] = _timed(graph.replay, 20)
+                    row["graph_launch_host_ms"] = host_call_ms(graph.replay)
                 except Exception as exc:
                     row["graph_error"] = repr(exc)[:300]
                 try:
