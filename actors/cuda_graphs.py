@@ -98,6 +98,10 @@ class StaticInputs:
         self.dev_flags = torch.zeros(2, n, dtype=torch.bool, device=device)
         self._host_np = self.host.numpy()
         self._flags_np = self.host_flags.numpy()
+        # host block-table entries outside [:rows, :cols] are zero: a step re-zeroes only what
+        # the last one wrote beyond its own tables (the full buffer is max_seqs x max_blocks,
+        # 1.6 MB at 64 sequences x 202K context)
+        self._tables_written = (0, 0)
         self.offsets: dict[str, int] = {}
         start = 0
         for name, size in sizes.items():
@@ -133,21 +137,26 @@ class StaticInputs:
         token_ids, positions = self._host("token_ids", t), self._host("positions", t)
         slots, cu = self._host("slot_mapping", t), self._host("cu_seqlens", b + 1)
         state_ids = self._host("state_ids", b)
-        tables = self._host("block_tables", b * self.max_blocks).reshape(b, self.max_blocks)
+        tables = self._host("block_tables", self.max_seqs * self.max_blocks).reshape(
+            self.max_seqs, self.max_blocks)
         token_ids[real:] = 0
         positions[real:] = pad_pos
         slots[real:] = pad_pos % self.block_size  # block 0: the null block
         state_ids[n:] = self.pad_slot
         self._host("query_seq", t)[:] = np.repeat(np.arange(b), w)
         cu[:] = np.arange(b + 1) * w
-        tables[:] = 0
+        rows, cols = self._tables_written
+        width = 0 if step is None else step.block_tables.shape[1]
+        tables[n:rows, :cols] = 0
+        tables[:min(n, rows), width:cols] = 0
+        self._tables_written = (n, width)
         self._flags_np[:, :b] = False
         if n:
             token_ids[:real] = step.token_ids
             positions[:real] = step.positions
             slots[:real] = step.slot_mapping
             state_ids[:n] = step.state_ids
-            tables[:n, :step.block_tables.shape[1]] = step.block_tables
+            tables[:n, :width] = step.block_tables
             self._flags_np[0, :n] = step.positions[step.cu_seqlens[:-1]] > 0
             if step.num_drafts is not None:
                 self._flags_np[1, :n] = step.num_drafts > 0

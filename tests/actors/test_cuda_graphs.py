@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from glm53.actors.caches import DSAState, KDAState
-from glm53.actors.cuda_graphs import batch_buckets, uniform_width
+from glm53.actors.cuda_graphs import StaticInputs, batch_buckets, uniform_width
 from glm53.actors.model_runner import ModelRunner
 from glm53.actors.step import SamplingParams, StepInput
 from glm53.deployments.tiny_model import make_tiny
@@ -49,6 +49,34 @@ def _run(engine: LLMEngine) -> list[list[int]]:
         for out in engine.step():
             results.setdefault(out.request_id, []).extend(out.new_token_ids)
     return [results[i] for i in ids]
+
+
+def test_static_buffers_hold_what_a_fresh_load_writes():
+    """Loads of steps with more or fewer sequences and wider or narrower block tables, some all
+    padding: after each, the device tensors a graph reads equal those of a fresh StaticInputs
+    given only that step, in every tensor the graph reads (stale table entries are re-zeroed,
+    not left behind)."""
+    rng = np.random.default_rng(0)
+    args = dict(max_seqs=6, max_width=2, max_blocks=9, block_size=4, pad_slot=7,
+                device=torch.device("cpu"))
+    kept = StaticInputs(**args)
+    for i in range(40):
+        b, w = int(rng.choice([1, 2, 4, 6])), int(rng.integers(1, 3))
+        n = int(rng.integers(0, b + 1))
+        width = int(rng.integers(1, 10))
+        step = None if n == 0 and i % 2 else StepInput(
+            i, [""] * n, rng.integers(0, 99, n * w), rng.integers(0, 30, n * w),
+            np.arange(n + 1) * w, rng.integers(1, 50, (n, width)).astype(np.int32),
+            rng.integers(0, 99, n * w), np.arange(n), np.arange(n), np.arange(n), None)
+        fresh = StaticInputs(**args)
+        kept.load(step, b, w)
+        fresh.load(step, b, w)
+        (ids, batch), (ids_f, batch_f) = kept.views(b, w), fresh.views(b, w)
+        assert torch.equal(ids, ids_f), i
+        for name in ("positions", "query_seq", "cu_seqlens", "state_ids", "has_initial_state",
+                     "block_tables", "slot_mapping", "defer_state"):
+            got, want = getattr(batch, name), getattr(batch_f, name)
+            assert (got is None and want is None) or torch.equal(got, want), (i, name)
 
 
 def test_buckets_and_widths():
