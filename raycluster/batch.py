@@ -38,7 +38,8 @@ def build_step_input(step_id: int, out: SchedulerOutput, block_size: int,
     width = max((len(s.request.block_ids) for s in scheduled), default=1)
     tables = np.zeros((len(scheduled), width), dtype=np.int32)  # block 0 = null (padding)
     for i, s in enumerate(scheduled):
-        tables[i, : len(s.request.block_ids)] = s.request.block_ids
+        table = s.request.block_table()
+        tables[i, : len(table)] = table
     query_seq = np.repeat(np.arange(len(scheduled)), lengths)
 
     sample_rows, sample_seqs, sampling_rows = [], [], []
@@ -50,8 +51,10 @@ def build_step_input(step_id: int, out: SchedulerOutput, block_size: int,
             n_out = len(r.output_ids) + j
             sample_rows.append(cu[i + 1] - 1 - k + j)
             sample_seqs.append(i)
-            sampling_rows.append((r.params, r.seed, n_out, r.prompt_ids,
-                                  r.output_ids + r.draft_ids[:j], _banned(r, eos_ids, n_out)))
+            # the output so far only matters to penalties (copying it is O(output) a row)
+            seen = r.output_ids + r.draft_ids[:j] if r.params.uses_penalties else ()
+            sampling_rows.append((r.params, r.seed, n_out, r.prompt_ids, seen,
+                                  _banned(r, eos_ids, n_out)))
     sampling = build_sampling_inputs(sampling_rows)
 
     pl_rows, pl_targets, pl_seqs, pl_k = [], [], [], []

@@ -11,6 +11,8 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from glm53.actors.step import SamplingParams
 
 
@@ -44,6 +46,9 @@ class Request:
     # prompt positions whose next-token logprob has been reported (not repeated on recompute)
     num_prompt_logprobs_done: int = 0
     draft_ids: list[int] = field(default_factory=list)  # proposed tokens awaiting verification
+    # block_ids as int32 for the step's block table, and the list it mirrors
+    _table: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32), repr=False)
+    _table_of: list[int] | None = field(default=None, repr=False)
 
     @property
     def num_tokens(self) -> int:
@@ -55,14 +60,25 @@ class Request:
         return self.num_tokens + len(self.draft_ids) - self.num_computed_tokens
 
     def token_ids(self, start: int, end: int) -> list[int]:
-        """Tokens at positions start..end-1 of prompt + output + drafts."""
-        n = len(self.prompt_ids)
-        if end <= n:
-            return self.prompt_ids[start:end]
-        tail = self.output_ids + self.draft_ids
-        if start >= n:
-            return tail[start - n:end - n]
-        return self.prompt_ids[start:] + tail[:end - n]
+        """Tokens at positions start..end-1 of prompt + output + drafts (copying only those:
+        a decode step asks for one token of a long output)."""
+        out: list[int] = []
+        base = 0
+        for part in (self.prompt_ids, self.output_ids, self.draft_ids):
+            out += part[max(start - base, 0):max(end - base, 0)]
+            base += len(part)
+        return out
+
+    def block_table(self) -> np.ndarray:
+        """block_ids as an int32 array, converted once per new block rather than every step.
+        The scheduler only extends block_ids or replaces the list (allocate, free)."""
+        ids = self.block_ids
+        if self._table_of is not ids or len(self._table) > len(ids):
+            self._table_of, self._table = ids, np.asarray(ids, dtype=np.int32)
+        elif len(self._table) < len(ids):
+            tail = np.asarray(ids[len(self._table):], dtype=np.int32)
+            self._table = np.concatenate([self._table, tail])
+        return self._table
 
     @property
     def finished(self) -> bool:

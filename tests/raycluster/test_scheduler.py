@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from glm53.actors.step import SamplingParams
@@ -104,3 +105,46 @@ def test_rejections():
     s.add(_req("x", 2))
     with pytest.raises(RequestRejectedError, match="duplicate"):
         s.add(_req("x", 2))
+
+
+def test_token_ids_span_prompt_outputs_and_drafts():
+    r = _req("a", 4)  # prompt 1 2 3 4
+    r.output_ids, r.draft_ids = [5, 6], [7, 8]
+    whole = [1, 2, 3, 4, 5, 6, 7, 8]
+    for start in range(9):
+        for end in range(start, 9):
+            assert r.token_ids(start, end) == whole[start:end], (start, end)
+
+
+def test_block_table_follows_growth_and_replacement():
+    """The int32 mirror of block_ids the step builder reads tracks every change the scheduler
+    makes: blocks added as a request grows, all freed on preemption, new ones on re-admission."""
+    s = _scheduler(num_blocks=5, block_size=4, budget=100)
+    s.add(_req("a", 7, max_tokens=8))
+    s.add(_req("b", 7, max_tokens=8))
+    b = s.requests["b"]
+    for _ in range(6):
+        _run(s)
+        for r in s.requests.values():
+            table = r.block_table()
+            assert table.dtype == np.int32 and table.tolist() == r.block_ids, r.request_id
+    assert b.num_preemptions == 1  # b was preempted (empty table) and re-admitted
+
+
+def test_step_input_carries_outputs_only_for_penalised_rows():
+    from glm53.raycluster.batch import build_step_input
+
+    s = _scheduler(budget=100)
+    s.add(_req("plain", 3, max_tokens=8))
+    s.add(_req("penalised", 3, max_tokens=8, repetition_penalty=1.3))
+    for token in (7, 9):  # prompts, then one decode step: two outputs each
+        out = s.schedule()
+        s.update(out.scheduled, [token] * sum(x.samples for x in out.scheduled), eos_ids=(0,))
+    step = build_step_input(0, s.schedule(), 4)
+    sampling = step.sampling
+    assert step.request_ids == ["plain", "penalised"]
+    assert sampling.output_offsets.tolist() == [0, 0, 2]  # plain: none; penalised: 7, 9
+    assert sampling.output_ids.tolist() == [7, 9]
+    assert sampling.prompt_offsets.tolist() == [0, 0, 3]
+    assert step.block_tables.tolist() == [r.block_ids + [0] * (step.block_tables.shape[1] - len(
+        r.block_ids)) for r in (s.requests["plain"], s.requests["penalised"])]
