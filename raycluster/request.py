@@ -47,8 +47,9 @@ class Request:
     num_prompt_logprobs_done: int = 0
     draft_ids: list[int] = field(default_factory=list)  # proposed tokens awaiting verification
     # block_ids as int32 for the step's block table, and the list it mirrors
-    _table: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32), repr=False)
-    _table_of: list[int] | None = field(default=None, repr=False)
+    _table: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32), init=False,
+                               repr=False)
+    _table_of: list[int] | None = field(default=None, init=False, repr=False)
 
     @property
     def num_tokens(self) -> int:
