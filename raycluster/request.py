@@ -73,12 +73,9 @@ class Request:
     def block_table(self) -> np.ndarray:
         """block_ids as an int32 array, converted once per new block rather than every step.
         The scheduler only extends block_ids or replaces the list (allocate, free)."""
-        ids = self.block_ids
-        if self._table_of is not ids or len(self._table) > len(ids):
-            self._table_of, self._table = ids, np.asarray(ids, dtype=np.int32)
-        elif len(self._table) < len(ids):
-            tail = np.asarray(ids[len(self._table):], dtype=np.int32)
-            self._table = np.concatenate([self._table, tail])
+        if self._table_of is not self.block_ids or len(self._table) != len(self.block_ids):
+            self._table_of = self.block_ids
+            self._table = np.asarray(self.block_ids, dtype=np.int32)
         return self._table
 
     @property
