@@ -124,7 +124,7 @@ class ModelRunner:
         (the gathered logits are identical), so acceptance, the KDA commit and the MTP drafts
         agree everywhere without a broadcast."""
         n_sample = len(step.sample_rows)
-        rows = _row_index(np.concatenate([step.sample_rows, step.prompt_logprob_rows]),
+        rows = logits_row_index(np.concatenate([step.sample_rows, step.prompt_logprob_rows]),
                           self.device)
         key = self.graphs.bucket(step) if self.graphs is not None else None
         if key is not None:
@@ -204,7 +204,7 @@ class ModelRunner:
         return self.proposer.propose(step, hidden, kept, next_tokens, taps)
 
 
-def _row_index(rows: np.ndarray, device: torch.device) -> slice | torch.Tensor:
+def logits_row_index(rows: np.ndarray, device: torch.device) -> slice | torch.Tensor:
     """Index of the logits rows a step reads: a slice when they are consecutive (every decode
     step), which needs no copy to the device and no gather kernel."""
     if len(rows) and (np.diff(rows) == 1).all():

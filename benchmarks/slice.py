@@ -35,6 +35,7 @@ from glm53.actors.config import ModelConfig
 from glm53.actors.cuda_graphs import DecodeGraphs
 from glm53.actors.forward_batch import ForwardBatch, slot_mapping_for
 from glm53.actors.loader import build_model
+from glm53.actors.model_runner import logits_row_index
 from glm53.actors.sampler import Sampler, build_sampling_inputs
 from glm53.actors.step import SamplingParams, StepInput
 from glm53.actors.tiny import release_config, tiny_text_config
@@ -122,7 +123,7 @@ def engine_step_ms(model, caches: ModelCaches, cfg: ModelConfig, batch_size: int
                          sampling)
         _, _, logits = graphs.run(step, graphs.bucket(step))
         t1 = time.perf_counter()
-        ids, _ = sampler(logits[torch.tensor(step.sample_rows, device=DEV)], step.sampling)
+        ids, _ = sampler(logits[logits_row_index(step.sample_rows, DEV)], step.sampling)
         t2 = time.perf_counter()
         out = ids.cpu().numpy()
         marks.append((t1 - t0, t2 - t1, time.perf_counter() - t2))
