@@ -14,6 +14,8 @@ import functools
 import importlib
 from collections.abc import Callable
 
+from .ref.exl3 import exl3_dequant, moe_exl3
+from .ref.int4 import dequantize_int4, moe_int4, quantize_int4
 from .ref.kda import (
     causal_conv1d,
     conv_commit,
@@ -40,6 +42,8 @@ __all__ = [
     "apply_penalties",
     "causal_conv1d",
     "conv_commit",
+    "dequantize_int4",
+    "exl3_dequant",
     "fused_moe",
     "gated_rms_norm",
     "hc_post",
@@ -52,7 +56,10 @@ __all__ = [
     "kda_gated_attention",
     "kda_mixer",
     "merge_attention_states",
+    "moe_exl3",
+    "moe_int4",
     "process_logits",
+    "quantize_int4",
     "rms_norm",
     "route_topk",
     "sample",
@@ -65,7 +72,7 @@ __all__ = [
 # --- backend switch ---------------------------------------------------------------------------
 
 # kernel modules: kernels/<name>.py holds the Triton twins of kernels/ref/<name>.py
-KERNEL_MODULES = ("kda", "kda_mixer", "mhc", "moe", "norm", "sparse_mla")
+KERNEL_MODULES = ("exl3", "int4", "kda", "kda_mixer", "mhc", "moe", "norm", "sparse_mla")
 BACKENDS = ("auto", "triton", "ref")
 _backend = "auto"
 _triton: dict[str, Callable] | None = None

@@ -1,0 +1,341 @@
+"""EXL3 (exllamav3) trellis decode and routed experts in Triton (twins of `kernels/ref/exl3.py`).
+
+`exl3_dequant` decodes 16x16 tiles in registers: each output element (r, c) of a tile finds its
+symbol i(r, c) by the inverse tile map, gathers the one or two uint32 words its 16-bit state
+spans, shifts the state out, hashes it on uint32 lanes and adds the two fp16 halves in fp32 with
+one rounding, which is bit-exact (design/exl3-dflash-spec.md §B.4-B.6). Any integer K in 1..8
+decodes with the same arithmetic (K is a compile-time constant).
+
+`moe_exl3` permutes the (token, expert) pairs into local-expert order (stable sort; other EP
+ranks' experts sort last and drop out, no host sync) and, per projection, rotates the inputs
+((x * suh) . H128, rounded to fp16 as exllamav3 does), multiplies by What and rotates the outputs
+((y' . H128) * svh). Two paths share everything but the GEMM:
+
+- decode (T * k <= DECODE_MAX_PAIRS = 512 pairs, i.e. up to 64 tokens at top-8: every CUDA-graph
+  decode / verify batch): no dequantised copy of the weights. One launch per projection over a
+  (P, N/128, K splits) grid; a program owns up to 16 sorted rows of one expert (the first row of
+  each 16-row run of an expert leads; the other programs exit at once), a 128-wide output block
+  and a K range (split until ~MIN_PROGRAMS programs work: T = 1 has only 8 experts), decodes the
+  weight tiles in registers right before `tl.dot` with the fp16 rotated activations (fp32
+  accumulate) and applies the output Hadamard + svh in its epilogue (linear, so K splits add
+  their transformed partials atomically). Each expert's weights are read and decoded once per 16
+  routed rows: at decode sizes (a few rows per expert) once. Graph-capturable.
+- prefill (more pairs): the fused kernel would decode each expert once per 16 rows; past ~4
+  blocks per expert it is cheaper to decode each expert once into a scratch and run a dense
+  grouped GEMM (`torch._grouped_mm`: bf16 on CUDA, where it has tensor-core kernels; fp32 on CPU).
+  Experts go in chunks of PREFILL_SCRATCH_BYTES (1 GiB: 32 experts of 4096x4096 bf16 instead of
+  4.8 GB for 144), each chunk's rows rotated to the front by a gather so that no host sync is
+  needed. The bf16 rounding of What (2^-9 relative) is far below the 4-bit quantisation noise.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .moe import swiglu
+from .utils import INTERPRET
+
+__all__ = ["exl3_dequant", "moe_exl3"]
+
+DECODE_MAX_PAIRS = 512
+PREFILL_SCRATCH_BYTES = 1 << 30
+# codebook -> (multiplier, addend) of the uint32 state hash; MUL1's fp16 constants as fp32
+_CB_HASH = {0: (89226354, 64248484), 1: (0xCBAC1FED, 0), 2: (0x83DCD12D, 0)}
+_MUL1_SCALE = 0.0067672729492187500  # fp16 0x1EEE
+_MUL1_BIAS = -10.3828125  # fp16 0xC931
+# rows per GEMM program (tl.dot's minimum), output block (one Hadamard block), K step (one tile
+# row: keeps the per-element window registers few)
+_BM, _BN, _BK = 16, 128, 16
+MIN_PROGRAMS = 1024  # fused GEMM: enough programs to fill 132 SMs several times
+_DOT = tl.float32 if INTERPRET else tl.float16  # the interpreter's fp16 dot is slow and inexact
+
+
+@triton.jit
+def _tile_window(o_r, o_c, BITS: tl.constexpr):
+    """Tile row o_r [R, 1] and column o_c [1, C] (0..15) -> (w1, w0, sh) [R, C]: the state of the
+    element's symbol is bits sh..sh+15 of (word[w0] << 32 | word[w1]) (words of one tile)."""
+    i = 8 * (4 * (o_c % 8) + (o_r % 8) // 2) + 4 * (o_c // 8) + 2 * (o_r // 8) + (o_r % 2)
+    end = BITS * (i + 1) + 256 * BITS  # end bit (exclusive), shifted positive for the wrap
+    w1 = (end - 1) // 32
+    w0 = (end - 16) // 32
+    sh = 32 * (w1 + 1) - end
+    return w1 % (8 * BITS), w0 % (8 * BITS), sh.to(tl.uint32)
+
+
+@triton.jit
+def _decode(u1, u0, sh, CB: tl.constexpr, MULT: tl.constexpr, ADD: tl.constexpr,
+            MUL1_SCALE: tl.constexpr, MUL1_BIAS: tl.constexpr):
+    """Words u1 (holds the state's last bit), u0 (the one before) as int32 and the shift sh ->
+    fp16 codebook values, bit-exact."""
+    u1 = u1.to(tl.uint32, bitcast=True)
+    u0 = u0.to(tl.uint32, bitcast=True)
+    # (u0 << (32 - sh)) without a 32-bit shift when sh == 0
+    state = ((u1 >> sh) | ((u0 << 1) << (31 - sh))) & 0xFFFF
+    x = state * tl.full([], MULT, tl.uint32) + tl.full([], ADD, tl.uint32)  # wraps mod 2**32
+    if CB == 2:
+        s = (x & 255) + ((x >> 8) & 255) + ((x >> 16) & 255) + (x >> 24)
+        # fp16(0x6400 + s) == 1024 + s; exact in fp32 until the one rounding
+        v = (s.to(tl.float32) + 1024.0) * MUL1_SCALE + MUL1_BIAS
+    else:
+        x = (x & tl.full([], 0x8FFF8FFF, tl.uint32)) ^ tl.full([], 0x3B603B60, tl.uint32)
+        lo = (x & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True)
+        hi = (x >> 16).to(tl.uint16).to(tl.float16, bitcast=True)
+        v = lo.to(tl.float32) + hi.to(tl.float32)
+    return v.to(tl.float16)
+
+
+@triton.jit
+def _dequant_kernel(tr, out, KT, NT, CB: tl.constexpr, MULT: tl.constexpr, ADD: tl.constexpr,
+                    MUL1_SCALE: tl.constexpr, MUL1_BIAS: tl.constexpr, BITS: tl.constexpr,
+                    BN: tl.constexpr):
+    """One tile row (16 rows) x BN columns of one matrix. tr: int32 words [B, KT, NT, 8*BITS];
+    out: [B, 16*KT, 16*NT]."""
+    i_ba, i_n = tl.program_id(0), tl.program_id(1)
+    o_r = tl.arange(0, 16)[:, None]
+    o_n = i_n * BN + tl.arange(0, BN)[None, :]
+    m_n = o_n < 16 * NT
+    w1, w0, sh = _tile_window(o_r, o_n % 16, BITS)
+    p_tile = tr + (i_ba.to(tl.int64) * NT + o_n // 16) * (8 * BITS)
+    u1 = tl.load(p_tile + w1, mask=m_n, other=0)
+    u0 = tl.load(p_tile + w0, mask=m_n, other=0)
+    val = _decode(u1, u0, sh, CB, MULT, ADD, MUL1_SCALE, MUL1_BIAS)
+    p_out = out + (i_ba.to(tl.int64) * 16 + o_r) * (16 * NT) + o_n
+    tl.store(p_out, val.to(out.dtype.element_ty), mask=m_n)
+
+
+def _check(trellis: torch.Tensor, codebook: int) -> int:
+    if codebook not in _CB_HASH:
+        raise ValueError(f"unknown EXL3 codebook {codebook}; expected 0 (3INST), 1 (MCG), 2 (MUL1)")
+    words = trellis.shape[-1]
+    if trellis.dtype != torch.int16 or words % 16 or not 1 <= words // 16 <= 8:
+        raise ValueError(f"EXL3 trellis must be int16 [..., 16*K] with K in 1..8, got "
+                         f"{trellis.dtype} [..., {words}]")
+    return words // 16
+
+
+def _const_kwargs(codebook: int, bits: int) -> dict:
+    mult, add = _CB_HASH[codebook]
+    return dict(CB=codebook, MULT=mult, ADD=add, MUL1_SCALE=_MUL1_SCALE, MUL1_BIAS=_MUL1_BIAS,
+                BITS=bits)
+
+
+def _dequant_into(trellis: torch.Tensor, codebook: int, dtype: torch.dtype) -> torch.Tensor:
+    """exl3_dequant written in `dtype` (fp16 is exact; bf16/fp32 for the prefill scratch)."""
+    bits = _check(trellis, codebook)
+    *batch, kt, nt, _ = trellis.shape
+    out = torch.empty((*batch, 16 * kt, 16 * nt), dtype=dtype, device=trellis.device)
+    rows = out.numel() // (256 * nt) if nt else 0
+    if rows:
+        words = trellis.contiguous().view(torch.int32)
+        _dequant_kernel[(rows, triton.cdiv(nt, 8))](
+            words, out, kt, nt, BN=128, **_const_kwargs(codebook, bits))
+    return out
+
+
+def exl3_dequant(trellis: torch.Tensor, codebook: int) -> torch.Tensor:
+    """trellis: int16 [..., k/16, n/16, 16K] -> What fp16 [..., k, n] (rotated basis), bit-exact."""
+    return _dequant_into(trellis, codebook, torch.float16)
+
+
+@triton.jit
+def _hadamard_pm1(BH: tl.constexpr):
+    """[BH, BH] fp32 natural-order Sylvester matrix: (-1)**popcount(i & j) (BH <= 128)."""
+    v = tl.arange(0, BH)[:, None] & tl.arange(0, BH)[None, :]
+    v = v ^ (v >> 4)
+    v = v ^ (v >> 2)
+    v = v ^ (v >> 1)
+    return tl.where((v & 1) == 0, 1.0, -1.0)
+
+
+@triton.jit
+def _rotate_kernel(src, src_row, stride_src, scale, expert, stride_se, stride_ss, out, P, M,
+                   BM: tl.constexpr, DT: tl.constexpr):
+    """out[s, p, blk] = fp16((fp16(src[src_row[p], blk] * scale[expert[p], s, blk]) . H128)
+    / sqrt(128)) for a 128-block blk of M; grid (cdiv(P, BM), S * M / 128)."""
+    i_p, i_sb = tl.program_id(0), tl.program_id(1)
+    n_blk = M // 128
+    i_s, i_b = i_sb // n_blk, i_sb % n_blk
+    o_p = i_p * BM + tl.arange(0, BM)
+    m_p = o_p < P
+    o_m = i_b * 128 + tl.arange(0, 128)
+    rows = tl.load(src_row + o_p, mask=m_p, other=0)
+    e = tl.load(expert + o_p, mask=m_p, other=0)
+    b_x = tl.load(src + rows[:, None] * stride_src + o_m[None, :], mask=m_p[:, None], other=0.0)
+    b_s = tl.load(scale + e[:, None] * stride_se + i_s * stride_ss + o_m[None, :],
+                  mask=m_p[:, None], other=0.0)
+    b_v = (b_x.to(tl.float32) * b_s.to(tl.float32)).to(tl.float16)
+    h = _hadamard_pm1(128)
+    b_y = tl.dot(b_v.to(DT), h.to(DT))  # +-1 in fp16: exact products, fp32 sums
+    p_out = out + (i_s * P + o_p[:, None]).to(tl.int64) * M + o_m[None, :]
+    tl.store(p_out, (b_y * 0.08838834764831845).to(tl.float16), mask=m_p[:, None])
+
+
+def _rotate(src: torch.Tensor, src_row: torch.Tensor, scale: torch.Tensor,
+            expert: torch.Tensor) -> torch.Tensor:
+    """Input transform of P sorted rows. src [R, M] (row stride free, unit column stride);
+    src_row, expert: [P] int; scale [E, S, M] -> [S, P, M] fp16 rotated activations."""
+    n_side, m = scale.shape[1], scale.shape[2]
+    p = src_row.shape[0]
+    out = torch.empty((n_side, p, m), dtype=torch.float16, device=src.device)
+    if p:
+        bm = 32
+        _rotate_kernel[(triton.cdiv(p, bm), n_side * (m // 128))](
+            src, src_row, src.stride(0), scale, expert, scale.stride(0), scale.stride(1), out,
+            p, m, BM=bm, DT=_DOT)
+    return out
+
+
+@triton.jit
+def _gemm_kernel(a, tr, svh, key, starts, out, P, KD, NT, SIDE_N, E, KS,
+                 CB: tl.constexpr, MULT: tl.constexpr, ADD: tl.constexpr,
+                 MUL1_SCALE: tl.constexpr, MUL1_BIAS: tl.constexpr, BITS: tl.constexpr,
+                 BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SPLIT: tl.constexpr,
+                 DT: tl.constexpr):
+    """Fused dequant-GEMM + output transform over rows sorted by local expert.
+
+    a: fp16 [S, P, KD] rotated inputs (side s = n // SIDE_N); tr: int32 words
+    [E, KD/16, NT, 8*BITS]; svh: [E, 16*NT]; key: [P] sorted local expert (E = not ours);
+    starts: [E + 1] first row of each expert; out: fp32 [P, 16*NT] += (a @ What . H128) * svh.
+    Program (row p, output block n, K split s) works iff p starts a BM-row run of its expert;
+    it sums KS rows of K (SPLIT: atomically, the transform being linear).
+    """
+    i_p, i_n, i_s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    e = tl.load(key + i_p)
+    if e >= E:
+        return
+    start = tl.load(starts + e)
+    if (i_p - start) % BM != 0:
+        return
+    end = tl.load(starts + e + 1)
+    o_p = i_p + tl.arange(0, BM)
+    m_p = o_p < end
+    o_n = i_n * BN + tl.arange(0, BN)
+    side = (i_n * BN) // SIDE_N
+    o_k = i_s * KS + tl.arange(0, BK)
+    w1, w0, sh = _tile_window(o_k[:, None] % 16, o_n[None, :] % 16, BITS)
+    # int32 word offsets inside expert e's trellis for the first K block (few live registers)
+    tile = ((o_k[:, None] // 16) * NT + o_n[None, :] // 16) * (8 * BITS)
+    off1, off0 = tile + w1, tile + w0
+    p_tr = tr + e.to(tl.int64) * (KD // 16) * NT * (8 * BITS)
+    p_a = a + (side * P + o_p[:, None]).to(tl.int64) * KD + o_k[None, :]
+    acc = tl.zeros([BM, BN], dtype=tl.float32)
+    for k0 in range(0, KS, BK):
+        step = (k0 // 16) * NT * (8 * BITS)
+        w = _decode(tl.load(p_tr + step + off1), tl.load(p_tr + step + off0), sh,
+                    CB, MULT, ADD, MUL1_SCALE, MUL1_BIAS)
+        b_a = tl.load(p_a + k0, mask=m_p[:, None], other=0.0)
+        acc += tl.dot(b_a.to(DT), w.to(DT))
+    y = tl.dot(acc, _hadamard_pm1(BN), input_precision="ieee") * 0.08838834764831845
+    y *= tl.load(svh + e * (16 * NT) + o_n).to(tl.float32)[None, :]
+    p_out = out + o_p[:, None].to(tl.int64) * (16 * NT) + o_n[None, :]
+    if SPLIT:
+        tl.atomic_add(p_out, y, mask=m_p[:, None])
+    else:
+        tl.store(p_out, y, mask=m_p[:, None])
+
+
+def _fused_linear(a: torch.Tensor, trellis: torch.Tensor, svh: torch.Tensor, key: torch.Tensor,
+                  starts: torch.Tensor, codebook: int) -> torch.Tensor:
+    """a fp16 [S, P, KD] (sorted rows; side s feeds output columns [s*N/S, (s+1)*N/S)),
+    trellis int16 [E, KD/16, N/16, 16K] -> fp32 [P, N] (rows of other ranks zero)."""
+    n_side, p, kd = a.shape
+    n_exp, _, nt, _ = trellis.shape
+    # zeros: rows of other ranks' experts stay finite through the SwiGLU; split-K adds into it
+    out = torch.zeros((p, 16 * nt), dtype=torch.float32, device=a.device)
+    if p:
+        n_blk = 16 * nt // _BN
+        # split K until ~MIN_PROGRAMS programs work (P bounds the working ones), >= 128 rows each
+        split = 1
+        while p * n_blk * split < MIN_PROGRAMS and kd % (2 * split * 128) == 0:
+            split *= 2
+        _gemm_kernel[(p, n_blk, split)](
+            a, trellis.view(torch.int32), svh, key, starts, out, p, kd, nt, 16 * nt // n_side,
+            n_exp, kd // split, BM=_BM, BN=_BN, BK=_BK, SPLIT=split > 1, DT=_DOT,
+            **_const_kwargs(codebook, _check(trellis, codebook)))
+    return out
+
+
+def _grouped_linear(a: torch.Tensor, trellis: torch.Tensor, svh: torch.Tensor, key: torch.Tensor,
+                    starts: torch.Tensor, codebook: int) -> torch.Tensor:
+    """Prefill twin of `_fused_linear`: dequantise experts chunk by chunk into a scratch and run
+    a grouped GEMM per input side, then the output transform in torch."""
+    n_side, p, kd = a.shape
+    n_exp, _, nt, _ = trellis.shape
+    n = 16 * nt
+    ns = n // n_side
+    dtype = torch.bfloat16 if a.is_cuda else torch.float32
+    chunk = max(1, PREFILL_SCRATCH_BYTES // (kd * n * dtype.itemsize))
+    a = a.to(dtype)
+    rows = torch.arange(p, device=a.device)
+    y = torch.zeros((p, n), dtype=torch.float32, device=a.device)
+    for c0 in range(0, n_exp, chunk):
+        c1 = min(c0 + chunk, n_exp)
+        w = _dequant_into(trellis[c0:c1], codebook, dtype)  # [c, KD, N]
+        # rotate the chunk's rows to the front (its first row is data, so gather, not slice)
+        shift = starts[c0]
+        idx = (rows + shift) % p
+        offs = (starts[c0 + 1:c1 + 1] - shift).to(torch.int32)
+        part = torch.cat([torch._grouped_mm(a[s][idx], w[:, :, s * ns:(s + 1) * ns], offs=offs)
+                          for s in range(n_side)], dim=1)
+        mine = (key >= c0) & (key < c1)
+        y = torch.where(mine.unsqueeze(1), part[(rows - shift) % p].float(), y)
+    blocks = y.reshape(p, n // 128, 128) @ _hadamard(a.device)
+    return blocks.reshape(p, n) * svh[key.clamp(max=n_exp - 1)].float()
+
+
+def _hadamard(device: torch.device) -> torch.Tensor:
+    """H128 / sqrt(128) in fp32 (natural order)."""
+    i = torch.arange(128, device=device)
+    v = i[:, None] & i[None, :]
+    parity = torch.zeros_like(v)
+    for b in range(7):
+        parity ^= (v >> b) & 1
+    return (1.0 - 2.0 * parity.float()) * 0.08838834764831845
+
+
+def moe_exl3(
+    x: torch.Tensor,
+    w13_trellis: torch.Tensor,
+    w13_suh: torch.Tensor,
+    w13_svh: torch.Tensor,
+    w2_trellis: torch.Tensor,
+    w2_suh: torch.Tensor,
+    w2_svh: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    swiglu_limit: float,
+    expert_offset: int,
+    codebook: int,
+    *,
+    decode: bool | None = None,
+) -> torch.Tensor:
+    """x: [T, D]; w13_trellis int16 [E, D/16, 2I/16, 16K]; w13_suh fp16 [E, 2, D];
+    w13_svh fp16 [E, 2I]; w2_trellis int16 [E, I/16, D/16, 16K]; w2_suh fp16 [E, I];
+    w2_svh fp16 [E, D]; topk_weights [T, k]; topk_ids [T, k] int64 (global ids).
+    decode: force the fused (True) or the scratch + grouped-GEMM (False) path; None picks by
+    T * k <= DECODE_MAX_PAIRS. Returns [T, D] in x's dtype."""
+    n_tok, k = topk_ids.shape
+    n_exp = w13_trellis.shape[0]
+    inter = w13_svh.shape[-1] // 2
+    if decode is None:
+        decode = n_tok * k <= DECODE_MAX_PAIRS
+    local = topk_ids.reshape(-1) - expert_offset
+    valid = (local >= 0) & (local < n_exp)
+    key = torch.where(valid, local, n_exp)
+    order = torch.argsort(key, stable=True)
+    key = key[order]
+    # first row of each expert, and of "not ours" (searchsorted: no host sync)
+    starts = torch.searchsorted(key, torch.arange(n_exp + 1, device=key.device)).to(torch.int32)
+    tok = order // k
+    expert = key.clamp(max=n_exp - 1)
+    linear = _fused_linear if decode else _grouped_linear
+    h = linear(_rotate(x, tok, w13_suh, expert), w13_trellis, w13_svh, key, starts, codebook)
+    act = swiglu(h[:, :inter], h[:, inter:], swiglu_limit)
+    y = linear(_rotate(act, torch.arange(act.shape[0], device=act.device), w2_suh.unsqueeze(1),
+                       expert), w2_trellis, w2_svh, key, starts, codebook)
+    wts = topk_weights.reshape(-1)[order].float().unsqueeze(1)
+    y = torch.where((key < n_exp).unsqueeze(1), y * wts, 0.0)
+    out = torch.zeros((n_tok, x.shape[1]), dtype=torch.float32, device=x.device)
+    return out.index_add_(0, tok, y).to(x.dtype)

@@ -1,0 +1,93 @@
+"""Triton INT4 kernels (kernels/int4.py) vs the reference on awkward sizes.
+
+Dequantisation is bit-exact (a 4-bit code times an fp16 scale is exact in fp32). moe_int4, both
+paths: relative error 1e-5 under the interpreter (fp32 operands; sums in another order) and 2e-2
+on CUDA (fp16/bf16 operands, fp32 accumulation). Group sizes: 32 (several groups per row, and
+a K step of one group) and 128, which exceeds every in_features here, so each projection's
+group is its whole row (96 and 64: whole-group K steps; 48: per-element scales).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from glm53.kernels.ref import int4 as ref_int4
+
+from .test_int4_ref import quantized_experts
+from .triton_util import DEVICE, needs_triton, rel_err
+
+pytestmark = needs_triton
+TOL = 1e-5 if DEVICE == "cpu" else 2e-2
+
+
+@pytest.mark.parametrize("shape,g", [((3, 40, 96), 32), ((2, 5, 48), 48), ((7, 64), 64)])
+def test_dequantize_exact(shape, g):
+    from glm53.kernels import int4
+
+    gen = torch.Generator().manual_seed(3)
+    q, scale, zero = ref_int4.quantize_int4(torch.randn(shape, generator=gen), g)
+    out = int4.dequantize_int4(q.to(DEVICE), scale.to(DEVICE), zero.to(DEVICE), g)
+    assert out.dtype == torch.float32
+    assert torch.equal(out.cpu(), ref_int4.dequantize_int4(q, scale, zero, g))
+
+
+SHAPES = [(64, 32, 32), (96, 32, 32), (96, 48, 128), (64, 48, 128)]  # D, I, group_size
+# T, k, E_local, expert_offset (ids drawn from E_local + 3 experts: some are another rank's)
+ROUTES = [(1, 1, 3, 0), (5, 3, 4, 2), (17, 3, 5, 3)]
+
+
+def _case(d, inter, group_size, t, k, n_local, seed):
+    gen = torch.Generator().manual_seed(seed)
+    packed, _ = quantized_experts(n_local, d, inter, group_size, gen)
+    x = torch.randn(t, d, generator=gen)
+    ids = torch.stack([torch.randperm(n_local + 3, generator=gen)[:k] for _ in range(t)])
+    return x, packed, torch.rand(t, k, generator=gen), ids
+
+
+@pytest.mark.parametrize("path", ["decode", "prefill"])
+@pytest.mark.parametrize("d,inter,group_size", SHAPES)
+@pytest.mark.parametrize("t,k,n_local,offset", ROUTES)
+def test_moe_int4_matches_ref(path, d, inter, group_size, t, k, n_local, offset):
+    from glm53.kernels import int4
+
+    x, packed, wts, ids = _case(d, inter, group_size, t, k, n_local, seed=d + inter + t)
+    if offset == 0 and k == 1:
+        ids[0, 0] = 1  # one local expert at least, so the reference is not all zeros
+    want = ref_int4.moe_int4(x, *packed, wts, ids, 7.0, offset, group_size)
+    out = int4.moe_int4_on_path(*(a.to(DEVICE) for a in (x, *packed, wts, ids)), 7.0, offset,
+                                group_size, path=path)
+    assert out.dtype == x.dtype and out.shape == x.shape
+    assert rel_err(out, want) < TOL
+
+
+@pytest.mark.parametrize("path", ["decode", "prefill"])
+def test_moe_int4_bf16_strided_input(path):
+    """bf16 x with strided rows: the result is the reference on the same bf16 input."""
+    from glm53.kernels import int4
+
+    x, packed, wts, ids = _case(64, 32, 32, 6, 3, 4, seed=9)
+    xb = torch.cat([x, x], dim=1).bfloat16()[:, ::2]
+    want = ref_int4.moe_int4(xb, *packed, wts, ids, 7.0, 1, 32)
+    out = int4.moe_int4_on_path(xb.to(DEVICE), *(a.to(DEVICE) for a in (*packed, wts, ids)),
+                                7.0, 1, 32, path=path)
+    assert out.dtype == torch.bfloat16 and rel_err(out, want) < max(TOL, 1e-2)
+
+
+def test_switch_rule_and_bad_path(monkeypatch):
+    """The prefill path from PREFILL_MIN_ROWS_PER_EXPERT rows per local expert on (it alone
+    dequantises through the scratch)."""
+    from glm53.kernels import int4
+
+    x, packed, wts, ids = _case(64, 32, 32, 8, 3, 4, seed=11)
+    args = [a.to(DEVICE) for a in (x, *packed, wts, ids)]
+    calls, dequant = [], int4._dequant_into
+    monkeypatch.setattr(int4, "_dequant_into", lambda *a: calls.append(dequant(*a)))
+    monkeypatch.setattr(int4, "PREFILL_MIN_ROWS_PER_EXPERT", 7)  # 24 pairs < 7 * 4 experts
+    int4.moe_int4(*args, 7.0, 0, 32)
+    assert not calls
+    monkeypatch.setattr(int4, "PREFILL_MIN_ROWS_PER_EXPERT", 6)  # 24 >= 6 * 4
+    int4.moe_int4(*args, 7.0, 0, 32)
+    assert calls
+    with pytest.raises(ValueError, match="path"):
+        int4.moe_int4_on_path(*args, 7.0, 0, 32, path="gemv")
