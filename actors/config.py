@@ -69,6 +69,12 @@ class ModelConfig:
     pad_token_id: int | None = None
     has_vision: bool = False
     fp8_block_size: tuple[int, int] | None = None  # official FP8 release: (128, 128) block scales
+    # how the routed experts are held on the device: "dense" (the model dtype), "exl3" (the
+    # checkpoint's EXL3 trellis codes, `exl3_bits` per weight, `exl3_codebook` 0 3INST / 1 MCG /
+    # 2 MUL1) or "int4" (quantised while loading a dense or FP8 checkpoint)
+    expert_format: str = "dense"
+    exl3_bits: int = 0
+    exl3_codebook: int = 0
 
     # ----- derived -----
     @property
@@ -223,7 +229,7 @@ class ModelConfig:
             eos_token_ids=eos_ids,
             pad_token_id=t.get("pad_token_id"),
             has_vision=has_vision,
-            fp8_block_size=_fp8_block_size(t.get("quantization_config")),
+            **_quantization(t.get("quantization_config")),
         )
 
 
@@ -266,12 +272,44 @@ def _mlp_layer_types(t: dict[str, Any], num_layers: int) -> tuple[str, ...]:
     return tuple(_MLP_TYPES[n] for n in names)
 
 
-def _fp8_block_size(quant: dict[str, Any] | None) -> tuple[int, int] | None:
+EXPERT_FORMATS = ("dense", "exl3", "int4")
+EXL3_CODEBOOKS = {"3inst": 0, "mcg": 1, "mul1": 2}
+# the one scope our EXL3 path implements: routed experts quantised, everything else as released
+EXL3_SCOPE = "glm53_routed_experts_only"
+
+
+def _quantization(quant: dict[str, Any] | None) -> dict[str, Any]:
+    """ModelConfig fields for a `quantization_config` (block FP8 or EXL3 routed experts)."""
     if not quant:
-        return None
+        return {}
     method = quant.get("quant_method")
-    if method != "fp8":
-        raise UnsupportedConfigError(f"quantization_config.quant_method={method!r}: only fp8")
+    if method == "fp8":
+        return {"fp8_block_size": _fp8_block_size(quant)}
+    if method == "exl3":
+        return _exl3(quant)
+    raise UnsupportedConfigError(
+        f"quantization_config.quant_method={method!r}: only fp8 and exl3")
+
+
+def _exl3(quant: dict[str, Any]) -> dict[str, Any]:
+    scope = quant.get("scope", EXL3_SCOPE)
+    if scope != EXL3_SCOPE:
+        raise UnsupportedConfigError(
+            f"quantization_config.scope={scope!r}: only {EXL3_SCOPE!r} (routed experts in EXL3, "
+            "every other tensor as released)")
+    bits = quant.get("bits")
+    if not isinstance(bits, int) or not 1 <= bits <= 8:
+        raise UnsupportedConfigError(
+            f"quantization_config.bits={bits!r}: EXL3 needs an integer 1..8 bits per weight")
+    codebook = quant.get("codebook", "mcg")
+    if codebook not in EXL3_CODEBOOKS:
+        raise UnsupportedConfigError(
+            f"quantization_config.codebook={codebook!r}: one of {sorted(EXL3_CODEBOOKS)}")
+    return {"expert_format": "exl3", "exl3_bits": bits,
+            "exl3_codebook": EXL3_CODEBOOKS[codebook]}
+
+
+def _fp8_block_size(quant: dict[str, Any]) -> tuple[int, int]:
     fmt = quant.get("fmt", "e4m3")
     if fmt != "e4m3":
         raise UnsupportedConfigError(f"quantization_config.fmt={fmt!r}: only e4m3")

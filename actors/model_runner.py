@@ -17,6 +17,7 @@ from .caches import CachePlan, ModelCaches, plan_cache
 from .cuda_graphs import DecodeGraphs, batch_buckets
 from .forward_batch import ForwardBatch
 from .loader import DTYPES, load_model
+from .memory_plan import MemoryPlan, plan_memory
 from .parallel import ParallelState
 from .sampler import Sampler, gather_logprobs
 from .spec.dflash import DFlashProposer
@@ -37,28 +38,51 @@ class ModelRunner:
                  draft_model: str | None = None, draft_sampling: str = "greedy",
                  enforce_eager: bool = False,
                  cuda_graph_batch_sizes: tuple[int, ...] | None = None,
-                 max_model_len: int | None = None) -> None:
+                 max_model_len: int | None = None,
+                 quantize_experts: str | None = None,
+                 max_num_batched_tokens: int = 2048) -> None:
         """`block_size` counts logical tokens per block (latent rows per rank x DCP size).
         Speculation: `num_spec` drafts per step from the MTP layer (`with_mtp`) or from the
         DFlash draft checkpoint `draft_model` (replicated on every rank). CUDA graphs (unless
         `enforce_eager`) are captured for decode batches of `cuda_graph_batch_sizes` (capped
         at num_slots) with block tables wide enough for `max_model_len` (default: the
-        model's context) tokens."""
+        model's context) tokens. `quantize_experts` ("int4") quantises the routed experts of a
+        dense/FP8 checkpoint while loading.
+
+        On CUDA without an explicit cache size, the memory plan (memory_plan.py) of the
+        meta-built model is checked before anything is allocated, so a model that cannot fit
+        is refused with the numbers, and the KV pool is sized from what the plan leaves under
+        `gpu_memory_utilization` (which caps weights, caches, activations and graphs)."""
         self.device = torch.device(device)
         self.ps = ps or ParallelState()
-        self.model = load_model(model_dir, with_mtp=with_mtp,
-                                dtype=DTYPES[dtype] if dtype else None, device=self.device,
-                                progress=progress, ps=self.ps)
-        self.config = self.model.config
-        cache_dtype = self.model.embed_tokens.weight.dtype
-        if num_blocks is None and cache_bytes is None:
-            cache_bytes = self._free_memory_budget(gpu_memory_utilization)
-        self.with_mtp, self.num_spec = with_mtp, num_spec
         if draft_sampling not in ("greedy", "probabilistic"):
             raise ValueError(f"draft sampling {draft_sampling!r}: greedy or probabilistic")
+        self.memory_plan: MemoryPlan | None = None
+        sized = num_blocks is not None or cache_bytes is not None
+
+        def check_memory(meta_model) -> None:
+            if self.device.type != "cuda" or sized:
+                return
+            total = torch.cuda.mem_get_info(self.device)[1]
+            self.memory_plan = plan_memory(
+                meta_model, total, gpu_memory_utilization, block_size=block_size,
+                num_slots=num_slots, num_spec=num_spec, max_model_len=max_model_len,
+                max_num_batched_tokens=max_num_batched_tokens).check()
+            logger.info("rank %d %s", self.ps.rank, self.memory_plan.describe())
+
+        self.model = load_model(model_dir, with_mtp=with_mtp,
+                                dtype=DTYPES[dtype] if dtype else None, device=self.device,
+                                progress=progress, ps=self.ps,
+                                quantize_experts=quantize_experts, check_memory=check_memory)
+        self.config = self.model.config
+        cache_dtype = self.model.embed_tokens.weight.dtype
+        self.with_mtp, self.num_spec = with_mtp, num_spec
         self.draft_sampling = draft_sampling
+        # the draft is loaded before the cache is sized, so its weights come out of the budget
         self.draft = (load_draft(draft_model, cache_dtype, self.device)
                       if draft_model and num_spec else None)
+        if not sized:
+            cache_bytes = self._free_memory_budget(gpu_memory_utilization)
         self.proposer: MTPProposer | DFlashProposer | None = None
         # what this rank could hold; ranks agree on the smallest before allocating
         # the budget also pays for the padding slot of the CUDA graphs (see allocate_caches);
@@ -115,8 +139,9 @@ class ModelRunner:
         if self.device.type != "cuda":
             raise ValueError("on CPU give the cache size explicitly (num_blocks or cache_bytes)")
         free, total = torch.cuda.mem_get_info(self.device)
-        # what the process may still take under the utilisation cap, after the weights
-        return int(utilization * total) - (total - free)
+        # what the process may still take under the utilisation cap after the weights (and a
+        # draft), less what is allocated after the caches (activations, graph pool)
+        return int(utilization * total) - (total - free) - self.memory_plan.workspace_bytes
 
     @torch.inference_mode()
     def execute(self, step: StepInput) -> StepOutput | None:

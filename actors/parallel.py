@@ -37,10 +37,15 @@ class ParallelConfig:
 
 @dataclass(frozen=True)
 class ParallelState:
-    """This rank's place in the layout (rank 0 of world 1 when nothing is parallel)."""
+    """This rank's place in the layout (rank 0 of world 1 when nothing is parallel).
+
+    `emulated`: this rank's shapes with no other rank present (the rank-0 emulation of
+    performance.md §5.1): collectives do no communication; an all-gather still writes its
+    full-size output (world copies of the local part) so the memory traffic stays real."""
 
     config: ParallelConfig = ParallelConfig()
     rank: int = 0
+    emulated: bool = False
 
     @property
     def world_size(self) -> int:
@@ -72,7 +77,7 @@ class ParallelState:
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum over all ranks (in place where possible); identity for one rank."""
-        if self.world_size > 1:
+        if self.world_size > 1 and not self.emulated:
             dist.all_reduce(x)
         return x
 
@@ -84,6 +89,8 @@ class ParallelState:
         """Concatenate every rank's `x` along `dim` (rank order); identity for one rank."""
         if self.world_size == 1:
             return x
+        if self.emulated:
+            return torch.cat([x] * self.world_size, dim=dim)
         parts = [torch.empty_like(x) for _ in range(self.world_size)]
         dist.all_gather(parts, x.contiguous())
         return torch.cat(parts, dim=dim)

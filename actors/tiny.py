@@ -114,15 +114,23 @@ def release_config(text: dict[str, Any], eos_token_ids: list[int], pad_token_id:
 
 @torch.no_grad()
 def randomize(model: Glm5NextForCausalLM, seed: int) -> None:
-    """Seeded values with unit-scale activations and no constant-initialised parameters."""
-    gen = torch.Generator().manual_seed(seed)
+    """Seeded values with unit-scale activations and no constant-initialised parameters, drawn
+    on the parameters' device (the rank-0 emulation fills ~85 GB on its GPU this way)."""
+    device = next(model.parameters()).device
+    gen = torch.Generator(device=device).manual_seed(seed)
 
     def normal(p: torch.Tensor, std: float, mean: float = 0.0) -> None:
-        p.copy_(torch.randn(p.shape, generator=gen) * std + mean)
+        p.copy_(torch.randn(p.shape, generator=gen, device=device) * std + mean)
 
     for name, p in model.named_parameters():
         leaf = name.rsplit(".", 1)[-1]
-        if p.ndim == 1 and (leaf == "weight" or name.endswith("scale")):
+        if leaf.endswith(("_trellis", "_suh", "_svh")):
+            _randomize_exl3(p, leaf, gen)
+        elif leaf.endswith(("_q", "_scale", "_zero")) and ".experts." in name:
+            fan_in = model.config.hidden_size if leaf.startswith("w13") else (
+                model.config.moe_intermediate_size)
+            _randomize_int4(p, leaf, gen, fan_in)
+        elif p.ndim == 1 and (leaf == "weight" or name.endswith("scale")):
             normal(p, 0.1, 1.0)  # norm weights, hc scale: around 1
         elif leaf in ("bias", "base", "e_score_correction_bias", "dt_bias", "A_log"):
             normal(p, 0.3)
@@ -132,6 +140,44 @@ def randomize(model: Glm5NextForCausalLM, seed: int) -> None:
             normal(p, 1.0)
         else:  # matrices (and stacked experts): fan-in scaling keeps activations O(1)
             normal(p, 1.0 / math.sqrt(p.shape[-1]))
+
+
+EXL3_CODEBOOK_STD = 1.2441  # std of the MCG codebook over all states (exl3-dflash-spec §B.5)
+
+
+def _randomize_exl3(p: torch.Tensor, leaf: str, gen: torch.Generator) -> None:
+    """Random EXL3 codes (every int16 pattern is a valid trellis) and +-1 sign vectors with
+    scales that give the decoded weights a 1/sqrt(fan-in) spread, as for dense matrices."""
+    dev = gen.device
+    if leaf.endswith("_trellis"):
+        p.copy_(torch.randint(-2**15, 2**15, p.shape, generator=gen, dtype=torch.int32,
+                              device=dev))
+        return
+    signs = torch.randint(0, 2, p.shape, generator=gen, device=dev) * 2 - 1
+    magnitude = 1.0 + 0.1 * torch.randn(p.shape, generator=gen, device=dev)
+    if leaf.endswith("_suh"):  # input side: carries the codebook's and fan-in's scale
+        fan_in = p.shape[-1] // 2 if leaf == "w13_suh" else p.shape[-1]
+        magnitude = magnitude / (EXL3_CODEBOOK_STD * math.sqrt(fan_in))
+    p.copy_(signs * magnitude)
+
+
+def _randomize_int4(p: torch.Tensor, leaf: str, gen: torch.Generator, fan_in: int) -> None:
+    """Random 4-bit codes with group scales giving a 1/sqrt(fan-in) spread: uniform codes
+    0..15 have std 4.61, centred by a zero point of -7.5 scales."""
+    dev = gen.device
+    if leaf.endswith("_q"):
+        p.copy_(torch.randint(0, 256, p.shape, generator=gen, dtype=torch.int32, device=dev))
+        return
+    scale = (1.0 + 0.1 * torch.randn(p.shape, generator=gen, device=dev)) / (
+        4.61 * math.sqrt(fan_in))
+    p.copy_(scale if leaf.endswith("_scale") else -7.5 * scale)
+
+
+def exl3_quantization_config(bits: int = 4, codebook: str = "mcg") -> dict[str, Any]:
+    """The seed checkpoint's `quantization_config` (exl3-dflash-spec §A.3)."""
+    return {"quant_method": "exl3", "version": "0.0.43", "bits": bits, "codebook": codebook,
+            "scope": "glm53_routed_experts_only",
+            "non_routed_dtype_policy": "official_source_native"}
 
 
 def write_tiny_checkpoint(out_dir: str | Path, config: dict[str, Any], seed: int = 0) -> Path:

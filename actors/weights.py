@@ -29,7 +29,10 @@ _VISION_PREFIX = "model.visual."
 _HC = re.compile(r"hc_(attn|ffn)_(fn|base|scale)$")
 _CONV = re.compile(r"self_attn\.([qkv])_conv1d\.weight$")
 _QKV = re.compile(r"self_attn\.([qkv])_proj\.weight$")
-_EXPERT = re.compile(r"mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight$")
+_EXPERT = re.compile(
+    r"mlp\.experts\.(\d+)\.(gate|up|down)_proj\.(weight|trellis|suh|svh|mcg|mul1)$")
+# EXL3 codebook markers: 0-dim int32 tensors whose presence selects the codebook
+EXL3_MARKERS = {"mcg": (1, -877_912_083), "mul1": (2, -2_082_680_531)}
 
 
 class CheckpointError(ValueError):
@@ -46,8 +49,9 @@ class Target:
     expert: int | None = None
 
 
-def _layer_local(rest: str, cfg: ModelConfig) -> Target:
-    """Map a name relative to one decoder layer to a Target with a layer-relative param."""
+def _layer_local(rest: str, cfg: ModelConfig) -> Target | None:
+    """Map a name relative to one decoder layer to a Target with a layer-relative param (None
+    for EXL3 codebook markers, which `check_exl3_markers` reads)."""
     if m := _HC.fullmatch(rest):
         return Target(f"{m.group(1)}_hc.{m.group(2)}")
     if m := _CONV.fullmatch(rest):
@@ -55,12 +59,15 @@ def _layer_local(rest: str, cfg: ModelConfig) -> Target:
     if m := _QKV.fullmatch(rest):
         return Target("self_attn.qkv_proj.weight", part="qkv".index(m.group(1)))
     if m := _EXPERT.fullmatch(rest):
-        e, kind = int(m.group(1)), m.group(2)
+        e, kind, leaf = int(m.group(1)), m.group(2), m.group(3)
         if e >= cfg.n_routed_experts:
             raise CheckpointError(f"expert index {e} >= n_routed_experts={cfg.n_routed_experts}")
-        if kind == "down":
-            return Target("mlp.w2", expert=e)
-        return Target("mlp.w13", part=0 if kind == "gate" else 1, expert=e)
+        if leaf in EXL3_MARKERS:
+            return None
+        param = "mlp.experts." + ("w2" if kind == "down" else "w13")
+        if leaf != "weight":
+            param += "_" + leaf
+        return Target(param, part=None if kind == "down" else "gu".index(kind[0]), expert=e)
     if rest == "shared_head.norm.weight":
         return Target("shared_head_norm.weight")
     return Target(rest)
@@ -92,6 +99,8 @@ def checkpoint_targets(name: str, cfg: ModelConfig, with_mtp: bool) -> Target | 
         target = _layer_local(rest, cfg)
     except CheckpointError as exc:
         raise CheckpointError(f"unexpected tensor {name!r}: {exc}") from None
+    if target is None:
+        return None
     return Target(prefix + target.param, target.part, target.expert)
 
 
@@ -111,10 +120,12 @@ def _checkpoint_names(pname: str, param: torch.Tensor, cfg: ModelConfig) -> list
         return [f"{base}self_attn.{c}_conv1d.weight" for c in "qkv"]
     if rel == "self_attn.qkv_proj.weight":
         return [f"{base}self_attn.{c}_proj.weight" for c in "qkv"]
-    if rel in ("mlp.w13", "mlp.w2"):
+    if m := re.fullmatch(r"mlp\.experts\.(w13|w2)(?:_(\w+))?", rel):
         experts = range(param.expert_offset, param.expert_offset + param.shape[0])
-        kinds = ("down",) if rel == "mlp.w2" else ("gate", "up")
-        return [f"{base}mlp.experts.{e}.{k}_proj.weight" for e in experts for k in kinds]
+        kinds = ("down",) if m.group(1) == "w2" else ("gate", "up")
+        # int4 codes, scales and zeros are all quantised from the dense weight
+        leaf = m.group(2) if m.group(2) in ("trellis", "suh", "svh") else "weight"
+        return [f"{base}mlp.experts.{e}.{k}_proj.{leaf}" for e in experts for k in kinds]
     if rel == "shared_head_norm.weight":
         return [f"{base}shared_head.norm.weight"]
     return [base + rel]
@@ -126,6 +137,8 @@ def export_checkpoint(model: torch.nn.Module) -> dict[str, torch.Tensor]:
         raise ValueError("export needs the unsharded (world size 1) model")
     cfg: ModelConfig = model.config
     out: dict[str, torch.Tensor] = {}
+    if cfg.expert_format == "int4":
+        raise ValueError("int4 experts are quantised at load time and have no checkpoint form")
     for pname, p in model.named_parameters():
         names = _checkpoint_names(pname, p, cfg)
         t = p.detach()
@@ -133,23 +146,31 @@ def export_checkpoint(model: torch.nn.Module) -> dict[str, torch.Tensor]:
             parts = [c.unsqueeze(1) for c in t.chunk(3, dim=0)]
         elif pname.endswith("qkv_proj.weight"):
             parts = list(t.chunk(3, dim=0))
-        elif pname.endswith("mlp.w13"):
-            parts = [half for e in range(t.shape[0]) for half in t[e].chunk(2, dim=0)]
-        elif pname.endswith("mlp.w2"):
+        elif ".mlp.experts.w13" in pname:  # gate | up halves of every expert
+            parts = [half for e in range(t.shape[0]) for half in t[e].chunk(2, dim=p.part_dim)]
+        elif ".mlp.experts.w2" in pname:
             parts = list(t.unbind(0))
         else:
             parts = [t]
         out.update(zip(names, parts, strict=True))
+        if cfg.expert_format == "exl3" and pname.endswith("_trellis"):
+            for marker, (codebook, value) in EXL3_MARKERS.items():
+                if cfg.exl3_codebook == codebook:
+                    out.update({n.replace(".trellis", "." + marker):
+                                torch.tensor(value, dtype=torch.int32) for n in names})
     return {k: v.contiguous() for k, v in out.items()}
 
 
 def dequantize_fp8_blocks(weight: torch.Tensor, scale_inv: torch.Tensor,
-                          block_size: tuple[int, int] | None = None) -> torch.Tensor:
-    """Block-FP8 -> fp32: w[r, c] * scale_inv[r // br, c // bc].
+                          block_size: tuple[int, int] | None = None,
+                          offset: tuple[int, int] = (0, 0)) -> torch.Tensor:
+    """Block-FP8 -> fp32: w[r, c] * scale_inv[(r + offset_r) // br, (c + offset_c) // bc].
 
-    weight: [R, C] e4m3; scale_inv: [ceil(R/br), ceil(C/bc)] fp32. Without `block_size` the
-    block is inferred from the shapes, which is only exact when every dim divides evenly
-    (e.g. 64 columns in 48-wide blocks give 2 scale columns, which read back as 32-wide).
+    weight: [R, C] e4m3, a slice starting at `offset` of the checkpoint tensor; scale_inv: the
+    scale blocks that cover it, starting with the block holding `offset`. Without `block_size`
+    the block is inferred from the shapes (only for an unsliced tensor), which is only exact
+    when every dim divides evenly (e.g. 64 columns in 48-wide blocks give 2 scale columns,
+    which read back as 32-wide).
     """
     rows, cols = weight.shape
     if block_size is not None:
@@ -157,7 +178,9 @@ def dequantize_fp8_blocks(weight: torch.Tensor, scale_inv: torch.Tensor,
     else:
         br = -(-rows // scale_inv.shape[0])
         bc = -(-cols // scale_inv.shape[1])
-    scale = scale_inv.float().repeat_interleave(br, 0)[:rows].repeat_interleave(bc, 1)[:, :cols]
+    r0, c0 = offset[0] % br, offset[1] % bc
+    scale = scale_inv.float().repeat_interleave(br, 0)[r0:r0 + rows]
+    scale = scale.repeat_interleave(bc, 1)[:, c0:c0 + cols]
     return weight.float() * scale
 
 
@@ -206,29 +229,41 @@ class CheckpointReader:
     def load(self, name: str, shard_dim: int | None = None, rank: int = 0,
              size: int = 1) -> torch.Tensor:
         """The tensor (fp8 dequantised to fp32), or part `rank` of `size` equal contiguous
-        parts along `shard_dim`; unsharded reads touch only that part of the file."""
+        parts along `shard_dim`. A part reads only its slice of the file, block-FP8 included
+        (its weight rows/columns and the scale blocks covering them)."""
         handle = self._file(name)
-        if shard_dim is None or size == 1:
-            index: tuple = ()
-        else:
-            part = self.shape(name)[shard_dim] // size
-            index = (slice(None),) * shard_dim + (slice(rank * part, (rank + 1) * part),)
         raw = handle.get_slice(name)
+        index: tuple = ()
+        lo = 0
+        if shard_dim is not None and size > 1:
+            part = raw.get_shape()[shard_dim] // size
+            lo = rank * part
+            index = (slice(None),) * shard_dim + (slice(lo, lo + part),)
         if raw.get_dtype() not in ("F8_E4M3", "F8_E5M2"):
             return raw[index] if index else handle.get_tensor(name)
         if name not in self._scaled:
             raise CheckpointError(f"fp8 tensor {name!r} has no {SCALE_SUFFIX[1:]}")
-        t = handle.get_tensor(name)
         scale_name = name[: -len(".weight")] + SCALE_SUFFIX
-        scale = self._file(scale_name).get_tensor(scale_name)
-        if self.fp8_block_size is not None:
-            br, bc = self.fp8_block_size
-            want = (-(-t.shape[0] // br), -(-t.shape[1] // bc))
-            if tuple(scale.shape) != want:
-                raise CheckpointError(f"{scale_name}: scale shape {tuple(scale.shape)}, "
+        scale_raw = self._file(scale_name).get_slice(scale_name)
+        full_shape = tuple(raw.get_shape())
+        block = self.fp8_block_size
+        if block is not None:
+            want = tuple(-(-n // b) for n, b in zip(full_shape, block, strict=True))
+            if tuple(scale_raw.get_shape()) != want:
+                raise CheckpointError(f"{scale_name}: scale shape {tuple(scale_raw.get_shape())}, "
                                       f"expected {want}")
-        full = dequantize_fp8_blocks(t, scale, self.fp8_block_size)
-        return full[index] if index else full
+        if not index:
+            return dequantize_fp8_blocks(handle.get_tensor(name),
+                                         self._file(scale_name).get_tensor(scale_name), block)
+        if block is None:
+            block = tuple(-(-n // s) for n, s in zip(full_shape, scale_raw.get_shape(),
+                                                     strict=True))
+        weight = raw[index]
+        b = block[shard_dim]
+        first, last = lo // b, -(-(lo + weight.shape[shard_dim]) // b)
+        scale = scale_raw[(slice(None),) * shard_dim + (slice(first, last),)]
+        offset = (lo, 0) if shard_dim == 0 else (0, lo)
+        return dequantize_fp8_blocks(weight, scale, block, offset)
 
 
 def _destination(param: torch.Tensor, target: Target) -> tuple[torch.Tensor, tuple] | None:
@@ -243,9 +278,10 @@ def _destination(param: torch.Tensor, target: Target) -> tuple[torch.Tensor, tup
     shape = list(dest.shape)
     if target.part is not None:
         n_parts = 3 if target.expert is None else 2  # q|k|v (conv taps, projections), gate|up
-        size = dest.shape[0] // n_parts
-        dest = dest[target.part * size:(target.part + 1) * size]
-        shape[0] = size
+        dim = getattr(param, "part_dim", 0)
+        size = dest.shape[dim] // n_parts
+        dest = dest.narrow(dim, target.part * size, size)
+        shape[dim] = size
         if target.param.endswith("conv_weight"):
             shape.insert(1, 1)  # conv taps are stored [C, 1, K]
     if getattr(param, "shard_size", 1) > 1:
@@ -253,13 +289,38 @@ def _destination(param: torch.Tensor, target: Target) -> tuple[torch.Tensor, tup
     return dest, tuple(shape)
 
 
+def check_exl3_markers(reader: CheckpointReader, cfg: ModelConfig) -> None:
+    """Every EXL3 projection carries exactly the codebook marker the config names (§B.2: the
+    marker's presence selects the codebook) with its documented value."""
+    modules = {n[: -len(".trellis")] for n in reader.names if n.endswith(".trellis")}
+    for module in sorted(modules):
+        for marker, (codebook, value) in EXL3_MARKERS.items():
+            name = f"{module}.{marker}"
+            present = name in reader.files
+            if present != (cfg.exl3_codebook == codebook):
+                state = "has" if present else "lacks"
+                raise CheckpointError(f"{module} {state} the {marker} marker, but the config's "
+                                      f"codebook is {cfg.exl3_codebook} (0 3inst, 1 mcg, 2 mul1)")
+            if present and int(reader.load(name)) != value:
+                raise CheckpointError(f"{name} = {int(reader.load(name))}, expected {value}")
+
+
+def _dense_expert_loader(modules: dict[str, torch.nn.Module], target: Target):
+    """The experts module that quantises `target` (a dense expert weight) while loading, if
+    the model holds that layer's experts in a quantised form made at load time."""
+    module = modules.get(target.param.rsplit(".", 1)[0])
+    return module if hasattr(module, "load_dense") else None
+
+
 def load_weights(model: torch.nn.Module, model_dir: str | Path, progress: bool = True) -> None:
     """Fill every parameter of `model` (this rank's shard) from the checkpoint in `model_dir`,
     strictly: a missing tensor, an unexpected tensor or a wrong shape raises CheckpointError
-    naming it. Sharded parameters read only their slice; other ranks' experts are not read."""
+    naming it. Sharded parameters read only their slice; other ranks' experts are not read.
+    Experts held as int4 are quantised tensor by tensor on the parameters' device."""
     cfg: ModelConfig = model.config
     with_mtp = getattr(model, "mtp", None) is not None
     params = dict(model.named_parameters())
+    modules = dict(model.named_modules())
     needed = {n for pname, p in params.items() for n in _checkpoint_names(pname, p, cfg)}
     reader = CheckpointReader(model_dir, cfg.fp8_block_size)
     names = reader.names
@@ -268,13 +329,20 @@ def load_weights(model: torch.nn.Module, model_dir: str | Path, progress: bool =
     if missing:
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
         raise CheckpointError(f"missing tensor {missing[0]!r}{more} in {model_dir}")
-    unexpected = sorted(n for n, t in targets.items() if t is not None and t.param not in params)
+    unexpected = sorted(n for n, t in targets.items() if t is not None and t.param not in params
+                        and _dense_expert_loader(modules, t) is None)
     if unexpected:
         raise CheckpointError(f"unexpected tensor {unexpected[0]!r} in {model_dir}")
+    if cfg.expert_format == "exl3":
+        check_exl3_markers(reader, cfg)
     todo = [n for n in names if targets[n] is not None]
     with torch.no_grad():
         for name in tqdm(todo, desc="loading weights", unit="tensor", disable=not progress):
             target = targets[name]
+            if target.param not in params:
+                _load_quantised_expert(reader, name, target, _dense_expert_loader(modules, target),
+                                       cfg)
+                continue
             param = params[target.param]
             placed = _destination(param, target)
             if placed is None:
@@ -286,3 +354,17 @@ def load_weights(model: torch.nn.Module, model_dir: str | Path, progress: bool =
             tensor = reader.load(name, getattr(param, "shard_dim", None),
                                  getattr(param, "shard_rank", 0), getattr(param, "shard_size", 1))
             dest.copy_(tensor.reshape(dest.shape).to(param.dtype))
+
+
+def _load_quantised_expert(reader: CheckpointReader, name: str, target: Target, experts,
+                           cfg: ModelConfig) -> None:
+    """Read this rank's slice of one dense expert weight and hand it to `experts.load_dense`."""
+    local = target.expert - experts.expert_offset
+    if not 0 <= local < experts.n_local:
+        return
+    d, i = cfg.hidden_size, cfg.moe_intermediate_size
+    kind = "down" if target.part is None else ("gate", "up")[target.part]
+    want, shard_dim = ((d, i), 1) if kind == "down" else ((i, d), 0)
+    if reader.shape(name) != want:
+        raise CheckpointError(f"tensor {name!r} has shape {reader.shape(name)}, expected {want}")
+    experts.load_dense(kind, local, reader.load(name, shard_dim, experts.tp_rank, experts.tp))

@@ -58,6 +58,11 @@ class _AppendPrompt(argparse.Action):
         setattr(namespace, self.dest, [*prompts, (kind, values)])
 
 
+QUANTIZE_HELP = ("quantise the routed experts of a BF16/FP8 checkpoint while loading: int4 = "
+                 "4-bit codes with an fp16 scale and zero per 128 input columns (about 4.25 "
+                 "bits per weight; lets the release fit a GPU pair)")
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="glm53", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -67,6 +72,9 @@ def _parser() -> argparse.ArgumentParser:
     tiny.add_argument("--seed", type=int, default=0)
     tiny.add_argument("--layers", type=int, default=5)
     tiny.add_argument("--mtp", action="store_true", help="include the MTP layer")
+    tiny.add_argument("--exl3", action="store_true",
+                      help="routed experts as EXL3 K4 codes (MCG codebook), as in the seed "
+                           "checkpoint (hidden and expert widths 128)")
     tiny.add_argument("--dflash", action="store_true",
                       help="write a tiny DFlash2 draft checkpoint instead (for --target)")
     tiny.add_argument("--target", type=Path, default=None,
@@ -102,6 +110,8 @@ def _parser() -> argparse.ArgumentParser:
                       help="KV cache + state budget, e.g. 512M (CPU default 256M; GPU: "
                            "--gpu-memory-utilization)")
     eng.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    eng.add_argument("--quantize-experts", choices=["int4"], default=None,
+                     help=QUANTIZE_HELP)
     eng.add_argument("--enforce-eager", action="store_true",
                      help="no CUDA graphs for decode steps (every step runs eagerly)")
     par = gen.add_argument_group("parallelism (one Ray actor per GPU; fake GPUs on CPU)")
@@ -112,7 +122,66 @@ def _parser() -> argparse.ArgumentParser:
                      metavar="mtp[:K]|dflash:PATH[:K]",
                      help="speculative decoding: the MTP layer or a DFlash2 draft, K drafts")
     _serve_parser(sub)
+    _plan_parser(sub)
     return parser
+
+
+def _plan_parser(sub) -> None:
+    pm = sub.add_parser("plan-memory", help="plan one rank's GPU memory (no GPU needed)",
+                        description="Builds the rank's shard on the meta device and prints "
+                                    "where its memory goes; exits 1 when it does not fit.")
+    src = pm.add_mutually_exclusive_group(required=True)
+    src.add_argument("--model", type=Path, help="checkpoint directory (its config.json)")
+    src.add_argument("--release", choices=["fp8", "bf16", "exl3"],
+                     help="the official release's config (FP8 or BF16) or the EXL3 K4 one")
+    for flag in ("--tp", "--ep", "--dcp"):
+        pm.add_argument(flag, type=int, default=1)
+    pm.add_argument("--rank", type=int, default=0)
+    pm.add_argument("--quantize-experts", choices=["int4"], default=None, help=QUANTIZE_HELP)
+    pm.add_argument("--device-gib", type=float, default=139.0)
+    pm.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    pm.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None)
+    pm.add_argument("--speculative", type=_parse_speculative, default=(None, 0, None),
+                    metavar="mtp[:K]|dflash:PATH[:K]")
+    pm.add_argument("--max-num-seqs", type=int, default=16)
+    pm.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    pm.add_argument("--max-model-len", type=int, default=None)
+    pm.add_argument("--block-size", type=int, default=16)
+
+
+def _plan_memory(args) -> int:
+    from glm53.actors.memory_plan import GiB, MemoryPlanError, plan_for_config
+    from glm53.actors.release import exl3_release_config, release_config
+
+    if args.model:
+        path = args.model / "config.json"
+        if not path.exists():
+            raise SystemExit(f"error: {path} not found: is {args.model} a model directory?")
+        config = json.loads(path.read_text())
+    elif args.release == "exl3":
+        config = exl3_release_config()
+    else:
+        config = release_config()
+        if args.release == "bf16":
+            del config["quantization_config"]
+    method, k, _ = args.speculative
+    try:
+        plan = plan_for_config(
+            config, device_bytes=int(args.device_gib * GiB),
+            utilization=args.gpu_memory_utilization, tp=args.tp, ep=args.ep, dcp=args.dcp,
+            rank=args.rank, quantize_experts=args.quantize_experts, dtype=args.dtype,
+            with_mtp=method == "mtp", num_spec=k, block_size=args.block_size,
+            max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+            max_model_len=args.max_model_len)
+    except ValueError as exc:
+        raise SystemExit(f"error: {exc}") from None
+    print(plan.describe())
+    try:
+        plan.check()
+    except MemoryPlanError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    return 0
 
 
 def _serve_parser(sub) -> None:
@@ -147,6 +216,7 @@ def _serve_parser(sub) -> None:
     size.add_argument("--num-blocks", type=int, default=None)
     size.add_argument("--cache-bytes", type=_parse_bytes, default=None)
     eng.add_argument("--gpu-memory-utilization", type=float, default=None)
+    eng.add_argument("--quantize-experts", choices=["int4"], default=None, help=QUANTIZE_HELP)
     eng.add_argument("--enforce-eager", action="store_true", default=None,
                      help="no CUDA graphs for decode steps (every step runs eagerly)")
 
@@ -155,7 +225,8 @@ SERVE_FIELDS = ("model", "served_model_name", "profile", "tensor_parallel_size",
                 "expert_parallel_size", "decode_context_parallel_size", "num_replicas",
                 "vision", "kv_cache_dtype", "dtype", "device", "max_model_len",
                 "max_num_batched_tokens", "max_num_seqs", "block_size", "max_waiting_requests",
-                "seed", "num_blocks", "cache_bytes", "gpu_memory_utilization", "enforce_eager")
+                "seed", "num_blocks", "cache_bytes", "gpu_memory_utilization", "enforce_eager",
+                "quantize_experts")
 
 
 def serving_config(args: argparse.Namespace):
@@ -267,7 +338,8 @@ def _generate(args: argparse.Namespace) -> int:
             max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
             max_model_len=args.max_model_len, block_size=args.block_size,
             num_blocks=args.num_blocks, cache_bytes=cache_bytes,
-            gpu_memory_utilization=args.gpu_memory_utilization, tensor_parallel_size=args.tp,
+            gpu_memory_utilization=args.gpu_memory_utilization,
+            quantize_experts=args.quantize_experts, tensor_parallel_size=args.tp,
             expert_parallel_size=args.ep, decode_context_parallel_size=args.dcp,
             speculative_method=args.speculative[0], num_speculative_tokens=args.speculative[1],
             draft_model=args.speculative[2], enforce_eager=args.enforce_eager)
@@ -304,11 +376,14 @@ def main(argv: list[str] | None = None) -> int:
             target = read_config(args.target or embedded_tiny_model())
             path = write_tiny_draft(args.out, target, seed=args.seed)
         else:
-            path = make_tiny(args.out, seed=args.seed, layers=args.layers, mtp=args.mtp)
+            path = make_tiny(args.out, seed=args.seed, layers=args.layers, mtp=args.mtp,
+                             exl3=args.exl3)
         print(f"wrote tiny checkpoint to {path}")
         return 0
     if args.command == "serve":
         return _serve(args)
+    if args.command == "plan-memory":
+        return _plan_memory(args)
     return _generate(args)
 
 

@@ -104,6 +104,8 @@ class ServingConfig(BaseModel):
     kv_cache_dtype: Literal["auto", "fp8", "nvfp4"] = "auto"
     device: str | None = None  # default: cuda when available, else cpu
     gpu_memory_utilization: float = Field(0.9, gt=0, le=1)
+    # routed experts of a BF16/FP8 checkpoint quantised to 4 bits while loading
+    quantize_experts: Literal["int4"] | None = None
     enforce_eager: bool = False  # no CUDA graphs for decode steps
     cache_bytes: int | None = Field(None, gt=0)  # KV + state budget (CPU default 256 MiB)
     num_blocks: int | None = Field(None, ge=2)
@@ -196,6 +198,7 @@ class ServingConfig(BaseModel):
             max_model_len=max_model_len if max_model_len is not None else self.max_model_len,
             block_size=self.block_size, num_blocks=self.num_blocks, cache_bytes=cache_bytes,
             gpu_memory_utilization=self.gpu_memory_utilization,
+            quantize_experts=self.quantize_experts,
             with_mtp=self.speculative.method == "mtp", seed=self.seed,
             speculative_method=self.speculative.method if self.speculative.enabled else None,
             num_speculative_tokens=self.speculative.num_speculative_tokens,

@@ -11,7 +11,12 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from glm53.actors.tiny import release_config, tiny_text_config, write_tiny_checkpoint
+from glm53.actors.tiny import (
+    exl3_quantization_config,
+    release_config,
+    tiny_text_config,
+    write_tiny_checkpoint,
+)
 from glm53.raycluster import envs
 
 from .tiny_tokenizer import write_tiny_tokenizer
@@ -20,9 +25,17 @@ from .tiny_tokenizer import write_tiny_tokenizer
 EMBEDDED_TINY_VERSION = 2
 
 
+# EXL3 rotates features in 128-blocks: hidden and expert widths must be multiples of 128
+EXL3_TINY_SIZES = {"hidden_size": 128, "moe_intermediate_size": 128}
+
+
 def make_tiny(out_dir: str | Path, seed: int = 0, layers: int = 5, mtp: bool = False,
-              **text_overrides) -> Path:
-    """Write a complete tiny checkpoint directory and return its path."""
+              exl3: bool = False, **text_overrides) -> Path:
+    """Write a complete tiny checkpoint directory and return its path. `exl3`: the routed
+    experts are EXL3 K4 (MCG codebook) with random codes and sign vectors, as in the seed
+    checkpoint (hidden and expert widths default to 128, the Hadamard block)."""
+    if exl3:
+        text_overrides = {**EXL3_TINY_SIZES, **text_overrides}
     if layers < 4:
         raise ValueError("a tiny model needs >= 4 layers so that it has a DSA layer (index 3)")
     out = Path(out_dir)
@@ -32,6 +45,8 @@ def make_tiny(out_dir: str | Path, seed: int = 0, layers: int = 5, mtp: bool = F
     if text["vocab_size"] < ids.vocab_size:
         raise ValueError(f"vocab_size {text['vocab_size']} < tokenizer size {ids.vocab_size}")
     config = release_config(text, eos_token_ids=ids.eos_token_ids, pad_token_id=ids.pad_token_id)
+    if exl3:
+        config["quantization_config"] = exl3_quantization_config()
     return write_tiny_checkpoint(out, config, seed=seed)
 
 

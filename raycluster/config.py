@@ -17,6 +17,7 @@ class EngineConfig:
     num_blocks: int | None = None  # explicit cache size ...
     cache_bytes: int | None = None  # ... or a byte budget (CPU); neither: gpu_memory_utilization
     gpu_memory_utilization: float = 0.9
+    quantize_experts: str | None = None  # "int4": quantise a dense/FP8 checkpoint's experts
     with_mtp: bool = False
     seed: int = 0  # seeds requests that bring none
     tensor_parallel_size: int = 1
@@ -43,6 +44,7 @@ class EngineConfig:
             (self.num_blocks is None or self.cache_bytes is None,
              "give num_blocks or cache_bytes, not both"),
             (0 < self.gpu_memory_utilization <= 1, "gpu_memory_utilization must be in (0, 1]"),
+            (self.quantize_experts in (None, "int4"), "quantize_experts must be None or int4"),
             (self.dtype in (None, "float32", "bfloat16", "float16"),
              "dtype must be float32, bfloat16 or float16"),
             (min(self.tensor_parallel_size, self.expert_parallel_size,

@@ -40,6 +40,8 @@ def runner_kwargs(config: EngineConfig) -> dict:
                 num_slots=config.max_num_seqs, num_blocks=config.num_blocks,
                 cache_bytes=config.cache_bytes,
                 gpu_memory_utilization=config.gpu_memory_utilization,
+                quantize_experts=config.quantize_experts,
+                max_num_batched_tokens=config.max_num_batched_tokens,
                 with_mtp=config.with_mtp or config.speculative_method == "mtp",
                 num_spec=config.num_speculative_tokens, draft_model=config.draft_model,
                 draft_sampling=config.draft_sampling, enforce_eager=config.enforce_eager,

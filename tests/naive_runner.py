@@ -36,7 +36,8 @@ class SequenceRunner:
         device = model.embed_tokens.weight.device
         self.caches = ModelCaches.allocate(
             cfg, num_blocks=max_seqs * self.blocks_per_seq, block_size=block_size,
-            num_slots=max_seqs, dtype=dtype, device=device, with_mtp=model.mtp is not None)
+            num_slots=max_seqs, dtype=dtype, device=device, with_mtp=model.mtp is not None,
+            ps=model.parallel)
         self.free_slots = list(range(max_seqs))
         self.seqs: dict[int, _Seq] = {}
 

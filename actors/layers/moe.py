@@ -1,9 +1,9 @@
 """Feed-forward blocks: the clamped-SwiGLU MLP (dense layers, shared expert) and the routed MoE.
 
-Parallel layout: the MLP's intermediate is TP-sharded (partial sums out). Routed experts are
-EP-partitioned (each rank computes its experts for all tokens) or, without EP, TP-sharded on
-their intermediate like the MLP; the router is replicated so every rank routes identically.
-Partial sums of the routed and shared parts meet in one all-reduce.
+Parallel layout: the MLP's intermediate is TP-sharded (partial sums out). Routed experts
+(`experts.py`) are EP-partitioned (each rank computes its experts for all tokens) or, without
+EP, TP-sharded on their intermediate like the MLP; the router is replicated so every rank routes
+identically. Partial sums of the routed and shared parts meet in one all-reduce.
 """
 
 from __future__ import annotations
@@ -15,8 +15,9 @@ from torch import nn
 from glm53.kernels import ops
 
 from ..config import ModelConfig
-from ..parallel import ParallelState, split
-from .linear import ColumnParallelLinear, RowParallelLinear, mark_shard
+from ..parallel import ParallelState
+from .experts import routed_experts
+from .linear import ColumnParallelLinear, RowParallelLinear
 
 
 class MLP(nn.Module):
@@ -56,43 +57,38 @@ class Router(nn.Module):
         self.e_score_correction_bias = nn.Parameter(torch.zeros(e, dtype=torch.float32))
         self.top_k, self.renormalize = cfg.num_experts_per_tok, cfg.norm_topk_prob
         self.scaling = cfg.routed_scaling_factor
+        # rank-0 emulation: random weights route by accident, so benchmarks draw each token's
+        # experts uniformly at random instead (the router GEMM still runs)
+        self.uniform_routing = False
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         logits = F.linear(x.float(), self.weight.float())
+        if self.uniform_routing:
+            logits = torch.rand_like(logits)
         return ops.route_topk(logits, self.e_score_correction_bias, self.top_k,
                               self.renormalize, self.scaling)
 
 
 class MoE(nn.Module):
-    """Routed experts (stacked: w13 [E, 2I, D] gate|up, w2 [E, D, I]) plus one shared expert."""
+    """Routed experts (`experts.py`, in the config's storage format) plus one shared expert."""
 
     def __init__(self, cfg: ModelConfig, ps: ParallelState) -> None:
         super().__init__()
-        e, d, i = cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size
         self.ps = ps
+        # registered before the router: `tiny.randomize` draws in parameter order, and this
+        # keeps the tiny checkpoints identical to those written before experts had a module
+        self.experts = routed_experts(cfg, ps)
         self.gate = Router(cfg)
-        n_local = split(e, ps.ep_size, "n_routed_experts")
-        self.expert_offset = ps.ep_rank * n_local
-        # without EP, the experts' intermediate is TP-sharded (gate and up rows, down columns)
-        tp = ps.tp_size if ps.ep_size == 1 else 1
-        tp_rank = ps.tp_rank if ps.ep_size == 1 else 0
-        inter = split(i, tp, "moe_intermediate_size")
-        self.w13 = mark_shard(nn.Parameter(torch.empty(n_local, 2 * inter, d)), 0, tp_rank, tp)
-        self.w2 = mark_shard(nn.Parameter(torch.empty(n_local, d, inter)), 1, tp_rank, tp)
-        for w in (self.w13, self.w2):
-            w.expert_offset = self.expert_offset
-        self.shared_experts = MLP(d, i * cfg.n_shared_experts, cfg.swiglu_limit, ps)
-        self.routed_partial = ps.ep_size > 1 or tp > 1
-        self.limit = cfg.swiglu_limit
+        self.shared_experts = MLP(cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts,
+                                  cfg.swiglu_limit, ps)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.gate(x)
-        routed = ops.fused_moe(x, self.w13, self.w2, weights, ids, self.limit,
-                               self.expert_offset)
+        routed = self.experts(x, weights, ids)
         shared = self.shared_experts(x)
-        if self.routed_partial and self.shared_experts.partial:
+        if self.experts.partial and self.shared_experts.partial:
             return self.ps.all_reduce(routed + shared)
-        if self.routed_partial:
+        if self.experts.partial:
             return self.ps.all_reduce(routed) + shared
         if self.shared_experts.partial:
             return routed + self.ps.all_reduce(shared)

@@ -43,3 +43,35 @@ def hf_greedy(hf, ids: list[int], n: int) -> list[int]:
         tokens.append(int(out.logits[0, -1].argmax()))
         out = hf(input_ids=torch.tensor([[tokens[-1]]]), cache=out.cache, use_cache=True)
     return tokens
+
+
+def write_dequantized(src: Path, dst: Path) -> Path:
+    """Copy the checkpoint `src` with its EXL3 routed experts replaced by their dequantised
+    fp32 weights (HF layout W^T) and no quantization_config: what transformers can load."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from glm53.kernels.ref.exl3 import exl3_weight
+
+    config = json.loads((src / "config.json").read_text())
+    codebook = {"3inst": 0, "mcg": 1, "mul1": 2}[config.pop("quantization_config")["codebook"]]
+    dst.mkdir(parents=True, exist_ok=True)
+    for f in src.iterdir():
+        if f.suffix != ".safetensors" and f.name != "config.json":
+            shutil.copy(f, dst / f.name)
+    tensors = load_file(src / "model.safetensors")
+    out = {}
+    for name, t in tensors.items():
+        if name.endswith((".suh", ".svh", ".mcg", ".mul1")):
+            continue
+        if name.endswith(".trellis"):
+            stem = name[: -len(".trellis")]
+            w = exl3_weight(t, tensors[stem + ".suh"], tensors[stem + ".svh"], codebook)
+            out[stem + ".weight"] = w.T.contiguous().float()
+        else:
+            out[name] = t
+    save_file(out, dst / "model.safetensors", metadata={"format": "pt"})
+    (dst / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return dst

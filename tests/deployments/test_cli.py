@@ -88,6 +88,26 @@ def test_make_tiny_is_deterministic_in_the_seed(ckpt: Path, tmp_path: Path) -> N
     assert (tmp_path / "other" / "model.safetensors").read_bytes() != weights
 
 
+def test_make_tiny_exl3_then_generate_with_its_4bit_experts(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "exl3"
+    assert main(["make-tiny", str(out), "--layers", "4", "--exl3"]) == 0
+    config = json.loads((out / "config.json").read_text())
+    assert config["quantization_config"]["quant_method"] == "exl3"
+    names = load_file(out / "model.safetensors")
+    stem = "model.language_model.layers.1.mlp.experts.0.down_proj"
+    assert names[stem + ".trellis"].shape == (128 // 16, 128 // 16, 64)  # K4: 64 words a tile
+    assert int(names[stem + ".mcg"]) == -877_912_083
+    assert not any(n.endswith("experts.0.down_proj.weight") for n in names)
+    check_output(generate(capsys, "--model", str(out), "--prompt-ids", "1,2,3",
+                          "--max-tokens", "6"), out, 6)
+
+
+def test_generate_quantize_experts_int4(ckpt: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    check_output(generate(capsys, "--model", str(ckpt), "--prompt-ids", "1,2,3",
+                          "--max-tokens", "6", "--quantize-experts", "int4"), ckpt, 6)
+
+
 # ----- generate -----
 
 def test_generate_from_prompt_ids_greedy(ckpt: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -223,3 +243,18 @@ def test_engine_limit_errors_are_clean(ckpt: Path) -> None:
     assert "multiple of index_kpool" in _exit_message([*base, "--block-size", "6"])
     assert "cache budget too small" in _exit_message([*base, "--cache-bytes", "1K"])
     assert "at least one" in _exit_message(["generate", "--model", str(ckpt), "--max-tokens", "2"])
+
+
+# ----- plan-memory -----
+
+def test_plan_memory_of_the_release(capsys: pytest.CaptureFixture[str]) -> None:
+    args = ["plan-memory", "--tp", "2", "--ep", "2", "--dcp", "2", "--speculative", "mtp:3"]
+    assert main([*args, "--release", "exl3"]) == 0
+    out = capsys.readouterr().out
+    assert "TP2/EP2/DCP2 rank 0 (routed experts: EXL3 4-bit)" in out
+    assert "5 sequences of max_model_len 1,048,576" in out
+    assert main(["plan-memory", "--release", "fp8"]) == 1  # bf16 experts: does not fit TP1
+    err = capsys.readouterr().err
+    assert "does not fit TP1/EP1/DCP1" in err and "--quantize-experts int4" in err
+    assert main([*args, "--release", "fp8", "--quantize-experts", "int4"]) == 0
+    assert "int4 (quantised at load)" in capsys.readouterr().out

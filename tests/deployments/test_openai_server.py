@@ -1,9 +1,10 @@
 """The OpenAI-compatible Ray Serve app end to end on CPU: the official `openai` client, raw SSE
 bytes, concurrency, bad inputs, client disconnect and metrics.
 
-One module-scoped app serves two models: `tiny` (the real engine on a tiny random checkpoint)
-and `scripted` (the same server with a scripted engine injected, to force tool calls and
-reasoning through the real parsers and HTTP stack).
+One module-scoped app serves three models: `tiny` (the real engine on a tiny random checkpoint),
+`exl3` (the same on a tiny checkpoint whose routed experts are EXL3 K4 codes, as in the seed
+checkpoint) and `scripted` (the same server with a scripted engine injected, to force tool calls
+and reasoning through the real parsers and HTTP stack).
 """
 
 from __future__ import annotations
@@ -46,7 +47,10 @@ def base_url(ray_session, tmp_path_factory):
                          num_blocks=512, speculative="mtp:2", **common)
     scripted = ServingConfig(served_model_name="scripted", max_waiting_requests=2,
                              speculative="none", **common)
-    app = ingress_app({"tiny": server_app(tiny, "cpu"),
+    exl3_path = make_tiny(tmp_path_factory.mktemp("serve") / "exl3", seed=1, mtp=True, exl3=True)
+    exl3 = ServingConfig(served_model_name="exl3", model=str(exl3_path), device="cpu",
+                         max_model_len=128, num_blocks=128, speculative="mtp:2")
+    app = ingress_app({"tiny": server_app(tiny, "cpu"), "exl3": server_app(exl3, "cpu"),
                        "scripted": server_app(scripted, "cpu", ScriptedEngine)})
     serve.run(app, name="openai-test", route_prefix="/",
               logging_config={"log_level": "WARNING", "enable_access_log": False})
@@ -89,7 +93,7 @@ def chat(messages: str | list, **kw) -> dict:
 # ----- basics -----
 def test_models_tokenize_detokenize(http, tokenizer):
     ids = {m["id"] for m in http.get("/v1/models").json()["data"]}
-    assert ids == {"tiny", "scripted"}
+    assert ids == {"tiny", "exl3", "scripted"}
     r = http.post("/tokenize", json={"model": "tiny", "prompt": "héllo"}).json()
     assert r["tokens"] == list("héllo".encode()) and r["count"] == 6
     assert r["max_model_len"] == 256
@@ -120,6 +124,23 @@ def test_chat_and_completions_with_the_openai_client(client, http, tokenizer):
         "model": "tiny", "prompt": "Hello", "max_tokens": 10, "temperature": 0,
         "ignore_eos": True, "logprobs": 0}).json()["choices"][0]["logprobs"]["tokens"]
     assert len(ids) == 10
+
+
+def test_exl3_experts_served_with_mtp(client):
+    """A checkpoint with EXL3 routed experts serves through the whole stack (MTP drafts on):
+    streamed output equals the non-streamed answer."""
+    messages = [{"role": "user", "content": "Hello"}]
+    r = client.chat.completions.create(model="exl3", messages=messages, max_tokens=10, **GREEDY)
+    assert r.usage.completion_tokens == 10 and r.choices[0].finish_reason == "length"
+    message = r.choices[0].message
+    stream = client.chat.completions.create(model="exl3", messages=messages, max_tokens=10,
+                                            stream=True, **GREEDY)
+    deltas = [c.choices[0].delta for c in stream if c.choices]
+    reasoning = "".join(getattr(d, "reasoning_content", None) or "" for d in deltas)
+    content = "".join(d.content or "" for d in deltas)
+    assert reasoning == (message.reasoning_content or "")
+    assert content == (message.content or "")
+    assert reasoning or content
 
 
 def test_stream_equals_non_stream_and_usage(client):

@@ -1,0 +1,54 @@
+"""The rank-0 emulation builds rank 0's exact shard with the serving code and runs it alone:
+same parameter shapes and storage formats as a real rank 0, no collective needed, forced
+uniform routing (performance.md §5.1)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from glm53.actors.config import ModelConfig
+from glm53.actors.emulation import build_rank0
+from glm53.actors.layers.moe import Router
+from glm53.actors.loader import build_model
+from glm53.actors.parallel import ParallelConfig, ParallelState
+from glm53.deployments.tiny_model import make_tiny
+from tests.naive_runner import SequenceRunner
+
+PLAN = ParallelConfig(tp=2, ep=2, dcp=2)
+
+
+@pytest.fixture(scope="module", params=["dense", "exl3"])
+def cfg(request, tmp_path_factory):
+    path = make_tiny(tmp_path_factory.mktemp(request.param), seed=2, mtp=True,
+                     exl3=request.param == "exl3")
+    return ModelConfig.from_hf(json.loads((path / "config.json").read_text()))
+
+
+def test_rank0_has_the_real_rank0_shapes(cfg):
+    model = build_rank0(cfg, PLAN, dtype=torch.float32, device="cpu")
+    real = build_model(cfg, with_mtp=True, device="meta", ps=ParallelState(PLAN, rank=0))
+    ours = {n: (tuple(p.shape), p.dtype) for n, p in model.named_parameters()}
+    assert ours == {n: (tuple(p.shape), p.dtype) for n, p in real.named_parameters()}
+    # materialised and filled, nothing left empty (the routers' selection bias is zeroed)
+    for name, p in model.named_parameters():
+        zeroed = name.endswith("e_score_correction_bias")
+        assert p.device.type == "cpu" and bool(p.float().abs().sum() > 0) != zeroed, name
+
+
+def test_rank0_runs_alone_with_uniform_routing(cfg):
+    torch.manual_seed(0)
+    model = build_rank0(cfg, PLAN, dtype=torch.float32, device="cpu")
+    runner = SequenceRunner(model, max_seqs=1, max_len=64, block_size=16)
+    runner.add(0)
+    logits = runner.step_logits({0: list(range(1, 30))})  # no process group exists
+    assert torch.isfinite(logits).all() and logits.shape == (29, cfg.vocab_size // 2 * 2)
+    router = next(m for m in model.modules() if isinstance(m, Router))
+    x = torch.randn(64, cfg.hidden_size)
+    first, second = router(x)[1], router(x)[1]
+    assert not torch.equal(first, second)  # drawn at random, not from the logits
+    counts = torch.bincount(torch.cat([router(x)[1] for _ in range(50)]).flatten(),
+                            minlength=cfg.n_routed_experts)
+    assert counts.min() > 0.5 * counts.float().mean()  # every expert about equally likely
