@@ -1,0 +1,173 @@
+"""Rank-0 emulation (performance.md §5.1): the full-depth model (45 layers + MTP, embedding,
+lm_head) with rank 0's exact TP2/EP2/DCP2 shapes on one GPU, routed experts in 4 bits (EXL3 K4
+codes by default, random), random bf16 elsewhere, collectives as no-ops, uniform top-8 routing.
+Built by the serving code (`glm53.actors.emulation.build_rank0`: `build_model` on the meta
+device, `materialize`, random fill on the GPU).
+
+Measures decode steps with CUDA graphs at each BATCHxCONTEXT: `graph_ms` (one replay of the
+captured forward + lm_head) and `engine_step_ms` (the step as the model runner serves it:
+host arrays -> static buffers -> replay -> sampling -> tokens on the host), and the modeled
+bytes the step reads (weights that run, the routed experts the batch touches in expectation,
+KDA state read + write, DSA pooled keys + selected latent rows) as % of 4.3 TB/s. Also the
+weight GiB per part and the KV pool left on the rank. A case whose sequences do not fit the
+pool shares physical blocks between its sequences (`kv_shared`: same bytes read per step,
+the capacity is reported separately).
+
+    python benchmarks/rank0.py [--json benchmarks/results/rank0_h200_<commit>.json]
+        [--commit SHA] [--decode 1x8192,...] [--experts exl3|int4] [--utilization 0.9]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+from datetime import UTC, datetime
+
+import torch
+from slice import BLOCK, _timed, engine_step_ms
+
+from glm53.actors.caches import ModelCaches, cache_bytes
+from glm53.actors.config import ModelConfig
+from glm53.actors.emulation import build_rank0
+from glm53.actors.forward_batch import ForwardBatch
+from glm53.actors.loader import with_expert_format
+from glm53.actors.memory_plan import weight_bytes
+from glm53.actors.parallel import ParallelConfig
+from glm53.actors.release import exl3_release_config, release_config
+
+DEV = "cuda"
+PLAN = ParallelConfig(tp=2, ep=2, dcp=2)
+HBM_BYTES_PER_S = 4.3e12  # measured device-to-device copy on the H200 (performance.md)
+GRAPH_RESERVE = 6 * 2**30  # graphs' private pools and workspace during the run
+
+
+def emulation_config(experts: str) -> ModelConfig:
+    if experts == "exl3":
+        return ModelConfig.from_hf(exl3_release_config())
+    return with_expert_format(ModelConfig.from_hf(release_config()), experts)
+
+
+def _param_bytes(p: torch.Tensor) -> int:
+    return p.numel() * p.element_size()
+
+
+def step_bytes(model, batch: int, context: int) -> dict[str, float]:
+    """Bytes one decode step of `batch` sequences at `context` reads on this rank (GB)."""
+    cfg = model.config
+    dense = experts = 0
+    for name, p in model.named_parameters():
+        if name.startswith("mtp.") or name == "embed_tokens.weight":
+            continue  # the MTP layer does not run in a decode step; one embedding row a token
+        if ".mlp.experts." in name:
+            experts += _param_bytes(p)
+        else:
+            dense += _param_bytes(p)
+    n_local = model.layers[-1].mlp.experts.n_local
+    # each token picks k distinct of E experts uniformly: expected distinct local experts
+    touched = n_local * (1 - (1 - cfg.num_experts_per_tok / cfg.n_routed_experts) ** batch)
+    expert_bytes = experts / n_local * touched
+    caches_per_seq = 0.0
+    heads = cfg.linear_num_heads // model.parallel.tp_size
+    state = heads * cfg.linear_head_dim ** 2 * 4 + 3 * heads * cfg.linear_head_dim * (
+        cfg.linear_conv_kernel - 1) * 2
+    caches_per_seq += len(cfg.kda_layers) * 2 * state  # read and written back
+    dcp = model.parallel.dcp_size
+    selected = min(context, cfg.index_topk + cfg.index_kpool) / dcp
+    caches_per_seq += len(cfg.dsa_layers) * (
+        context / cfg.index_kpool * cfg.index_head_dim * 2 + selected * cfg.kv_lora_rank * 2)
+    embed = batch * cfg.hidden_size * 2
+    return dict(weights_gb=dense / 1e9, experts_gb=expert_bytes / 1e9,
+                caches_gb=batch * caches_per_seq / 1e9,
+                total_gb=(dense + expert_bytes + embed + batch * caches_per_seq) / 1e9)
+
+
+def graph_replay_ms(model, caches, batch: int, context: int, tables) -> float:
+    ids = torch.randint(0, model.config.vocab_size, (batch,), device=DEV)
+    fb = ForwardBatch.build([context - 1] * batch, [1] * batch, list(range(batch)), tables,
+                            BLOCK, device=DEV)
+
+    def step():
+        return model.compute_logits(model(ids, fb, caches)).argmax(-1)
+    step()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    ms = _timed(graph.replay, 20)
+    del graph
+    return ms
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--json")
+    ap.add_argument("--commit")
+    ap.add_argument("--decode", default="1x8192,16x8192,64x8192,1x131072,16x131072,64x131072")
+    ap.add_argument("--experts", choices=["exl3", "int4"], default="exl3")
+    ap.add_argument("--utilization", type=float, default=0.9)
+    args = ap.parse_args()
+    cases = [tuple(int(v) for v in c.split("x")) for c in args.decode.split(",") if c]
+    cfg = emulation_config(args.experts)
+    torch.manual_seed(0)
+    model = build_rank0(cfg, PLAN, with_mtp=True, device=DEV)
+    torch.cuda.synchronize()
+    parts = weight_bytes(model)
+    free, total = torch.cuda.mem_get_info()
+    max_batch = max(b for b, _ in cases)
+    budget = int(args.utilization * total) - (total - free) - GRAPH_RESERVE
+    per_block, per_slot = cache_bytes(cfg, BLOCK, torch.bfloat16, True, model.parallel)
+    num_blocks = (budget - (max_batch + 1) * per_slot) // per_block
+    caches = ModelCaches.allocate(cfg, num_blocks, BLOCK, max_batch + 1, torch.bfloat16, DEV,
+                                  with_mtp=True, ps=model.parallel)
+    kv_tokens = (num_blocks - 1) * BLOCK
+    meta = dict(
+        benchmark="rank0", device=torch.cuda.get_device_name(), commit=args.commit,
+        date=datetime.now(UTC).isoformat(timespec="seconds"), torch=torch.__version__,
+        plan="TP2/EP2/DCP2 rank 0", experts=args.experts, layers=cfg.num_hidden_layers,
+        mtp=True, weights_gib={k: round(v / 2**30, 3) for k, v in parts.items()},
+        weights_gib_total=round(sum(parts.values()) / 2**30, 3),
+        device_gib=round(total / 2**30, 2), utilization=args.utilization,
+        kv_block_tokens=BLOCK, kv_blocks=num_blocks, kv_tokens_per_rank=kv_tokens,
+        kv_bytes_per_token=per_block / BLOCK, kda_state_bytes_per_seq=per_slot,
+        kv_128k_sequences=kv_tokens // 131072,
+        note="collectives are no-ops (not timed); random weights; uniform routing; "
+             "engine_step_ms includes host work; graph_ms is one graph replay")
+    print(json.dumps(meta, indent=1), flush=True)
+    rows = []
+
+    def save():
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(dict(meta, results=rows), f, indent=2)
+
+    with torch.inference_mode():
+        for batch, context in cases:
+            per = -(-context // BLOCK)
+            shared = batch * per + 1 > num_blocks
+            tables = [list(range(1, 1 + per)) if shared else
+                      list(range(1 + i * per, 1 + (i + 1) * per)) for i in range(batch)]
+            row = dict(phase="decode", batch=batch, context=context, kv_shared=shared)
+            row.update({k: round(v, 4) for k, v in step_bytes(model, batch, context).items()})
+            try:
+                row["graph_ms"] = graph_replay_ms(model, caches, batch, context, tables)
+                row["pct_bandwidth"] = round(
+                    row["total_gb"] * 1e9 / (row["graph_ms"] * 1e-3) / HBM_BYTES_PER_S * 100, 1)
+            except Exception as exc:  # noqa: BLE001 - a failed case is recorded, not fatal
+                row["graph_error"] = repr(exc)[:400]
+            gc.collect()
+            torch.cuda.empty_cache()
+            try:
+                row["engine_step_ms"], row["engine_step_host"] = engine_step_ms(
+                    model, caches, cfg, batch, context, tables)
+            except Exception as exc:  # noqa: BLE001
+                row["engine_step_error"] = repr(exc)[:400]
+            gc.collect()
+            torch.cuda.empty_cache()
+            rows.append(row)
+            print(row, flush=True)
+            save()
+
+
+if __name__ == "__main__":
+    main()
