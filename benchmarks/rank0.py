@@ -20,8 +20,10 @@ the capacity is reported separately).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import json
+import traceback
 from datetime import UTC, datetime
 
 import torch
@@ -42,10 +44,17 @@ HBM_BYTES_PER_S = 4.3e12  # measured device-to-device copy on the H200 (performa
 GRAPH_RESERVE = 6 * 2**30  # graphs' private pools and workspace during the run
 
 
-def emulation_config(experts: str) -> ModelConfig:
+def emulation_config(experts: str, layers: int | None = None) -> ModelConfig:
+    """The release config with `experts`; `layers`: only the first N trunk layers (debugging)."""
     if experts == "exl3":
-        return ModelConfig.from_hf(exl3_release_config())
-    return with_expert_format(ModelConfig.from_hf(release_config()), experts)
+        cfg = ModelConfig.from_hf(exl3_release_config())
+    else:
+        cfg = with_expert_format(ModelConfig.from_hf(release_config()), experts)
+    if layers is None:
+        return cfg
+    return dataclasses.replace(cfg, num_hidden_layers=layers,
+                               layer_types=cfg.layer_types[:layers],
+                               mlp_layer_types=cfg.mlp_layer_types[:layers])
 
 
 def _param_bytes(p: torch.Tensor) -> int:
@@ -94,7 +103,12 @@ def graph_replay_ms(model, caches, batch: int, context: int, tables) -> float:
 
     def step():
         return model.compute_logits(model(ids, fb, caches)).argmax(-1)
-    step()
+    # a host sync would invalidate the capture: find it first, with its traceback
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
@@ -111,9 +125,11 @@ def main() -> None:
     ap.add_argument("--decode", default="1x8192,16x8192,64x8192,1x131072,16x131072,64x131072")
     ap.add_argument("--experts", choices=["exl3", "int4"], default="exl3")
     ap.add_argument("--utilization", type=float, default=0.9)
+    ap.add_argument("--layers", type=int, default=None,
+                    help="only the first N trunk layers (to debug a failing case quickly)")
     args = ap.parse_args()
     cases = [tuple(int(v) for v in c.split("x")) for c in args.decode.split(",") if c]
-    cfg = emulation_config(args.experts)
+    cfg = emulation_config(args.experts, args.layers)
     torch.manual_seed(0)
     model = build_rank0(cfg, PLAN, with_mtp=True, device=DEV)
     torch.cuda.synchronize()
@@ -158,8 +174,9 @@ def main() -> None:
                 row["graph_ms"] = graph_replay_ms(model, caches, batch, context, tables)
                 row["pct_bandwidth"] = round(
                     row["total_gb"] * 1e9 / (row["graph_ms"] * 1e-3) / HBM_BYTES_PER_S * 100, 1)
-            except Exception as exc:  # noqa: BLE001 - a failed case is recorded, not fatal
-                row["graph_error"] = repr(exc)[:400]
+            except Exception:  # noqa: BLE001 - a failed case is recorded, not fatal
+                row["graph_error"] = traceback.format_exc()[-3000:]
+                print(row["graph_error"], flush=True)
             gc.collect()
             torch.cuda.empty_cache()
             try:

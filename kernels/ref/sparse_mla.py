@@ -26,14 +26,16 @@ def store_rows(rows: torch.Tensor, cache: torch.Tensor, slot_mapping: torch.Tens
     """Write per-token rows into a paged cache at their (logical) slots.
 
     rows: [T, C]; cache: [B, bs / dcp_size, C] (this rank's rows); slot_mapping: [T] logical
-    slots (block * bs + offset). Under DCP only this rank's tokens are written.
+    slots (block * bs + offset). Under DCP only this rank's tokens are written: the others go
+    to row 0 of the null block 0, which holds nothing (a boolean selection would read the
+    mask back to the host, which a CUDA graph cannot capture).
     """
     slots = slot_mapping.long()
     if dcp_size > 1:
         local_bs = cache.shape[1]
         block, offset = slots // (local_bs * dcp_size), slots % (local_bs * dcp_size)
         mine = offset % dcp_size == dcp_rank
-        rows, slots = rows[mine], block[mine] * local_bs + offset[mine] // dcp_size
+        slots = torch.where(mine, block * local_bs + offset // dcp_size, 0)
     cache.view(-1, cache.shape[-1])[slots] = rows.to(cache.dtype)
 
 
