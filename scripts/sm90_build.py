@@ -107,7 +107,7 @@ class _Recorder:
 
 def _cases() -> dict[str, Callable[[], object]]:
     """One call per op and regime (decode, verify, prefill) at the model's real widths."""
-    from glm53.kernels import kda, kda_mixer, mhc, moe, norm, sparse_mla
+    from glm53.kernels import exl3, int4, kda, kda_mixer, mhc, moe, norm, sparse_mla
 
     bf, f32, i64 = torch.bfloat16, torch.float32, torch.long
 
@@ -185,6 +185,26 @@ def _cases() -> dict[str, Callable[[], object]]:
         return lambda: moe.fused_moe(z(tokens, d), z(e, 2 * inter, d), z(e, d, inter),
                                      z(tokens, 8, dtype=f32), ids, 10.0)
 
+    def exl3_call(tokens, decode, e=8):
+        """EXL3 K4 experts at real widths (fewer experts: the builds do not depend on E)."""
+        d, inter, i16, f16 = 4096, 2048, torch.int16, torch.float16
+        ids = torch.arange(tokens * 8).view(tokens, 8) % e
+        return lambda: exl3.moe_exl3_on_path(
+            z(tokens, d), z(e, d // 16, 2 * inter // 16, 64, dtype=i16), z(e, 2, d, dtype=f16),
+            z(e, 2 * inter, dtype=f16), z(e, inter // 16, d // 16, 64, dtype=i16),
+            z(e, inter, dtype=f16), z(e, d, dtype=f16), z(tokens, 8, dtype=f32), ids, 10.0, 0,
+            1, decode=decode)
+
+    def int4_call(tokens, path, e=8):
+        """int4 experts at real widths, group 128 (fewer experts, as for EXL3)."""
+        d, inter, g, u8, f16 = 4096, 2048, 128, torch.uint8, torch.float16
+        ids = torch.arange(tokens * 8).view(tokens, 8) % e
+        return lambda: int4.moe_int4_on_path(
+            z(tokens, d), z(e, 2 * inter, d // 2, dtype=u8), z(e, 2 * inter, d // g, dtype=f16),
+            z(e, 2 * inter, d // g, dtype=f16), z(e, d, inter // 2, dtype=u8),
+            z(e, d, inter // g, dtype=f16), z(e, d, inter // g, dtype=f16),
+            z(tokens, 8, dtype=f32), ids, 10.0, 0, g, path=path)
+
     streams = z(16, 4, 4096)
     return {
         "kda decode 64x1": kda_call([1] * 64),
@@ -211,6 +231,13 @@ def _cases() -> dict[str, Callable[[], object]]:
         "attention decode, unhalved latent 8 warps": attention_call(
             16, budget * kpool + kpool - 1, COL_TILE=512, ATTENTION_WARPS=8),
         "moe 16 tokens": moe_call(16),
+        "exl3 dequant": lambda: exl3.exl3_dequant(z(2, 256, 128, 64, dtype=torch.int16), 1),
+        "exl3 moe decode 1 token": exl3_call(1, True),
+        "exl3 moe decode 64 tokens": exl3_call(64, True),
+        "exl3 moe prefill 8 tokens": exl3_call(8, False, e=2),
+        "int4 moe decode 1 token": int4_call(1, "decode"),
+        "int4 moe decode 64 tokens": int4_call(64, "decode"),
+        "int4 moe prefill 8 tokens": int4_call(8, "prefill", e=2),
         "router 64 tokens": lambda: moe.route_topk(z(64, 288, dtype=f32), z(288, dtype=f32), 8,
                                                    True, 2.5),
         "rms norm": lambda: norm.rms_norm(z(64, 4096), z(4096), 1e-5),

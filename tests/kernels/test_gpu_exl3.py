@@ -67,7 +67,7 @@ def test_moe_exl3(tokens, n_local, offset, inter):
     out = exl3.moe_exl3(x, *params, wts, ids, 10.0, offset, 1)
     assert out.dtype == torch.bfloat16 and rel_err(out, want) < TOL
     if tokens == 64:  # the other path on the same data
-        other = exl3.moe_exl3(x, *params, wts, ids, 10.0, offset, 1, decode=False)
+        other = exl3.moe_exl3_on_path(x, *params, wts, ids, 10.0, offset, 1, decode=False)
         assert rel_err(other, want) < TOL
 
 

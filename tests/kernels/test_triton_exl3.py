@@ -76,8 +76,8 @@ def test_moe_exl3_matches_ref(decode, t, d, k, n_local, offset, codebook):
     ids = torch.stack([torch.randperm(n_local + offset + 2, generator=G)[:k] for _ in range(t)])
     wts = torch.rand(t, k, generator=G)
     want = ref.moe_exl3(x, *params, wts, ids, 7.0, offset, codebook)
-    out = exl3.moe_exl3(*(a.to(DEVICE) for a in (x, *params, wts, ids)), 7.0, offset, codebook,
-                        decode=decode)
+    out = exl3.moe_exl3_on_path(*(a.to(DEVICE) for a in (x, *params, wts, ids)), 7.0, offset,
+                                codebook, decode=decode)
     assert out.dtype == x.dtype and float(want.norm()) > 0
     assert rel_err(out, want) < MOE_TOL
 
@@ -93,6 +93,6 @@ def test_moe_exl3_prefill_chunks_experts(monkeypatch):
     ids = torch.stack([torch.randperm(n_local + 1, generator=G)[:k] for _ in range(t)])
     wts = torch.rand(t, k, generator=G)
     want = ref.moe_exl3(x, *params, wts, ids, 7.0, 1, 1)
-    out = exl3.moe_exl3(*(a.to(DEVICE) for a in (x, *params, wts, ids)), 7.0, 1, 1,
-                        decode=False)
+    out = exl3.moe_exl3_on_path(*(a.to(DEVICE) for a in (x, *params, wts, ids)), 7.0, 1, 1,
+                                decode=False)
     assert rel_err(out, want) < MOE_TOL
