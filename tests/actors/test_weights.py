@@ -300,3 +300,20 @@ def test_bf16_load_keeps_fp32_parameters(ckpt: Path, tensors: dict[str, torch.Te
     # values: fp32 parameters exactly as stored, the rest rounded to bf16
     for name, t in export_checkpoint(model).items():
         assert torch.equal(t, tensors[name].to(t.dtype)), name
+
+
+@pytest.mark.parametrize("block", [(16, 16), (48, 48), (16, 48)])
+@pytest.mark.parametrize("dim", [0, 1])
+def test_fp8_shards_read_only_their_slice(ckpt: Path, tmp_path: Path, block: tuple[int, int],
+                                          dim: int) -> None:
+    """A TP shard of a block-FP8 tensor reads its rows/columns and the scale blocks covering
+    them (48-wide blocks straddle the shard boundary), and equals that slice of the whole."""
+    name = "lm_head.weight"  # [272, 64]
+    write_fp8_checkpoint(ckpt, tmp_path / "fp8", block, [name])
+    reader = CheckpointReader(tmp_path / "fp8", block)
+    whole = reader.load(name)
+    for size in (2, 4):
+        for rank in range(size):
+            part = whole.shape[dim] // size
+            want = whole.narrow(dim, rank * part, part)
+            assert torch.equal(reader.load(name, dim, rank, size), want), (size, rank)
