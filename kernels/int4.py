@@ -6,16 +6,33 @@ of expert e's rows) comes from a searchsorted, without a host sync.
 
 Decode (fused): the weights are never dequantised to memory. An align kernel cuts every
 expert's rows into blocks of BM rows (a fixed number of blocks, so the grid does not depend on
-the routing); then one launch computes gate|up for (block, BN output columns): it loads the
-packed bytes, unpacks the even and odd input columns (low and high nibbles), applies the group
-scale/zero in fp32, and multiplies by the even and odd activation columns with tl.dot (fp16
-operands on CUDA, fp32 accumulation), with the SwiGLU in its epilogue; a second launch does
-down the same way and adds weight * row into the fp32 output with atomics (the weighted
-index_add). Each program reads its expert's weight slice once per BM rows, so at decode sizes
-the bytes read are the int4 bytes of the experts hit. No host sync, no data-dependent shape:
-graph-capturable. Measured on an H200 (benchmarks/moe_4bit.py, 288 experts): 13-27% of the
-4.3 TB/s, 1.1-1.4x faster than bf16 at 1-64 tokens but 0.8x at 512: still latency-bound (the
-dequantised tile goes through shared memory into tl.dot every K step, unpipelined).
+the routing); then one launch computes gate|up for (block, BN output columns) with the SwiGLU in
+its epilogue, and a second launch does down and adds weight * row into the fp32 output with
+atomics (the weighted index_add). Each program reads its expert's weight slice once per block,
+so at decode sizes the bytes read are the int4 bytes of the experts hit. No host sync, no
+data-dependent shape: graph-capturable. Two variants, picked on the host from T alone (an
+expert has at most T rows), table DECODE_GEMV:
+
+- dot-free (GEMV), T <= 128: blocks of BM = 1, 2 or 4 rows (T <= 16, 64, 128). The codes are
+  read as int32 words (8 codes, [BN rows, 16 words] per K step = 64 contiguous bytes a row),
+  and each code becomes the fp32 1 + code/16 with one shift and one and-or (code under the
+  mantissa of 1.0: no int-to-float conversion, whose 16/clk/SM would cap T=1 at ~45% of the
+  bandwidth); x . (code * s + z) = 16 s (x . (1 + code/16)) + (z - 16 s) sum(x), so a weight
+  costs one FMA per row and the scale and zero are applied once per step (a step lies in one
+  group). Products stay per K lane in registers and are reduced once at the end: no
+  shared-memory round trip, no 16-row padding. The next step's words and scales are loaded
+  before this step's arithmetic. w2 is also split along K (atomics are there anyway) until
+  ~GEMV_PROGRAMS_PER_SM programs per SM: at T = 1, 8 experts give 256 w13 programs (BN 64:
+  128 rows x 4096 columns each) and 256 x 2 w2 programs. sm_90 SASS per K step and thread:
+  128 weights for ~600 instructions (~4.7 a weight, 128 registers, no spills); at 4 warps and
+  ~4 programs an SM that is ~1.5x the issue rate 4.3 TB/s of int4 needs, hence >= 50% of it
+  expected at T = 1 (to be measured). BM rows share the unpacking (one FMA a row a weight):
+  BM = 2 beats re-reading for T ~ 32-64 (~1.8 rows per expert hit at T = 64, 288 experts).
+- tl.dot, T > 128: blocks of BM = 16 rows; unpacks the even and odd input columns (low and
+  high nibbles), applies the group scale/zero in fp32 and multiplies with tl.dot (fp16
+  operands on CUDA, fp32 accumulation). Measured on an H200 (benchmarks/moe_4bit.py, 288
+  experts): 13-27% of the 4.3 TB/s at 1-64 tokens, 0.8x bf16 at 512: latency-bound (the
+  dequantised tile goes through shared memory into tl.dot every K step, unpipelined).
 
 Prefill (dequantise + grouped GEMM): the experts hit are dequantised in chunks into a bf16
 scratch (fp32 on CPU) of at most SCRATCH_BYTES (1.5 GiB: 32 experts of 4096 x (4096 + 2048)),
@@ -29,11 +46,15 @@ Dequantising costs 4.5 bytes of traffic per weight (read 0.5, write 2, read 2 ag
 compute-bound with room to spare: at M rows a weight costs 2M flops, ~3.3e-15 M s at ~600
 TFLOP/s, against ~1e-12 s for the extra 4 bytes at 4.3 TB/s, i.e. M ~ 300. Below that the fused
 kernel (memory-bound on int4 bytes) is cheaper. At 288 experts this is T >= 9216 tokens (top-8),
-at 144 local experts T >= 4608: long prefill chunks only.
+at 144 local experts T >= 4608: long prefill chunks only. The dot-free variant does not move
+this rule: it only runs at T <= 128 (<= ~3.6 rows per expert on average), where prefill would
+pay 9x the bytes; between 128 tokens and the switch the tl.dot variant runs (at T = 512 it
+measured 6.1 ms against ~7.6 ms for merely the dequantisation traffic of 288 experts).
 
-On CUDA the activations enter the weights in fp16 (as the seed casts expert inputs to fp16;
-swiglu outputs are clamped, well inside fp16) on the fused path and in bf16 on the prefill path
-(torch._grouped_mm is bf16-only); down partials and the output sum are fp32.
+Activations meet the weights in fp32 on the dot-free variant; on CUDA in fp16 on the tl.dot
+variant (as the seed casts expert inputs to fp16; swiglu outputs are clamped, well inside fp16)
+and in bf16 on the prefill path (torch._grouped_mm is bf16-only); down partials and the output
+sum are fp32.
 """
 
 from __future__ import annotations
@@ -58,6 +79,19 @@ BM = 16  # rows per block of the fused path (tl.dot's minimum)
 DECODE_BN, DECODE_BN_WIDE, DECODE_BK, DECODE_WARPS = 64, 128, 128, 4
 # the interpreter computes on bit patterns: fp32 operands there (see utils.py)
 DOT_DTYPE = tl.float32 if INTERPRET else tl.float16
+# dot-free (GEMV) variant of the fused path: (max tokens, rows per block) in order; the first
+# entry with T <= its bound is taken, none: the tl.dot variant. Chosen on cost per weight (see
+# the module docstring), to be tuned on the GPU.
+DECODE_GEMV = ((16, 1), (64, 2), (128, 4))
+# per program: output columns of w13 (x2 rows: gate and up) and of w2 (halved at 2 rows per
+# block, quartered at 4: registers), words of 8 codes per K step (at most; inside one group),
+# warps
+GEMV_BN13, GEMV_BN2, GEMV_BKW, GEMV_WARPS = 64, 128, 16, 4
+# w2's K split: None picks it (programs per SM of the blocks that can hold rows, K steps kept
+# per split); an int forces that many splits (at most, a power of two dividing the steps)
+GEMV_W2_SPLIT: int | None = None
+GEMV_PROGRAMS_PER_SM, GEMV_MIN_STEPS = 4, 4
+ONE_F32_BITS = 0x3F800000
 
 
 @triton.jit
@@ -208,6 +242,166 @@ def w2_kernel(act, q, scale, zero, blocks, sorted_tok, sorted_w, out, D, INTER, 
                   mask=m_m[:, None] & m_n[None, :])
 
 
+@triton.jit
+def nibble_f32(w, one, I: tl.constexpr):
+    """Code I (input column 8c + I) of each int32 word w (8 codes, code I at bits 4I..4I+3) as
+    the fp32 1 + code / 16: the code moved to mantissa bits 19..22 under the exponent of 1.0
+    (one shift and one and-or per weight, no int-to-float conversion). one: 0x3F800000 passed
+    as a kernel argument, so that ptxas fuses the and-or into one LOP3 (of two immediates it
+    makes two)."""
+    v = w << (19 - 4 * I) if I <= 4 else w >> (4 * I - 19)
+    return ((v & 0x780000) | one).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def gemv_rows(p_w, p_s, p_z, p_x0, p_x1, p_x2, p_x3, w0, n_steps, GW, one, BM: tl.constexpr,
+              BN: tl.constexpr, BKW: tl.constexpr):
+    """y_m[n] = sum over n_steps * BKW words from word w0 of x_m . W[n] for the BM <= 4 input
+    rows m, without tl.dot: W's codes and x meet in fp32 registers (FMAs), reduced over K once
+    at the end. p_w, p_s, p_z: [BN] pointers to each weight row's word w0 (int32, 8 codes) and
+    to its first scale / zero; p_xm: row m's input at column 8 w0. Each step of BKW words lies
+    inside one group (GW words), so a row has one (scale, zero) per step, and
+    x . (code * s + z) = 16 s (x . (1 + code / 16)) + (z - 16 s) sum(x): the codes enter as
+    `nibble_f32`, the scale and zero once per step per row. The next step's words and scales
+    are loaded before this step's arithmetic (in flight while it runs)."""
+    c = tl.arange(0, BKW)
+    a0 = tl.zeros([BN, BKW], dtype=tl.float32)
+    a1 = tl.zeros([BN, BKW], dtype=tl.float32)
+    a2 = tl.zeros([BN, BKW], dtype=tl.float32)
+    a3 = tl.zeros([BN, BKW], dtype=tl.float32)
+    w = tl.load(p_w[:, None] + c[None, :])
+    s = tl.load(p_s + w0 // GW).to(tl.float32)
+    z = tl.load(p_z + w0 // GW).to(tl.float32)
+    for t in range(n_steps):
+        kw = t * BKW
+        more = t + 1 < n_steps
+        w_nx = tl.load(p_w[:, None] + (kw + BKW + c)[None, :], mask=more, other=0)
+        g_nx = (w0 + kw + BKW) // GW
+        s_nx = tl.load(p_s + g_nx, mask=more, other=0.0).to(tl.float32)
+        z_nx = tl.load(p_z + g_nx, mask=more, other=0.0).to(tl.float32)
+        s16 = (16.0 * s)[:, None]
+        z16 = (z - 16.0 * s)[:, None]
+        o_x = 8 * (kw + c)
+        p0 = tl.zeros([BN, BKW], dtype=tl.float32)
+        p1 = tl.zeros([BN, BKW], dtype=tl.float32)
+        p2 = tl.zeros([BN, BKW], dtype=tl.float32)
+        p3 = tl.zeros([BN, BKW], dtype=tl.float32)
+        x0s = tl.zeros([BKW], dtype=tl.float32)
+        x1s = tl.zeros([BKW], dtype=tl.float32)
+        x2s = tl.zeros([BKW], dtype=tl.float32)
+        x3s = tl.zeros([BKW], dtype=tl.float32)
+        for i in tl.static_range(8):
+            f = nibble_f32(w, one, i)
+            xv = tl.load(p_x0 + o_x + i).to(tl.float32)
+            p0 += xv[None, :] * f
+            x0s += xv
+            if BM > 1:
+                xv = tl.load(p_x1 + o_x + i).to(tl.float32)
+                p1 += xv[None, :] * f
+                x1s += xv
+            if BM > 2:
+                xv = tl.load(p_x2 + o_x + i).to(tl.float32)
+                p2 += xv[None, :] * f
+                x2s += xv
+                xv = tl.load(p_x3 + o_x + i).to(tl.float32)
+                p3 += xv[None, :] * f
+                x3s += xv
+        a0 += s16 * p0 + z16 * x0s[None, :]
+        if BM > 1:
+            a1 += s16 * p1 + z16 * x1s[None, :]
+        if BM > 2:
+            a2 += s16 * p2 + z16 * x2s[None, :]
+            a3 += s16 * p3 + z16 * x3s[None, :]
+        w, s, z = w_nx, s_nx, z_nx
+    return tl.sum(a0, 1), tl.sum(a1, 1), tl.sum(a2, 1), tl.sum(a3, 1)
+
+
+@triton.jit
+def swiglu_store(h, act, r, ok, o_n, m_n, INTER, limit, BN: tl.constexpr):
+    """act[r, o_n] = swiglu of h [2 BN] (gate, up interleaved) where ok and m_n."""
+    b_g, b_u = tl.split(tl.reshape(h, [BN, 2]))
+    b_g = tl.minimum(b_g, limit)
+    b_u = tl.minimum(tl.maximum(b_u, -limit), limit)
+    tl.store(act + r * INTER + o_n, b_g * tl.sigmoid(b_g) * b_u, mask=m_n & ok)
+
+
+@triton.jit
+def w13_gemv_kernel(x, q, scale, zero, blocks, sorted_tok, act, stride_x, INTER, KW, NG, limit,
+                    GW, one, BM: tl.constexpr, BN: tl.constexpr, BKW: tl.constexpr):
+    """w13_swiglu_kernel for blocks of BM <= 4 rows, dot-free (`gemv_rows`): one program
+    computes gate and up (rows interleaved in one [2 BN] tile) for BN output columns.
+    q: int32 words [E, 2I, D/8]."""
+    i_b, i_n = tl.program_id(0), tl.program_id(1)
+    e = tl.load(blocks + i_b * 3).to(tl.int64)
+    r0 = tl.load(blocks + i_b * 3 + 1)
+    r1 = tl.load(blocks + i_b * 3 + 2)
+    if r0 >= r1:  # past the last block: no rows, read no weights
+        return
+    j = tl.arange(0, 2 * BN)
+    o_n = i_n * BN + tl.arange(0, BN)
+    m_n = o_n < INTER
+    rows = tl.minimum(i_n * BN + j // 2, INTER - 1) + (j % 2) * INTER  # gate, up, gate, ...
+    p_w = q + e * 2 * INTER * KW + rows * KW
+    p_s = scale + e * 2 * INTER * NG + rows * NG
+    p_z = zero + e * 2 * INTER * NG + rows * NG
+    # rows past the block's end re-read its last row (results not stored)
+    p_x0 = x + tl.load(sorted_tok + r0).to(tl.int64) * stride_x
+    p_x1 = x + tl.load(sorted_tok + tl.minimum(r0 + 1, r1 - 1)).to(tl.int64) * stride_x
+    p_x2 = x + tl.load(sorted_tok + tl.minimum(r0 + 2, r1 - 1)).to(tl.int64) * stride_x
+    p_x3 = x + tl.load(sorted_tok + tl.minimum(r0 + 3, r1 - 1)).to(tl.int64) * stride_x
+    h0, h1, h2, h3 = gemv_rows(p_w, p_s, p_z, p_x0, p_x1, p_x2, p_x3, 0, KW // BKW, GW, one, BM,
+                               2 * BN, BKW)
+    swiglu_store(h0, act, r0, r0 < r1, o_n, m_n, INTER, limit, BN)
+    if BM > 1:
+        swiglu_store(h1, act, r0 + 1, r0 + 1 < r1, o_n, m_n, INTER, limit, BN)
+    if BM > 2:
+        swiglu_store(h2, act, r0 + 2, r0 + 2 < r1, o_n, m_n, INTER, limit, BN)
+        swiglu_store(h3, act, r0 + 3, r0 + 3 < r1, o_n, m_n, INTER, limit, BN)
+
+
+@triton.jit
+def w2_gemv_kernel(act, q, scale, zero, blocks, sorted_tok, sorted_w, out, D, INTER, KW, NG, GW,
+                   STEPS, one, BM: tl.constexpr, BN: tl.constexpr, BKW: tl.constexpr):
+    """w2_kernel for blocks of BM <= 4 rows, dot-free (`gemv_rows`), split along K: program
+    (block, n, s) covers the STEPS * BKW words from s * STEPS * BKW and adds its part of
+    weight * y into out with atomics. q: int32 words [E, D, I/8]."""
+    i_b, i_n, i_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    e = tl.load(blocks + i_b * 3).to(tl.int64)
+    r0 = tl.load(blocks + i_b * 3 + 1)
+    r1 = tl.load(blocks + i_b * 3 + 2)
+    if r0 >= r1:
+        return
+    o_n = i_n * BN + tl.arange(0, BN)
+    m_n = o_n < D
+    rows = tl.minimum(o_n, D - 1)
+    w0 = i_k * STEPS * BKW
+    p_w = q + e * D * KW + rows * KW + w0
+    p_s = scale + e * D * NG + rows * NG
+    p_z = zero + e * D * NG + rows * NG
+    ra = act + 8 * w0
+    y0, y1, y2, y3 = gemv_rows(p_w, p_s, p_z, ra + r0 * INTER,
+                               ra + tl.minimum(r0 + 1, r1 - 1) * INTER,
+                               ra + tl.minimum(r0 + 2, r1 - 1) * INTER,
+                               ra + tl.minimum(r0 + 3, r1 - 1) * INTER, w0, STEPS, GW, one, BM, BN,
+                               BKW)
+    tok = tl.load(sorted_tok + r0).to(tl.int64)
+    tl.atomic_add(out + tok * D + o_n, y0 * tl.load(sorted_w + r0), mask=m_n)
+    if BM > 1:
+        ok = r0 + 1 < r1
+        tok = tl.load(sorted_tok + r0 + 1, mask=ok, other=0).to(tl.int64)
+        wt = tl.load(sorted_w + r0 + 1, mask=ok, other=0.0)
+        tl.atomic_add(out + tok * D + o_n, y1 * wt, mask=m_n & ok)
+    if BM > 2:
+        ok = r0 + 2 < r1
+        tok = tl.load(sorted_tok + r0 + 2, mask=ok, other=0).to(tl.int64)
+        wt = tl.load(sorted_w + r0 + 2, mask=ok, other=0.0)
+        tl.atomic_add(out + tok * D + o_n, y2 * wt, mask=m_n & ok)
+        ok = r0 + 3 < r1
+        tok = tl.load(sorted_tok + r0 + 3, mask=ok, other=0).to(tl.int64)
+        wt = tl.load(sorted_w + r0 + 3, mask=ok, other=0.0)
+        tl.atomic_add(out + tok * D + o_n, y3 * wt, mask=m_n & ok)
+
+
 def _dequant_into(q, scale, zero, group_size, ids, out) -> None:
     """out[s] = dequantised q[ids[s]] (any float dtype). q: [E, N, Kin/2]; ids: [n] int32;
     out: [n, N, Kin] contiguous."""
@@ -247,17 +441,71 @@ def _k_blocking(group_size: int) -> tuple[int, int]:
     return 16, 0
 
 
+def _gemv_rows_per_block(n_tok: int, g13: int, g2: int) -> int:
+    """BM of the dot-free variant for T tokens (each expert has at most T rows), 0 for the
+    tl.dot variant: the first entry of DECODE_GEMV with T <= its bound. Groups must be
+    multiples of 8 input columns (a code word never straddles two groups)."""
+    if g13 % 8 or g2 % 8:
+        return 0
+    return next((bm for max_tok, bm in DECODE_GEMV if n_tok <= max_tok), 0)
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 132  # an H100 / H200
+
+
+def _w2_split(steps: int, programs: int, device: torch.device) -> int:
+    """K splits of the dot-free w2 launch: GEMV_W2_SPLIT if set, else doubled while the
+    programs of the blocks that can hold rows stay under GEMV_PROGRAMS_PER_SM per SM and each
+    split keeps GEMV_MIN_STEPS steps; always a power of two dividing `steps`."""
+    split = 1
+    while steps % (2 * split) == 0 and (
+            split < GEMV_W2_SPLIT if GEMV_W2_SPLIT else
+            steps // (2 * split) >= GEMV_MIN_STEPS
+            and 2 * split * programs <= GEMV_PROGRAMS_PER_SM * _num_sms(device)):
+        split *= 2
+    return split
+
+
 def _moe_decode(x, w13, w2, g13, g2, tok, wts, offs, limit, out) -> None:
     n_pairs, n_local = tok.numel(), offs.numel()
     (q13, s13, z13), (q2, s2, z2) = w13, w2
     d, inter = out.shape[1], q13.shape[1] // 2
-    n_blk = triton.cdiv(n_pairs, BM) + min(n_local, n_pairs)
+    n_tok = x.shape[0]
+    bm = _gemv_rows_per_block(n_tok, g13, g2)
+    if bm and (q13.storage_offset() % 4 or q2.storage_offset() % 4):
+        bm = 0  # codes not viewable as int32 words
+    bm_blk = bm or BM
+    # sum over experts of ceil(rows / BM) <= (pairs + (BM - 1) * experts hit) / BM
+    n_hit = min(n_local, n_pairs)
+    n_blk = max(1, (n_pairs + (bm_blk - 1) * n_hit) // bm_blk)
     blocks = torch.empty((n_blk, 3), dtype=torch.int32, device=x.device)
     bb = min(64, next_pow2(n_blk))
-    align_kernel[(triton.cdiv(n_blk, bb),)](offs, blocks, n_local, n_blk, BM=BM,
+    align_kernel[(triton.cdiv(n_blk, bb),)](offs, blocks, n_local, n_blk, BM=bm_blk,
                                             BE=next_pow2(n_local), BB=bb)
     tok32 = tok.to(torch.int32)
     act = torch.empty((n_pairs, inter), dtype=torch.float32, device=x.device)
+    if bm:
+        # words (8 codes) per group; steps of BKW words inside one group
+        gw13, gw2 = g13 // 8, g2 // 8
+        bn = max(8, min(GEMV_BN13 >> bm // 2, next_pow2(inter)))
+        bkw = min(GEMV_BKW, gw13 & -gw13)
+        w13_gemv_kernel[(n_blk, triton.cdiv(inter, bn))](
+            x, q13.view(torch.int32), s13, z13, blocks, tok32, act, x.stride(0), inter, d // 8,
+            s13.shape[-1], float(limit), gw13, ONE_F32_BITS, BM=bm, BN=bn, BKW=bkw,
+            num_warps=GEMV_WARPS)
+        bn = max(16, min(GEMV_BN2 >> bm // 2, next_pow2(d)))
+        bkw = min(GEMV_BKW, gw2 & -gw2)
+        steps = inter // 8 // bkw
+        n_n = triton.cdiv(d, bn)
+        split = _w2_split(steps, min(n_blk, n_hit) * n_n, x.device)
+        w2_gemv_kernel[(n_blk, n_n, split)](
+            act, q2.view(torch.int32), s2, z2, blocks, tok32, wts, out, d, inter, inter // 8,
+            s2.shape[-1], gw2, steps // split, ONE_F32_BITS, BM=bm, BN=bn, BKW=bkw,
+            num_warps=GEMV_WARPS)
+        return
     bkh, groups = _k_blocking(g13)
     bn_max = DECODE_BN if n_pairs < 512 else DECODE_BN_WIDE
     bn = max(16, min(bn_max, next_pow2(inter)))

@@ -1,6 +1,8 @@
 """INT4 routed experts on real shapes on a CUDA GPU (marker `gpu`): D = 4096, 288 experts of
 I = 2048 (and 144 local experts of I = 1024 with an EP offset), top-8, T = 1..512, both paths,
-and the decode path replayed in a CUDA graph with new inputs.
+the decode path's two variants forced (dot-free at 1, 2, 4 rows per block, with K splits;
+tl.dot), and the decode path replayed in a CUDA graph with new inputs (T = 1, 8, 64: each
+dot-free block size the default picks, and 200 tokens: tl.dot).
 
 Weights are random codes with scales ~0.0027 and zeros centring them (|w| <= 0.02, like the bf16
 tests). Tolerance: relative error 1e-2 (fp16 / bf16 operands with fp32 accumulation against the
@@ -74,13 +76,31 @@ def test_moe_int4_ep_rank(tokens):
         assert rel_err(out, want) < TOL, path
 
 
-def test_moe_int4_decode_in_cuda_graph(experts_288):
-    """Captured once on one batch of 8 tokens, replayed on others written into its inputs."""
+@pytest.mark.parametrize("variant", ["dot", "gemv1", "gemv2", "gemv4", "gemv1-split8"])
+@pytest.mark.parametrize("tokens", [1, 8, 64])
+def test_moe_int4_decode_variants(experts_288, monkeypatch, variant, tokens):
+    from glm53.kernels import int4
+
+    bm = {"dot": 0, "gemv1": 1, "gemv2": 2, "gemv4": 4, "gemv1-split8": 1}[variant]
+    monkeypatch.setattr(int4, "DECODE_GEMV", ((10**9, bm),) if bm else ())
+    if variant.endswith("split8"):
+        monkeypatch.setattr(int4, "GEMV_W2_SPLIT", 8)
+    gen = torch.Generator(device=DEV).manual_seed(200 + tokens)
+    x = torch.randn(tokens, D, generator=gen, device=DEV, dtype=torch.bfloat16)
+    wts, ids = _routes(tokens, 288, gen)
+    want = ref_int4.moe_int4(x, *experts_288, wts, ids, 10.0, 0, 128)
+    out = int4.moe_int4_on_path(x, *experts_288, wts, ids, 10.0, 0, 128, path="decode")
+    assert rel_err(out, want) < TOL
+
+
+@pytest.mark.parametrize("tokens", [1, 8, 64, 200])
+def test_moe_int4_decode_in_cuda_graph(experts_288, tokens):
+    """Captured once on one batch, replayed on others written into its inputs."""
     from glm53.kernels import int4
 
     gen = torch.Generator(device=DEV).manual_seed(7)
-    x = torch.randn(8, D, generator=gen, device=DEV, dtype=torch.bfloat16)
-    wts, ids = _routes(8, 288, gen)
+    x = torch.randn(tokens, D, generator=gen, device=DEV, dtype=torch.bfloat16)
+    wts, ids = _routes(tokens, 288, gen)
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):  # warm-up compiles outside the capture
@@ -91,8 +111,8 @@ def test_moe_int4_decode_in_cuda_graph(experts_288):
         out = int4.moe_int4(x, *experts_288, wts, ids, 10.0, 0, 128)
     for seed in (8, 9):
         gen.manual_seed(seed)
-        x.copy_(torch.randn(8, D, generator=gen, device=DEV, dtype=torch.bfloat16))
-        new_wts, new_ids = _routes(8, 288, gen)
+        x.copy_(torch.randn(tokens, D, generator=gen, device=DEV, dtype=torch.bfloat16))
+        new_wts, new_ids = _routes(tokens, 288, gen)
         wts.copy_(new_wts)
         ids.copy_(new_ids)
         graph.replay()

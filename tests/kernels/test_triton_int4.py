@@ -5,6 +5,10 @@ paths: relative error 1e-5 under the interpreter (fp32 operands; sums in another
 on CUDA (fp16/bf16 operands, fp32 accumulation). Group sizes: 32 (several groups per row, and
 a K step of one group) and 128, which exceeds every in_features here, so each projection's
 group is its whole row (96 and 64: whole-group K steps; 48: per-element scales).
+
+The fused path's two variants are forced through DECODE_GEMV (the dot-free one at 1, 2 and 4
+rows per block, and the tl.dot one), with several K splits of the dot-free w2 and a group
+that is no multiple of 8 (the dot-free variant falls back to tl.dot).
 """
 
 from __future__ import annotations
@@ -91,3 +95,51 @@ def test_switch_rule_and_bad_path(monkeypatch):
     assert calls
     with pytest.raises(ValueError, match="path"):
         int4.moe_int4_on_path(*args, 7.0, 0, 32, path="gemv")
+
+
+GEMV = {"dot": (), "gemv1": ((10**9, 1),), "gemv2": ((10**9, 2),), "gemv4": ((10**9, 4),)}
+
+
+@pytest.mark.parametrize("variant", list(GEMV))
+@pytest.mark.parametrize("d,inter,group_size,t,k,n_local,split", [
+    (96, 48, 128, 9, 3, 3, None),  # g2 48: 2-word steps; ~4.5 rows per local expert
+    (64, 128, 32, 5, 2, 3, 4),     # w2: 4 steps of 4 words in 4 splits (w13: 2 of 4 each)
+])
+def test_decode_variants(monkeypatch, variant, d, inter, group_size, t, k, n_local, split):
+    from glm53.kernels import int4
+
+    monkeypatch.setattr(int4, "DECODE_GEMV", GEMV[variant])
+    monkeypatch.setattr(int4, "GEMV_W2_SPLIT", split)
+    x, packed, wts, ids = _case(d, inter, group_size, t, k, n_local, seed=t + inter)
+    want = ref_int4.moe_int4(x, *packed, wts, ids, 7.0, 2, group_size)
+    out = int4.moe_int4_on_path(*(a.to(DEVICE) for a in (x, *packed, wts, ids)), 7.0, 2,
+                                group_size, path="decode")
+    assert rel_err(out, want) < TOL
+
+
+def test_decode_variant_choice(monkeypatch):
+    """The dot-free rows per block from T; none for groups that are no multiple of 8 words; K
+    splits are powers of two dividing the steps."""
+    from glm53.kernels import int4
+
+    assert [int4._gemv_rows_per_block(t, 128, 128) for t in (1, 16, 17, 64, 65, 128, 129)] == \
+        [1, 1, 2, 2, 4, 4, 0]
+    assert int4._gemv_rows_per_block(1, 12, 128) == 0
+    cpu = torch.device("cpu")
+    assert int4._w2_split(16, 256, cpu) == 2  # T = 1: 8 experts x 32 column tiles
+    assert int4._w2_split(16, 4096, cpu) == 1
+    monkeypatch.setattr(int4, "GEMV_W2_SPLIT", 8)
+    assert int4._w2_split(12, 1, cpu) == 4 and int4._w2_split(16, 1, cpu) == 8
+
+
+@pytest.mark.parametrize("variant", ["gemv1", "gemv4"])
+def test_decode_group_not_multiple_of_8(monkeypatch, variant):
+    """Group 12: the dot-free variant is skipped (tl.dot with per-element scales)."""
+    from glm53.kernels import int4
+
+    monkeypatch.setattr(int4, "DECODE_GEMV", GEMV[variant])
+    x, packed, wts, ids = _case(48, 24, 12, 5, 2, 3, seed=5)
+    want = ref_int4.moe_int4(x, *packed, wts, ids, 7.0, 0, 12)
+    out = int4.moe_int4_on_path(*(a.to(DEVICE) for a in (x, *packed, wts, ids)), 7.0, 0, 12,
+                                path="decode")
+    assert rel_err(out, want) < TOL
