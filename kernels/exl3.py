@@ -2,8 +2,9 @@
 
 `exl3_dequant` decodes 16x16 tiles in registers: each output element (r, c) of a tile finds its
 symbol i(r, c) by the inverse tile map, gathers the one or two uint32 words its 16-bit state
-spans, shifts the state out, hashes it on uint32 lanes and adds the two fp16 halves in fp32 with
-one rounding, which is bit-exact (design/exl3-dflash-spec.md §B.4-B.6). Any integer K in 1..8
+spans, shifts the state out, hashes it on uint32 lanes and adds the two fp16 halves with one fp16
+add (correctly rounded; the exact sum fits fp32, so it equals the spec's fp32-sum-then-round),
+which is bit-exact (design/exl3-dflash-spec.md §B.4-B.6). Any integer K in 1..8
 decodes with the same arithmetic (K is a compile-time constant).
 
 `moe_exl3` permutes the (token, expert) pairs into local-expert order (stable sort; other EP
@@ -13,14 +14,19 @@ ranks' experts sort last and drop out, no host sync) and, per projection, rotate
 
 - decode (T * k <= DECODE_MAX_PAIRS = 512 pairs, i.e. up to 64 tokens at top-8: every CUDA-graph
   decode / verify batch): no dequantised copy of the weights. One launch per projection over a
-  (P, N/128, K splits) grid; a program owns up to 16 sorted rows of one expert (the first row of
-  each 16-row run of an expert leads; the other programs exit at once), a 128-wide output block
-  and a K range (split until ~MIN_PROGRAMS programs work: T = 1 has only 8 experts), decodes the
-  weight tiles in registers right before `tl.dot` with the fp16 rotated activations (fp32
-  accumulate; K splits add atomically). Each expert's weights are read and decoded once per 16
-  routed rows: at decode sizes (a few rows per expert) once. The output transform is a small
-  torch matmul after it. Graph-capturable. Measured (H200, 144 experts 4096x2048, top-8, CUDA
-  graph): T = 1 0.43 ms, 8 1.8 ms, 64 4.9 ms, 128 5.3 ms; the scratch path 4.7-7.5 ms.
+  (P, N/128, K splits) grid; a program owns up to MR sorted rows of one expert (the first row of
+  each MR-row run of an expert leads; the other programs exit at once), a 128-wide output block
+  and a K range (split until ~MIN_PROGRAMS programs work: T = 1 has only 8 experts; K splits add
+  atomically). K = 4 (`_gemv4_kernel`) decodes in symbol order: per 16x16 tile a thread loads
+  each uint32 word once (one 16-byte load for four words; their predecessors come from the same
+  load), shifts the 8 states out of (U[t-1] << 32 | U[t]) and multiplies the decoded fp16 values
+  (fp32) by the tile's 16 rotated activations, permuted to the symbols' rows instead of permuting
+  the weights; no tl.dot, so 1..4 real rows cost 1..4 FMAs per weight (MR by P,
+  `_gemv_rows`). Other K decode per element before a tl.dot with 16 (padded) rows
+  (`_gemm_kernel`). The rotated activations are fp16 values held in fp32 on this path. The
+  output transform is a small torch matmul after it. Graph-capturable. Measured before the K = 4
+  kernel (H200, 144 experts 4096x2048, top-8, CUDA graph): T = 1 0.43 ms, 8 1.8 ms, 64 4.9 ms,
+  128 5.3 ms; the scratch path 4.7-7.5 ms.
 - prefill (more pairs): the fused kernel decodes each expert once per 16 rows, so its cost grows
   with T; the scratch path decodes every local expert once per call (a fixed ~4.5 ms per layer
   for 144 experts of 4096x2048 on an H200) and then runs a dense grouped GEMM
@@ -45,6 +51,7 @@ DECODE_MAX_PAIRS = 512
 PREFILL_SCRATCH_BYTES = 1 << 30
 # codebook -> (multiplier, addend) of the uint32 state hash; MUL1's fp16 constants as fp32
 _CB_HASH = {0: (89226354, 64248484), 1: (0xCBAC1FED, 0), 2: (0x83DCD12D, 0)}
+_MASK, _FLIP = 0x8FFF8FFF, 0x3B603B60  # (x & _MASK) ^ _FLIP: fp16 exponents 0b011xy
 _MUL1_SCALE = 0.0067672729492187500  # fp16 0x1EEE
 _MUL1_BIAS = -10.3828125  # fp16 0xC931
 # rows per GEMM program (tl.dot's minimum), output block (one Hadamard block), K step (two tile
@@ -52,6 +59,7 @@ _MUL1_BIAS = -10.3828125  # fp16 0xC931
 _BM, _BN, _BK = 16, 128, 32
 _STAGES, _WARPS = 1, 4  # no cp.async pipelining of the word gathers (5x slower on H200)
 MIN_PROGRAMS = 1024  # fused GEMM: enough programs to fill 132 SMs several times
+_UNROLL = 1  # K = 4 GEMV: tile rows per loop trip (amortises the loop and address arithmetic)
 _DOT = tl.float32 if INTERPRET else tl.float16  # the interpreter's fp16 dot is slow and inexact
 
 
@@ -77,16 +85,51 @@ def _decode(u1, u0, sh, CB: tl.constexpr, MULT: tl.constexpr, ADD: tl.constexpr,
     # (u0 << (32 - sh)) without a 32-bit shift when sh == 0
     state = ((u1 >> sh) | ((u0 << 1) << (31 - sh))) & 0xFFFF
     x = state * tl.full([], MULT, tl.uint32) + tl.full([], ADD, tl.uint32)  # wraps mod 2**32
+    return _hash_value(x, CB, MUL1_SCALE, MUL1_BIAS, tl.full([], 0x8FFF8FFF, tl.uint32),
+                       tl.full([], 0x3B603B60, tl.uint32))
+
+
+@triton.jit
+def _hash_value(x, CB: tl.constexpr, MUL1_SCALE: tl.constexpr, MUL1_BIAS: tl.constexpr, mask,
+                flip):
+    """x = state * MULT + ADD (uint32) -> the fp16 codebook value, bit-exact. mask, flip:
+    0x8FFF8FFF and 0x3B603B60 (a kernel passes them as runtime scalars so that ptxas keeps
+    them in registers and fuses (x & mask) ^ flip into one LOP3; two immediates take two)."""
     if CB == 2:
         s = (x & 255) + ((x >> 8) & 255) + ((x >> 16) & 255) + (x >> 24)
         # fp16(0x6400 + s) == 1024 + s; exact in fp32 until the one rounding
-        v = (s.to(tl.float32) + 1024.0) * MUL1_SCALE + MUL1_BIAS
+        v = ((s.to(tl.float32) + 1024.0) * MUL1_SCALE + MUL1_BIAS).to(tl.float16)
     else:
-        x = (x & tl.full([], 0x8FFF8FFF, tl.uint32)) ^ tl.full([], 0x3B603B60, tl.uint32)
-        lo = (x & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True)
+        x = (x & mask) ^ flip
+        lo = x.to(tl.uint16).to(tl.float16, bitcast=True)
         hi = (x >> 16).to(tl.uint16).to(tl.float16, bitcast=True)
-        v = lo.to(tl.float32) + hi.to(tl.float32)
-    return v.to(tl.float16)
+        # one fp16 add: correctly rounded, and the exact sum fits fp32, so it equals the
+        # fp32-sum-then-round of the spec (checked over all 65536 states in the tests)
+        v = lo + hi
+    return v
+
+
+@triton.jit
+def _codebook_kernel(state, out, n, mask, flip, CB: tl.constexpr, MULT: tl.constexpr,
+                     ADD: tl.constexpr, MUL1_SCALE: tl.constexpr, MUL1_BIAS: tl.constexpr,
+                     BITS: tl.constexpr):
+    """Test hook: int32 states [n] -> fp16 values through `_hash_value`."""
+    o = tl.program_id(0) * 1024 + tl.arange(0, 1024)
+    st = tl.load(state + o, mask=o < n, other=0).to(tl.uint32, bitcast=True) & 0xFFFF
+    x = st * tl.full([], MULT, tl.uint32) + tl.full([], ADD, tl.uint32)
+    val = _hash_value(x, CB, MUL1_SCALE, MUL1_BIAS, mask, flip.to(tl.uint32))
+    tl.store(out + o, val, mask=o < n)
+
+
+def _codebook(state: torch.Tensor, codebook: int) -> torch.Tensor:
+    """int32 states -> fp16 values with the kernels' arithmetic (tests)."""
+    state = state.to(torch.int32).contiguous()
+    out = torch.empty(state.shape, dtype=torch.float16, device=state.device)
+    n = state.numel()
+    if n:
+        _codebook_kernel[(triton.cdiv(n, 1024),)](state, out, n, _MASK, _FLIP,
+                                                  **_const_kwargs(codebook, 4))
+    return out
 
 
 @triton.jit
@@ -172,16 +215,18 @@ def _rotate_kernel(src, src_row, stride_src, scale, expert, stride_se, stride_ss
     h = _hadamard_pm1(128)
     b_y = tl.dot(b_v.to(DT), h.to(DT))  # +-1 in fp16: exact products, fp32 sums
     p_out = out + (i_s * P + o_p[:, None]).to(tl.int64) * M + o_m[None, :]
-    tl.store(p_out, (b_y * 0.08838834764831845).to(tl.float16), mask=m_p[:, None])
+    b_y = (b_y * 0.08838834764831845).to(tl.float16)  # exllamav3 rounds the inputs to fp16
+    tl.store(p_out, b_y.to(out.dtype.element_ty), mask=m_p[:, None])
 
 
 def _rotate(src: torch.Tensor, src_row: torch.Tensor, scale: torch.Tensor,
-            expert: torch.Tensor) -> torch.Tensor:
+            expert: torch.Tensor, dtype: torch.dtype = torch.float16) -> torch.Tensor:
     """Input transform of P sorted rows. src [R, M] (row stride free, unit column stride);
-    src_row, expert: [P] int; scale [E, S, M] -> [S, P, M] fp16 rotated activations."""
+    src_row, expert: [P] int; scale [E, S, M] -> [S, P, M] rotated activations, fp16 values
+    written in `dtype` (fp32 for the decode GEMV: no conversion in its inner loop)."""
     n_side, m = scale.shape[1], scale.shape[2]
     p = src_row.shape[0]
-    out = torch.empty((n_side, p, m), dtype=torch.float16, device=src.device)
+    out = torch.empty((n_side, p, m), dtype=dtype, device=src.device)
     if p:
         bm = 32
         _rotate_kernel[(triton.cdiv(p, bm), n_side * (m // 128))](
@@ -198,7 +243,7 @@ def _gemm_kernel(a, tr, key, starts, out, P, KD, NT, SIDE_N, E, KS,
                  DT: tl.constexpr):
     """Fused dequant-GEMM over rows sorted by local expert.
 
-    a: fp16 [S, P, KD] rotated inputs (side s = n // SIDE_N); tr: int32 words
+    a: [S, P, KD] rotated inputs, fp16 values (side s = n // SIDE_N); tr: int32 words
     [E, KD/16, NT, 8*BITS]; key: [P] sorted local expert (E = not ours); starts: [E + 1] first
     row of each expert; out: fp32 [P, 16*NT] += a @ What. Program (row p, output block n,
     K split s) works iff p starts a BM-row run of its expert; it sums KS rows of K (SPLIT:
@@ -237,10 +282,112 @@ def _gemm_kernel(a, tr, key, starts, out, P, KD, NT, SIDE_N, E, KS,
         tl.store(p_out, acc, mask=m_p[:, None])
 
 
+@triton.jit
+def _half_sum_f32(x):
+    """fp32(fp16(lo16(x)) + fp16(hi16(x))) with one scalar fp16 add (ptxas otherwise pairs the
+    adds into HFMA2s that need extra PRMT/shift repacking) and one conversion."""
+    return tl.inline_asm_elementwise(
+        "{ .reg .b16 l, h; mov.b32 {l, h}, $1; add.rn.f16 l, l, h; cvt.f32.f16 $0, l; }",
+        "=f,r", [x], dtype=tl.float32, is_pure=True, pack=1)
+
+
+@triton.jit
+def _gemv4_kernel(a, tr, key, starts, out, P, KD, NT, SIDE_N, E, KTS, mask, flip,
+                  CB: tl.constexpr, MULT: tl.constexpr, ADD: tl.constexpr,
+                  MUL1_SCALE: tl.constexpr, MUL1_BIAS: tl.constexpr, BITS: tl.constexpr,
+                  MR: tl.constexpr, BN: tl.constexpr, SPLIT: tl.constexpr, ASM: tl.constexpr,
+                  UNROLL: tl.constexpr):
+    """K = 4 fused dequant-GEMV in symbol order: `_gemm_kernel`'s contract (rows sorted by local
+    expert; a program leads iff its row starts an MR-row run of its expert), no tl.dot.
+
+    A tile's 32 uint32 words U[t]: symbol 8t + j (j = 4 ch + 2 r_hi + r_lo) has the state
+    (U[t-1] << 32 | U[t]) >> 4(7 - j), i.e. sel >> (12 - 4(2 r_hi + r_lo)) & 0xFFFF with
+    sel = U[t] (ch = 1) or (U[t-1] << 16 | U[t] >> 16) (ch = 0), and sits at tile row
+    8 r_hi + 2 r_pair + r_lo, column 8 ch + c_lo where t = 4 c_lo + r_pair. The 128-column block
+    is a lane axis C2 = (ch, d0 = 8 tile + c_lo) of 128 and the 16 rows of a tile row are
+    registers [r_hi, r_pair, r_lo]: each thread loads the 4 words (and their predecessors) of
+    its column once per tile row, decodes 16 weights and multiplies them by the 16 activations
+    of the tile row (the same for all threads), fp32 accumulate; rows reduce once at the end.
+    KTS tile rows of K per program (SPLIT: atomic adds).
+    """
+    i_p, i_n, i_s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    e = tl.load(key + i_p)
+    if e >= E:
+        return
+    start = tl.load(starts + e)
+    if (i_p - start) % MR != 0:
+        return
+    end = tl.load(starts + e + 1)
+    D: tl.constexpr = BN // 2  # (tile, c_lo) columns per ch
+    o_c2 = tl.arange(0, BN)
+    ch = o_c2 // D
+    d0 = o_c2 % D
+    # words of this N block inside one tile row: 4 d0 + r_pair (tiles along N are contiguous)
+    o_w = 4 * d0[None, :] + tl.arange(0, 4)[:, None]  # [4, BN]
+    o_prev = o_w - 1 + tl.where(o_w % 32 == 0, 32, 0)  # U[t - 1], wrapping inside the tile
+    sel_hi = (ch == 0)[None, :]
+    # shift of symbol (r_hi, r_lo): [2, 1, 2, 1]; activation rows 8 r_hi + 2 r_pair + r_lo
+    q = 2 * tl.arange(0, 2)[:, None, None, None] + tl.arange(0, 2)[None, None, :, None]
+    sh = (12 - 4 * q).to(tl.uint32)
+    o_row = (8 * tl.arange(0, 2)[:, None, None, None] + 2 * tl.arange(0, 4)[None, :, None, None]
+             + tl.arange(0, 2)[None, None, :, None])  # [2, 4, 2, 1]
+    o_m = tl.arange(0, MR)
+    side = (i_n * BN) // SIDE_N
+    # rows past the run's end read its last row (no masked loads in the loop; not stored)
+    row = tl.minimum(i_p + o_m, end - 1)[:, None, None, None, None]
+    p_a = (a + (side * P + row).to(tl.int64) * KD
+           + o_row[None])  # [MR, 2, 4, 2, 1]
+    p_tr = tr + (e.to(tl.int64) * (KD // 16) * NT + i_n * (BN // 16)) * 32
+    flip = flip.to(tl.uint32)
+    kt0 = i_s * KTS
+    kt1 = tl.minimum(kt0 + KTS, KD // 16)
+    acc = tl.zeros([MR, 2, 4, 2, BN], dtype=tl.float32)
+    p_w = p_tr + kt0.to(tl.int64) * NT * 32
+    # register double buffering: the next tile row's words and activations load while this
+    # one decodes (the last trip reloads its own row)
+    cur = tl.load(p_w + o_w)
+    prev = tl.load(p_w + o_prev)
+    b_a = tl.load(p_a + kt0 * 16)  # [MR, 2, 4, 2, 1]
+    for kt in tl.range(kt0, kt1, loop_unroll_factor=UNROLL):
+        nxt = tl.minimum(kt + 1, kt1 - 1)
+        p_w += (nxt - kt) * NT * 32
+        cur_n = tl.load(p_w + o_w)
+        prev_n = tl.load(p_w + o_prev)
+        b_a_n = tl.load(p_a + nxt * 16)
+        u = cur.to(tl.uint32, bitcast=True)
+        sel = tl.where(sel_hi, (prev.to(tl.uint32, bitcast=True) << 16) | (u >> 16), u)
+        state = (sel[None, :, None, :] >> sh) & 0xFFFF  # [2, 4, 2, BN]
+        x = state * tl.full([], MULT, tl.uint32) + tl.full([], ADD, tl.uint32)
+        if CB != 2 and ASM:
+            w = _half_sum_f32((x & mask) ^ flip)
+        else:
+            w = _hash_value(x, CB, MUL1_SCALE, MUL1_BIAS, mask, flip).to(tl.float32)
+        acc += b_a.to(tl.float32) * w[None]
+        cur, prev, b_a = cur_n, prev_n, b_a_n
+    y = tl.sum(tl.sum(tl.sum(acc, axis=3), axis=2), axis=1)  # [MR, BN]
+    col = i_n * BN + 16 * (d0 // 8) + 8 * ch + d0 % 8
+    p_out = out + (i_p + o_m[:, None]).to(tl.int64) * (16 * NT) + col[None, :]
+    m_out = (i_p + o_m < end)[:, None] & (col < 16 * NT)[None, :]  # NT % (BN / 16) == 0
+    if SPLIT:
+        tl.atomic_add(p_out, y, mask=m_out)
+    else:
+        tl.store(p_out, y, mask=m_out)
+
+
+def _gemv_rows(p: int) -> int:
+    """Rows per program of the K = 4 GEMV for P routed pairs: each MR-row run of an expert
+    decodes its weights once and pays MR multiply-adds per weight (T = 1: one row per expert;
+    T = 64 at top-8 over 288 experts: ~1.8 rows per routed expert)."""
+    return 1 if p <= 32 else 2 if p <= 512 else 4
+
+
 def _fused_gemm(a: torch.Tensor, trellis: torch.Tensor, key: torch.Tensor, starts: torch.Tensor,
-                codebook: int) -> torch.Tensor:
-    """a fp16 [S, P, KD] (sorted rows; side s feeds output columns [s*N/S, (s+1)*N/S)),
-    trellis int16 [E, KD/16, N/16, 16K] -> a @ What fp32 [P, N] (rows of other ranks zero)."""
+                codebook: int, rows: int | None = None) -> torch.Tensor:
+    """a [S, P, KD] fp16 values in fp16 or fp32 (sorted rows; side s feeds output columns
+    [s*N/S, (s+1)*N/S)),
+    trellis int16 [E, KD/16, N/16, 16K] -> a @ What fp32 [P, N] (rows of other ranks zero).
+    K = 4 runs the symbol-order GEMV (`rows`: its MR, by default `_gemv_rows(P)`), other K
+    the tl.dot kernel."""
     n_side, p, kd = a.shape
     n_exp, _, nt, _ = trellis.shape
     # zeros: rows of other ranks' experts stay finite through the SwiGLU; split-K adds into it
@@ -251,11 +398,19 @@ def _fused_gemm(a: torch.Tensor, trellis: torch.Tensor, key: torch.Tensor, start
         split = 1
         while p * n_blk * split < MIN_PROGRAMS and kd % (2 * split * 128) == 0:
             split *= 2
+        bits = _check(trellis, codebook)
+        if bits == 4 and nt % (_BN // 16) == 0:
+            mr = rows if rows is not None else _gemv_rows(p)
+            _gemv4_kernel[(p, n_blk, split)](
+                a, trellis.view(torch.int32), key, starts, out, p, kd, nt, 16 * nt // n_side,
+                n_exp, kd // 16 // split, _MASK, _FLIP, MR=mr, BN=_BN, SPLIT=split > 1,
+                ASM=not INTERPRET, UNROLL=_UNROLL,
+                num_stages=_STAGES, num_warps=_WARPS, **_const_kwargs(codebook, bits))
+            return out
         _gemm_kernel[(p, n_blk, split)](
             a, trellis.view(torch.int32), key, starts, out, p, kd, nt, 16 * nt // n_side,
             n_exp, kd // split, BM=_BM, BN=_BN, BK=_BK, SPLIT=split > 1, DT=_DOT,
-            num_stages=_STAGES, num_warps=_WARPS,
-            **_const_kwargs(codebook, _check(trellis, codebook)))
+            num_stages=_STAGES, num_warps=_WARPS, **_const_kwargs(codebook, bits))
     return out
 
 
@@ -340,10 +495,12 @@ def moe_exl3_on_path(
     tok = order // k
     expert = key.clamp(max=n_exp - 1)
     gemm = _fused_gemm if decode else _grouped_gemm
-    h = gemm(_rotate(x, tok, w13_suh, expert), w13_trellis, key, starts, codebook)
+    a_dtype = torch.float32 if decode else torch.float16
+    h = gemm(_rotate(x, tok, w13_suh, expert, a_dtype), w13_trellis, key, starts, codebook)
     h = _unrotate(h, w13_svh, expert)
     act = swiglu(h[:, :inter], h[:, inter:], swiglu_limit)
-    a2 = _rotate(act, torch.arange(act.shape[0], device=act.device), w2_suh.unsqueeze(1), expert)
+    a2 = _rotate(act, torch.arange(act.shape[0], device=act.device), w2_suh.unsqueeze(1), expert,
+                 a_dtype)
     y = _unrotate(gemm(a2, w2_trellis, key, starts, codebook), w2_svh, expert)
     wts = topk_weights.reshape(-1)[order].float().unsqueeze(1)
     y = torch.where((key < n_exp).unsqueeze(1), y * wts, 0.0)

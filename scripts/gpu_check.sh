@@ -43,11 +43,11 @@ case $stage in
       tests/kernels/test_gpu_int4.py tests/kernels/test_exl3_golden.py 2>&1 | tail -n 15
     python benchmarks/moe_4bit.py --commit "$commit" --json "$out/moe_4bit_h200_$commit.json" \
       --repeats 5 2>&1 | tail -n 20
-    python benchmarks/moe_4bit.py --ep2 --commit "$commit" --repeats 5 \
-      --json "$out/moe_4bit_ep2_h200_$commit.json" 2>&1 | tail -n 12
     for fmt in exl3 int4; do
       python benchmarks/rank0.py --experts $fmt --commit "$commit" \
         --json "$out/rank0_h200_${fmt}_$commit.json" 2>&1 | grep "^{'phase'" | cut -c1-300
-    done ;;
+    done
+    python benchmarks/moe_4bit.py --ep2 --commit "$commit" --repeats 5 \
+      --json "$out/moe_4bit_ep2_h200_$commit.json" 2>&1 | tail -n 12 ;;
   *) echo "unknown stage $stage"; exit 2 ;;
 esac

@@ -185,13 +185,13 @@ def _cases() -> dict[str, Callable[[], object]]:
         return lambda: moe.fused_moe(z(tokens, d), z(e, 2 * inter, d), z(e, d, inter),
                                      z(tokens, 8, dtype=f32), ids, 10.0)
 
-    def exl3_call(tokens, decode, e=8):
-        """EXL3 K4 experts at real widths (fewer experts: the builds do not depend on E)."""
-        d, inter, i16, f16 = 4096, 2048, torch.int16, torch.float16
+    def exl3_call(tokens, decode, e=8, bits=4):
+        """EXL3 experts at real widths (fewer experts: the builds do not depend on E)."""
+        d, inter, i16, f16, w = 4096, 2048, torch.int16, torch.float16, 16 * bits
         ids = torch.arange(tokens * 8).view(tokens, 8) % e
         return lambda: exl3.moe_exl3_on_path(
-            z(tokens, d), z(e, d // 16, 2 * inter // 16, 64, dtype=i16), z(e, 2, d, dtype=f16),
-            z(e, 2 * inter, dtype=f16), z(e, inter // 16, d // 16, 64, dtype=i16),
+            z(tokens, d), z(e, d // 16, 2 * inter // 16, w, dtype=i16), z(e, 2, d, dtype=f16),
+            z(e, 2 * inter, dtype=f16), z(e, inter // 16, d // 16, w, dtype=i16),
             z(e, inter, dtype=f16), z(e, d, dtype=f16), z(tokens, 8, dtype=f32), ids, 10.0, 0,
             1, decode=decode)
 
@@ -235,6 +235,9 @@ def _cases() -> dict[str, Callable[[], object]]:
         "exl3 moe decode 1 token": exl3_call(1, True),
         "exl3 moe decode 64 tokens": exl3_call(64, True),
         "exl3 moe prefill 8 tokens": exl3_call(8, False, e=2),
+        "exl3 moe decode 8 tokens, K3": exl3_call(8, True, bits=3),
+        "exl3 codebook (test hook)": lambda: exl3._codebook(z(4096, dtype=torch.int32), 1),
+        "int4 moe decode 200 tokens (tl.dot)": int4_call(200, "decode"),
         "int4 moe decode 1 token": int4_call(1, "decode"),
         "int4 moe decode 64 tokens": int4_call(64, "decode"),
         "int4 moe prefill 8 tokens": int4_call(8, "prefill", e=2),

@@ -71,6 +71,30 @@ def test_moe_exl3(tokens, n_local, offset, inter):
         assert rel_err(other, want) < TOL
 
 
+@pytest.mark.parametrize("rows", [1, 2, 4])
+@pytest.mark.parametrize("kd,n", [(4096, 4096), (2048, 4096)])
+def test_gemv4_real_shapes(rows, kd, n):
+    """The K = 4 symbol-order GEMV (MR rows per program) on w13 / w2 shapes vs a dense fp32
+    matmul with the bit-exact What; runs of 1..5 rows, rows of other ranks' experts."""
+    from glm53.kernels import exl3
+
+    gen = torch.Generator(device=DEV).manual_seed(rows)
+    runs = (1, 3, 0, 5, 1, 2, 1, 4)
+    trellis = _words(gen, len(runs), kd // 16, n // 16, 64)
+    key = torch.cat([torch.full((r,), e) for e, r in enumerate(runs)] + [torch.full((3,), 8)])
+    key = key.to(DEV)
+    starts = torch.searchsorted(key, torch.arange(len(runs) + 1, device=DEV)).to(torch.int32)
+    a = torch.randn(2, key.numel(), kd, generator=gen, device=DEV).half().float()
+    out = exl3._fused_gemm(a, trellis, key, starts, 1, rows=rows)
+    w = exl3.exl3_dequant(trellis, 1).float()
+    e = key.clamp(max=len(runs) - 1)
+    ns = n // 2
+    want = torch.cat([torch.bmm(a[s].unsqueeze(1), w[e][:, :, s * ns:(s + 1) * ns]).squeeze(1)
+                      for s in range(2)], dim=1)
+    want = torch.where((key < len(runs)).unsqueeze(1), want, 0.0)
+    assert rel_err(out, want) < 1e-5
+
+
 def test_moe_exl3_decode_cuda_graph():
     """Capture the decode path once; replays with new tokens and routes match eager calls."""
     from glm53.kernels import exl3

@@ -96,3 +96,65 @@ def test_moe_exl3_prefill_chunks_experts(monkeypatch):
     out = exl3.moe_exl3_on_path(*(a.to(DEVICE) for a in (x, *params, wts, ids)), 7.0, 1, 1,
                                 decode=False)
     assert rel_err(out, want) < MOE_TOL
+
+
+@pytest.mark.parametrize("codebook", [0, 1, 2])
+def test_codebook_all_states(codebook):
+    """The kernels' hash (one fp16 add of the two halves for 3INST/MCG) on all 65536 states."""
+    from glm53.kernels import exl3
+
+    states = torch.arange(65536, device=DEVICE)
+    out = exl3._codebook(states, codebook).cpu()
+    assert torch.equal(out.view(torch.int16),
+                       ref.exl3_codebook(states.cpu(), codebook).view(torch.int16))
+
+
+def _dense_gemm(a, trellis, key, codebook):
+    """a [S, P, KD] @ What of each row's expert (side s: its N/S columns); other rows zero."""
+    w = ref.exl3_dequant(trellis, codebook).float()  # [E, KD, N]
+    n_side, p, _ = a.shape
+    ns = w.shape[-1] // n_side
+    out = torch.zeros(p, w.shape[-1])
+    for i, e in enumerate(key.tolist()):
+        if e < w.shape[0]:
+            for s in range(n_side):
+                out[i, s * ns:(s + 1) * ns] = a[s, i].float() @ w[e, :, s * ns:(s + 1) * ns]
+    return out
+
+
+@pytest.mark.parametrize("rows,bits,runs,codebook", [
+    (1, 4, (1, 1, 1), 1),     # T = 1 shape: one row per expert
+    (2, 4, (2, 0, 3), 0),     # a run of 3 over two MR = 2 programs, an expert without rows
+    (4, 4, (5, 1, 0), 2),     # MR = 4: a run longer than MR, a partial run
+    (None, 3, (2, 1, 0), 1),  # K != 4: the tl.dot kernel
+])
+def test_fused_gemm_k_splits(rows, bits, runs, codebook):
+    """The decode GEMM alone on KD = 512 (four K splits, atomic adds), two input sides, rows of
+    other ranks' experts at the end."""
+    from glm53.kernels import exl3
+
+    n_exp, kd, n = len(runs), 512, 256
+    trellis = _trellis(n_exp, kd // 16, n // 16, bits=bits)
+    key = torch.cat([torch.full((r,), e) for e, r in enumerate(runs)] + [torch.full((2,), n_exp)])
+    starts = torch.searchsorted(key, torch.arange(n_exp + 1)).to(torch.int32)
+    a = torch.randn(2, key.numel(), kd, generator=G).half().float()
+    out = exl3._fused_gemm(a.to(DEVICE), trellis.to(DEVICE), key.to(DEVICE), starts.to(DEVICE),
+                           codebook, rows=rows)
+    want = _dense_gemm(a, trellis, key, codebook)
+    assert rel_err(out, want) < 1e-5
+
+
+def test_moe_exl3_decode_multi_row_programs(monkeypatch):
+    """The whole decode path with MR = 4 rows per K = 4 GEMV program (runs of 1..several rows)."""
+    from glm53.kernels import exl3
+
+    monkeypatch.setattr(exl3, "_gemv_rows", lambda p: 4)
+    t, d, inter, n_local, k = 11, 128, 128, 3, 2
+    params = _experts(n_local, d, inter)
+    x = torch.randn(t, d, generator=G)
+    ids = torch.stack([torch.randperm(n_local + 1, generator=G)[:k] for _ in range(t)])
+    wts = torch.rand(t, k, generator=G)
+    want = ref.moe_exl3(x, *params, wts, ids, 7.0, 1, 1)
+    out = exl3.moe_exl3_on_path(*(a.to(DEVICE) for a in (x, *params, wts, ids)), 7.0, 1, 1,
+                                decode=True)
+    assert rel_err(out, want) < MOE_TOL
