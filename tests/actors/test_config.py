@@ -9,106 +9,13 @@ from typing import Any
 import pytest
 
 from glm53.actors.config import DENSE, DSA, KDA, MOE, ModelConfig, UnsupportedConfigError
-
-NUM_LAYERS = 45
-EOS_IDS = [154820, 154827, 154829]
+from glm53.actors.release import EOS_TOKEN_IDS as EOS_IDS
+from glm53.actors.release import NUM_LAYERS, release_config
 
 
 def release_text_config() -> dict[str, Any]:
     """`text_config` with the release values of glm53-model.md §1.2."""
-    layer_types = ["deepseek_sparse_attention" if i % 4 == 3 else "linear_attention"
-                   for i in range(NUM_LAYERS)]
-    return {
-        "model_type": "glm5_next_text",
-        "dtype": "bfloat16",
-        "vocab_size": 154880,
-        "hidden_size": 4096,
-        "num_hidden_layers": NUM_LAYERS,
-        "layer_types": layer_types,
-        "mlp_layer_types": ["dense"] * 3 + ["sparse"] * 42,
-        "first_k_dense_replace": 3,
-        "intermediate_size": 12288,
-        "moe_intermediate_size": 2048,
-        "n_routed_experts": 288,
-        "num_experts_per_tok": 8,
-        "n_shared_experts": 1,
-        "scoring_func": "sigmoid",
-        "topk_method": "noaux_tc",
-        "norm_topk_prob": True,
-        "routed_scaling_factor": 2.5,
-        "n_group": 1,
-        "topk_group": 1,
-        "moe_router_dtype": "float32",
-        "hidden_act": "silu",
-        "swiglu_limit": 10.0,
-        "num_attention_heads": 64,
-        "num_key_value_heads": 64,
-        "q_lora_rank": 1536,
-        "kv_lora_rank": 512,
-        "qk_nope_head_dim": 256,
-        "qk_rope_head_dim": 0,
-        "v_head_dim": 256,
-        "head_dim": 0,
-        "mla_use_nope": True,
-        "attention_bias": False,
-        "index_n_heads": 32,
-        "index_head_dim": 128,
-        "index_topk": 2048,
-        "index_kpool": 4,
-        "index_kpool_compress": True,
-        "index_kpool_always_select_tail": True,
-        "index_share_for_mtp_iteration": True,
-        "indexer_rope_interleave": True,
-        "linear_attn_config": {
-            "num_heads": 64,
-            "head_dim": 128,
-            "short_conv_kernel_size": 4,
-            "gate_lower_bound": -5.0,
-            "kda_layers": [i for i, t in enumerate(layer_types) if t == "linear_attention"],
-            "full_attn_layers": [i for i, t in enumerate(layer_types) if t != "linear_attention"],
-        },
-        "mhc": True,
-        "hc_mult": 4,
-        "hc_eps": 1e-6,
-        "hc_sinkhorn_iters": 20,
-        "rms_norm_eps": 1e-5,
-        "max_position_embeddings": 1048576,
-        "num_nextn_predict_layers": 1,
-        "pad_token_id": 154820,
-        "tie_word_embeddings": False,
-        "router_aux_loss_coef": 0.001,
-        "output_router_logits": False,
-    }
-
-
-def release_config() -> dict[str, Any]:
-    """Release `config.json` (§1.1): nested text/vision configs, top-level fp8 quantization."""
-    return {
-        "architectures": ["Glm5NextForConditionalGeneration"],
-        "model_type": "glm5_next",
-        "tie_word_embeddings": False,
-        "image_token_id": 154854,
-        "video_token_id": 154855,
-        "image_start_token_id": 154830,
-        "image_end_token_id": 154831,
-        "video_start_token_id": 154832,
-        "video_end_token_id": 154833,
-        "eos_token_id": list(EOS_IDS),
-        "quantization_config": {
-            "quant_method": "fp8",
-            "fmt": "e4m3",
-            "activation_scheme": "dynamic",
-            "weight_block_size": [128, 128],
-            "modules_to_not_convert": ["lm_head", "model.language_model.embed_tokens"],
-        },
-        "text_config": release_text_config(),
-        "vision_config": {
-            "model_type": "glm5_next_vision", "depth": 24, "hidden_size": 1024, "num_heads": 16,
-            "intermediate_size": 4096, "image_size": 448, "patch_size": 14,
-            "temporal_patch_size": 2, "spatial_merge_size": 2, "out_hidden_size": 4096,
-            "projection_intermediate_size": 10240, "in_channels": 3,
-        },
-    }
+    return release_config()["text_config"]
 
 
 def flat_config(nested: dict[str, Any]) -> dict[str, Any]:
