@@ -42,7 +42,6 @@ import torch
 import triton
 import triton.language as tl
 
-from .moe import swiglu
 from .utils import INTERPRET
 
 __all__ = ["exl3_dequant", "moe_exl3"]
@@ -58,9 +57,11 @@ _MUL1_BIAS = -10.3828125  # fp16 0xC931
 # rows: keeps the per-element window registers few)
 _BM, _BN, _BK = 16, 128, 32
 _STAGES, _WARPS = 1, 4  # no cp.async pipelining of the word gathers (5x slower on H200)
+_EPI_ROWS = 16  # rows per program of the fused transforms between and after the GEMMs
 MIN_PROGRAMS = 1024  # fused GEMM: enough programs to fill 132 SMs several times
 _UNROLL = 1  # K = 4 GEMV: tile rows per loop trip (amortises the loop and address arithmetic)
 _DOT = tl.float32 if INTERPRET else tl.float16  # the interpreter's fp16 dot is slow and inexact
+_DOT_BF = tl.float32 if INTERPRET else tl.bfloat16
 
 
 @triton.jit
@@ -441,22 +442,71 @@ def _grouped_gemm(a: torch.Tensor, trellis: torch.Tensor, key: torch.Tensor, sta
     return y
 
 
-def _unrotate(y: torch.Tensor, svh: torch.Tensor, expert: torch.Tensor) -> torch.Tensor:
-    """Output transform of sorted rows: y' fp32 [P, N] -> (y' . H128) * svh[expert] (a tiny
-    fp32 matmul at decode sizes; in the GEMM epilogue the 128x128 matrix spilled registers)."""
-    p, n = y.shape
-    blocks = y.reshape(p, n // 128, 128) @ _hadamard(y.device)
-    return blocks.reshape(p, n) * svh[expert].float()
+@triton.jit
+def _hadamard_f32(x, pm1):
+    """x [BM, 128] fp32 -> x . H128 (unscaled) at fp32 accuracy on tensor cores: x is split in
+    three bf16 parts (8 significant bits each, 24 in all) whose products with the +-1 matrix
+    pm1 are exact; the partial sums add in fp32 (a tf32x3 dot, which also splits the +-1
+    matrix, spilled registers). pm1: [128, 128] +-1 in _DOT_BF."""
+    hi = x.to(tl.bfloat16)
+    rest = x - hi.to(tl.float32)
+    mid = rest.to(tl.bfloat16)
+    lo = (rest - mid.to(tl.float32)).to(tl.bfloat16)
+    return (tl.dot(hi.to(_DOT_BF), pm1) + tl.dot(mid.to(_DOT_BF), pm1)
+            + tl.dot(lo.to(_DOT_BF), pm1))
 
 
-def _hadamard(device: torch.device) -> torch.Tensor:
-    """H128 / sqrt(128) in fp32 (natural order)."""
-    i = torch.arange(128, device=device)
-    v = i[:, None] & i[None, :]
-    parity = torch.zeros_like(v)
-    for b in range(7):
-        parity ^= (v >> b) & 1
-    return (1.0 - 2.0 * parity.float()) * 0.08838834764831845
+@triton.jit
+def _swiglu_rotate_kernel(h, svh, suh, expert, out, P, INTER, limit, BM: tl.constexpr,
+                          OUT_F32: tl.constexpr):
+    """Between the projections, one launch: gate / up = (h . H128) * svh (output transform),
+    a = silu(min(gate, limit)) * clamp(up, +-limit), then the down projection's input transform
+    fp16(fp16(a * suh) . H128 / sqrt(128)). h: fp32 [P, 2I] (gate | up); svh: fp16 [E, 2I];
+    suh: fp16 [E, I]; expert: [P]; out: [P, I]. Grid (cdiv(P, BM), I / 128)."""
+    i_p, i_b = tl.program_id(0), tl.program_id(1)
+    o_p = i_p * BM + tl.arange(0, BM)
+    m_p = o_p < P
+    o_c = i_b * 128 + tl.arange(0, 128)
+    e = tl.load(expert + o_p, mask=m_p, other=0).to(tl.int64)
+    pm1 = _hadamard_pm1(128).to(_DOT_BF)  # one +-1 matrix for the three transforms
+    scale = 0.08838834764831845
+    p_h = h + o_p[:, None].to(tl.int64) * (2 * INTER) + o_c[None, :]
+    g = tl.load(p_h, mask=m_p[:, None], other=0.0)
+    u = tl.load(p_h + INTER, mask=m_p[:, None], other=0.0)
+    g = _hadamard_f32(g, pm1) * scale
+    u = _hadamard_f32(u, pm1) * scale
+    p_v = svh + e[:, None] * (2 * INTER) + o_c[None, :]
+    g = g * tl.load(p_v, mask=m_p[:, None], other=0.0).to(tl.float32)
+    u = u * tl.load(p_v + INTER, mask=m_p[:, None], other=0.0).to(tl.float32)
+    g = tl.minimum(g, limit)
+    u = tl.minimum(tl.maximum(u, -limit), limit)
+    a = g * tl.sigmoid(g) * u
+    s = tl.load(suh + e[:, None] * INTER + o_c[None, :], mask=m_p[:, None], other=0.0)
+    v = (a * s.to(tl.float32)).to(tl.float16).to(tl.float32)  # exllamav3 rounds to fp16
+    r = (_hadamard_f32(v, pm1) * scale).to(tl.float16)
+    p_out = out + o_p[:, None].to(tl.int64) * INTER + o_c[None, :]
+    tl.store(p_out, r.to(tl.float32) if OUT_F32 else r, mask=m_p[:, None])
+
+
+@triton.jit
+def _unrotate_scatter_kernel(y, svh, expert, weight, tok, out, P, D, E, BM: tl.constexpr):
+    """After the down projection, one launch: out[tok[p]] += weight[p] * (y[p] . H128) *
+    svh[expert[p]] for the rows of this rank's experts (expert < E); fp32 atomics, as
+    index_add on CUDA. y: fp32 [P, D]; svh: fp16 [E, D]; out: fp32 [T, D]. Grid
+    (cdiv(P, BM), D / 128)."""
+    i_p, i_b = tl.program_id(0), tl.program_id(1)
+    o_p = i_p * BM + tl.arange(0, BM)
+    e = tl.load(expert + o_p, mask=o_p < P, other=E)
+    m_p = (o_p < P) & (e < E)
+    e = tl.minimum(e, E - 1).to(tl.int64)
+    o_c = i_b * 128 + tl.arange(0, 128)
+    b_y = tl.load(y + o_p[:, None].to(tl.int64) * D + o_c[None, :], mask=m_p[:, None], other=0.0)
+    b_y = _hadamard_f32(b_y, _hadamard_pm1(128).to(_DOT_BF)) * 0.08838834764831845
+    b_s = tl.load(svh + e[:, None] * D + o_c[None, :], mask=m_p[:, None], other=0.0)
+    w = tl.load(weight + o_p, mask=m_p, other=0.0)
+    t = tl.load(tok + o_p, mask=m_p, other=0).to(tl.int64)
+    tl.atomic_add(out + t[:, None] * D + o_c[None, :], b_y * b_s.to(tl.float32) * w[:, None],
+                  mask=m_p[:, None])
 
 
 def moe_exl3_on_path(
@@ -497,15 +547,21 @@ def moe_exl3_on_path(
     gemm = _fused_gemm if decode else _grouped_gemm
     a_dtype = torch.float32 if decode else torch.float16
     h = gemm(_rotate(x, tok, w13_suh, expert, a_dtype), w13_trellis, key, starts, codebook)
-    h = _unrotate(h, w13_svh, expert)
-    act = swiglu(h[:, :inter], h[:, inter:], swiglu_limit)
-    a2 = _rotate(act, torch.arange(act.shape[0], device=act.device), w2_suh.unsqueeze(1), expert,
-                 a_dtype)
-    y = _unrotate(gemm(a2, w2_trellis, key, starts, codebook), w2_svh, expert)
-    wts = topk_weights.reshape(-1)[order].float().unsqueeze(1)
-    y = torch.where((key < n_exp).unsqueeze(1), y * wts, 0.0)
-    out = torch.zeros((n_tok, x.shape[1]), dtype=torch.float32, device=x.device)
-    return out.index_add_(0, tok, y).to(x.dtype)
+    p, d = h.shape[0], x.shape[1]
+    out = torch.zeros((n_tok, d), dtype=torch.float32, device=x.device)
+    if not p:
+        return out.to(x.dtype)
+    # the transforms around the GEMMs run as two fused launches (the output transform, SwiGLU
+    # and the next input transform; the last output transform with the weighted scatter)
+    a2 = torch.empty((1, p, inter), dtype=a_dtype, device=x.device)
+    _swiglu_rotate_kernel[(triton.cdiv(p, _EPI_ROWS), inter // 128)](
+        h, w13_svh, w2_suh, expert, a2, p, inter, float(swiglu_limit), BM=_EPI_ROWS,
+        OUT_F32=a_dtype == torch.float32, num_warps=8)  # 4 warps spill its three transforms
+    y = gemm(a2, w2_trellis, key, starts, codebook)
+    wts = topk_weights.reshape(-1)[order].float()
+    _unrotate_scatter_kernel[(triton.cdiv(p, _EPI_ROWS), d // 128)](
+        y, w2_svh, key, wts, tok, out, p, d, n_exp, BM=_EPI_ROWS)
+    return out.to(x.dtype)
 
 
 def moe_exl3(
