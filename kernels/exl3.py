@@ -23,10 +23,9 @@ ranks' experts sort last and drop out, no host sync) and, per projection, rotate
   (fp32) by the tile's 16 rotated activations, permuted to the symbols' rows instead of permuting
   the weights; no tl.dot, so 1..4 real rows cost 1..4 FMAs per weight (MR by P,
   `_gemv_rows`). Other K decode per element before a tl.dot with 16 (padded) rows
-  (`_gemm_kernel`). The rotated activations are fp16 values held in fp32 on this path. The
-  output transform is a small torch matmul after it. Graph-capturable. Measured before the K = 4
-  kernel (H200, 144 experts 4096x2048, top-8, CUDA graph): T = 1 0.43 ms, 8 1.8 ms, 64 4.9 ms,
-  128 5.3 ms; the scratch path 4.7-7.5 ms.
+  (`_gemm_kernel`). The rotated activations are fp16 values held in fp32 on this path.
+  Graph-capturable. Measured before the K = 4 kernel (H200, 144 experts 4096x2048, top-8, CUDA
+  graph): T = 1 0.43 ms, 8 1.8 ms, 64 4.9 ms, 128 5.3 ms; the scratch path 4.7-7.5 ms.
 - prefill (more pairs): the fused kernel decodes each expert once per 16 rows, so its cost grows
   with T; the scratch path decodes every local expert once per call (a fixed ~4.5 ms per layer
   for 144 experts of 4096x2048 on an H200) and then runs a dense grouped GEMM
@@ -34,6 +33,13 @@ ranks' experts sort last and drop out, no host sync) and, per projection, rotate
   Experts go in chunks of PREFILL_SCRATCH_BYTES (1 GiB: 32 experts of 4096x4096 bf16 instead of
   4.8 GB for 144), each chunk's rows rotated to the front by a gather so that no host sync is
   needed. The bf16 rounding of What (2^-9 relative) is far below the 4-bit quantisation noise.
+
+Around the GEMMs, both paths run two fused launches instead of a chain of small ops (at decode
+sizes the launches, not the bytes, are the cost): the first projection's output transform,
+the SwiGLU and the down projection's input transform in one (`_swiglu_rotate_kernel`), and the
+down projection's output transform with the routing weight and the scatter into the tokens' rows
+in the other (`_unrotate_scatter_kernel`). Their Hadamards of fp32 values run on tensor cores at
+fp32 accuracy (`_hadamard_f32`).
 """
 
 from __future__ import annotations
