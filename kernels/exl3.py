@@ -35,7 +35,7 @@ ranks' experts sort last and drop out, no host sync) and, per projection, rotate
   needed. The bf16 rounding of What (2^-9 relative) is far below the 4-bit quantisation noise.
 
 Around the GEMMs, both paths run two fused launches instead of a chain of small ops (at decode
-sizes the launches, not the bytes, are the cost): the first projection's output transform,
+sizes each of those launches costs microseconds): the first projection's output transform,
 the SwiGLU and the down projection's input transform in one (`_swiglu_rotate_kernel`), and the
 down projection's output transform with the routing weight and the scatter into the tokens' rows
 in the other (`_unrotate_scatter_kernel`). Their Hadamards of fp32 values run on tensor cores at
