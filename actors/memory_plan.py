@@ -248,7 +248,11 @@ def plan_for_config(config: dict, *, device_bytes: int, utilization: float = 0.9
     `glm53 plan-memory`; names as in EngineConfig, `block_size` per DCP rank like
     `--block-size`). Builds the shard on the meta device: no memory is used."""
     cfg = with_expert_format(ModelConfig.from_hf(config), quantize_experts)
-    ps = ParallelState(ParallelConfig(tp, ep, dcp), rank)
+    parallel = ParallelConfig(tp, ep, dcp)
+    if not 0 <= rank < parallel.world_size:
+        raise ValueError(f"rank {rank} is not in 0..{parallel.world_size - 1} "
+                         f"(world size {parallel.world_size})")
+    ps = ParallelState(parallel, rank)
     model = build_model(cfg, with_mtp=with_mtp, dtype=DTYPES[dtype] if dtype else None,
                         device="meta", ps=ps)
     # the runner's block spans the DCP ranks' rows (raycluster/executor.runner_kwargs)

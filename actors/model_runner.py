@@ -51,8 +51,9 @@ class ModelRunner:
 
         On CUDA without an explicit cache size, the memory plan (memory_plan.py) of the
         meta-built model is checked before anything is allocated, so a model that cannot fit
-        is refused with the numbers, and the KV pool is sized from what the plan leaves under
-        `gpu_memory_utilization` (which caps weights, caches, activations and graphs)."""
+        is refused with the numbers; after loading, the KV pool gets the measured free memory
+        under `gpu_memory_utilization` (which caps weights, caches, activations and graphs)
+        less the plan's workspace estimate for what is allocated after the caches."""
         self.device = torch.device(device)
         self.ps = ps or ParallelState()
         if draft_sampling not in ("greedy", "probabilistic"):

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from .tiny import exl3_quantization_config
+
 NUM_LAYERS = 45
 EOS_TOKEN_IDS = [154820, 154827, 154829]  # end of text and two turn markers
 PAD_TOKEN_ID = 154820
@@ -123,11 +125,4 @@ def release_config() -> dict[str, Any]:
 def exl3_release_config() -> dict[str, Any]:
     """The seed's EXL3 K4 checkpoint (exl3-dflash-spec.md §A.3): the release with routed experts
     as 4-bit MCG trellis codes, every other tensor as released."""
-    return {**release_config(), "quantization_config": {
-        "quant_method": "exl3",
-        "version": "0.0.43",
-        "bits": 4,
-        "codebook": "mcg",
-        "scope": "glm53_routed_experts_only",
-        "non_routed_dtype_policy": "official_source_native",
-    }}
+    return {**release_config(), "quantization_config": exl3_quantization_config()}

@@ -6,8 +6,10 @@ per-expert `mlp.experts.E.{gate,up,down}_proj.weight`, separate `q/k/v_conv1d` a
 stacked (experts, convs, KDA q|k|v projections: one GEMM);
 `checkpoint_targets` maps one checkpoint name to (parameter, index into it) and
 `export_checkpoint` is its inverse (used by `make-tiny`). Block-FP8 tensors (e4m3 weight +
-`weight_scale_inv` per block) are dequantised on load. Loading reads tensor by tensor through
-`CheckpointReader`, so a sharded loader can later read only its rank's slices.
+`weight_scale_inv` per block) are dequantised on load. EXL3 routed experts come as
+`.trellis/.suh/.svh` per projection plus a codebook marker (`.mcg` or `.mul1`), checked by
+`check_exl3_markers`. Loading reads tensor by tensor through `CheckpointReader`, each rank only
+its slices (block-FP8 weights with the scale blocks that cover them).
 """
 
 from __future__ import annotations
@@ -301,13 +303,15 @@ def check_exl3_markers(reader: CheckpointReader, cfg: ModelConfig) -> None:
                 state = "has" if present else "lacks"
                 raise CheckpointError(f"{module} {state} the {marker} marker, but the config's "
                                       f"codebook is {cfg.exl3_codebook} (0 3inst, 1 mcg, 2 mul1)")
-            if present and int(reader.load(name)) != value:
-                raise CheckpointError(f"{name} = {int(reader.load(name))}, expected {value}")
+            if present and (found := int(reader.load(name))) != value:
+                raise CheckpointError(f"{name} = {found}, expected {value}")
 
 
 def _dense_expert_loader(modules: dict[str, torch.nn.Module], target: Target):
     """The experts module that quantises `target` (a dense expert weight) while loading, if
     the model holds that layer's experts in a quantised form made at load time."""
+    if target.expert is None or not target.param.endswith((".w13", ".w2")):
+        return None  # only dense expert weights are quantised at load
     module = modules.get(target.param.rsplit(".", 1)[0])
     return module if hasattr(module, "load_dense") else None
 

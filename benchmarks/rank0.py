@@ -72,7 +72,7 @@ def step_bytes(model, batch: int, context: int) -> dict[str, float]:
             experts += _param_bytes(p)
         else:
             dense += _param_bytes(p)
-    n_local = model.layers[-1].mlp.experts.n_local
+    n_local = next(m.mlp.experts.n_local for m in model.layers if hasattr(m.mlp, "experts"))
     # each token picks k distinct of E experts uniformly: expected distinct local experts
     touched = n_local * (1 - (1 - cfg.num_experts_per_tok / cfg.n_routed_experts) ** batch)
     expert_bytes = experts / n_local * touched
@@ -134,6 +134,8 @@ def main() -> None:
     model = build_rank0(cfg, PLAN, with_mtp=True, device=DEV)
     torch.cuda.synchronize()
     parts = weight_bytes(model)
+    gc.collect()
+    torch.cuda.empty_cache()  # the random fill's temporaries are not the rank's memory
     free, total = torch.cuda.mem_get_info()
     max_batch = max(b for b, _ in cases)
     budget = int(args.utilization * total) - (total - free) - GRAPH_RESERVE

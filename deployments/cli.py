@@ -165,6 +165,9 @@ def _plan_memory(args) -> int:
         if args.release == "bf16":
             del config["quantization_config"]
     method, k, _ = args.speculative
+    if method == "dflash":
+        raise SystemExit("error: plan-memory does not count a DFlash draft's weights yet; plan "
+                         "with --speculative mtp[:K] or none and add the draft's size")
     try:
         plan = plan_for_config(
             config, device_bytes=int(args.device_gib * GiB),

@@ -21,12 +21,17 @@ from torch import nn
 
 from glm53.kernels import ops
 
-from ..config import ModelConfig
+from ..config import EXPERT_FORMATS, ModelConfig
 from ..parallel import ParallelState, split
 from .linear import mark_shard
 
 HADAMARD_BLOCK = 128  # EXL3 rotates features in 128-blocks: shards never cut inside one
 INT4_GROUP = 128
+
+
+def _check_width(what: str, name: str, size: int, multiple: int, why: str) -> None:
+    if size % multiple or size == 0:
+        raise ValueError(f"{what} need {name} ({size}) to be a multiple of {multiple} {why}")
 
 
 def _param(shape: tuple[int, ...], dtype: torch.dtype | None = None) -> nn.Parameter:
@@ -79,12 +84,12 @@ class Exl3Experts(RoutedExperts):
 
     def __init__(self, cfg: ModelConfig, ps: ParallelState) -> None:
         super().__init__(cfg, ps)
+        if not 1 <= cfg.exl3_bits <= 8:
+            raise ValueError(f"EXL3 experts need 1..8 bits per weight, got {cfg.exl3_bits}")
         e, d, i, words = self.n_local, self.hidden, self.inter, 16 * cfg.exl3_bits
-        for what, size in (("hidden_size", d), ("moe_intermediate_size / TP", i)):
-            if size % HADAMARD_BLOCK:
-                raise ValueError(f"EXL3 experts need {what} ({size}) to be a multiple of "
-                                 f"{HADAMARD_BLOCK} (the Hadamard block); shard experts with EP "
-                                 "instead of TP, or use another expert format")
+        _check_width("EXL3 experts", "hidden_size", d, HADAMARD_BLOCK, "(the Hadamard block)")
+        _check_width("EXL3 experts", "moe_intermediate_size / TP", i, HADAMARD_BLOCK,
+                     "(the Hadamard block); shard experts with EP instead of TP")
         off, r, n = self.expert_offset, self.tp_rank, self.tp
         half = torch.float16
         # gate/up are column-parallel: trellis cut along its output tiles, svh with it
@@ -116,10 +121,9 @@ class Int4Experts(RoutedExperts):
         # parallel layout quantises identically
         self.group_size = min(INT4_GROUP, d, cfg.moe_intermediate_size)
         g = self.group_size
-        for what, size in (("hidden_size", d), ("moe_intermediate_size / TP", i)):
-            if size % g or g % 2:
-                raise ValueError(f"int4 experts need {what} ({size}) to be a multiple of the "
-                                 f"group size {g}; shard experts with EP instead of TP")
+        _check_width("int4 experts", "hidden_size", d, g, "(the group size)")
+        _check_width("int4 experts", "moe_intermediate_size / TP", i, g,
+                     "(the group size); shard experts with EP instead of TP")
         off, r, n, u8, half = self.expert_offset, self.tp_rank, self.tp, torch.uint8, torch.float16
         self.w13_q = _expert_param(_param((e, 2 * i, d // 2), u8), off, 0, r, n)
         self.w13_scale = _expert_param(_param((e, 2 * i, d // g), half), off, 0, r, n)
@@ -152,7 +156,7 @@ class Int4Experts(RoutedExperts):
 
 def routed_experts(cfg: ModelConfig, ps: ParallelState) -> RoutedExperts:
     """This rank's routed experts in `cfg.expert_format`."""
-    kinds = {"dense": DenseExperts, "exl3": Exl3Experts, "int4": Int4Experts}
+    kinds = dict(zip(EXPERT_FORMATS, (DenseExperts, Exl3Experts, Int4Experts), strict=True))
     if cfg.expert_format not in kinds:
-        raise ValueError(f"unknown expert format {cfg.expert_format!r}; one of {sorted(kinds)}")
+        raise ValueError(f"unknown expert format {cfg.expert_format!r}; one of {EXPERT_FORMATS}")
     return kinds[cfg.expert_format](cfg, ps)

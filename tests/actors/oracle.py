@@ -53,10 +53,11 @@ def write_dequantized(src: Path, dst: Path) -> Path:
 
     from safetensors.torch import load_file, save_file
 
+    from glm53.actors.config import EXL3_CODEBOOKS
     from glm53.kernels.ref.exl3 import exl3_weight
 
     config = json.loads((src / "config.json").read_text())
-    codebook = {"3inst": 0, "mcg": 1, "mul1": 2}[config.pop("quantization_config")["codebook"]]
+    codebook = EXL3_CODEBOOKS[config.pop("quantization_config")["codebook"]]
     dst.mkdir(parents=True, exist_ok=True)
     for f in src.iterdir():
         if f.suffix != ".safetensors" and f.name != "config.json":

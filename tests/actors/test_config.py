@@ -8,9 +8,18 @@ from typing import Any
 
 import pytest
 
+from glm53.actors import release
 from glm53.actors.config import DENSE, DSA, KDA, MOE, ModelConfig, UnsupportedConfigError
 from glm53.actors.release import EOS_TOKEN_IDS as EOS_IDS
-from glm53.actors.release import NUM_LAYERS, release_config
+from glm53.actors.release import NUM_LAYERS
+
+
+def release_config() -> dict[str, Any]:
+    """actors/release.py's config with the key the published file has and it leaves out."""
+    raw = release.release_config()
+    raw["quantization_config"]["modules_to_not_convert"] = ["lm_head",
+                                                            "model.language_model.embed_tokens"]
+    return raw
 
 
 def release_text_config() -> dict[str, Any]:

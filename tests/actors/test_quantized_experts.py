@@ -142,6 +142,15 @@ def test_int4_kl_divergence_vs_unquantised_is_small(dense_tiny, prompt):
     assert agree >= 0.45
 
 
+def test_int4_checkpoint_errors_stay_clear(dense_tiny, exl3_tiny, tmp_path):
+    """Tensors the int4 experts do not take are named, as for dense experts."""
+    stray = "model.language_model.layers.1.mlp.experts.extra"
+    bad = _rewrite(dense_tiny, tmp_path / "stray",
+                   lambda t: t.__setitem__(stray, torch.zeros(3)))
+    with pytest.raises(CheckpointError, match=repr(stray)):
+        load_model(bad, progress=False, quantize_experts="int4")
+
+
 def test_quantize_experts_refuses_an_exl3_checkpoint(exl3_tiny):
     with pytest.raises(ValueError, match="already exl3"):
         load_model(exl3_tiny, progress=False, quantize_experts="int4")

@@ -310,10 +310,39 @@ def test_fp8_shards_read_only_their_slice(ckpt: Path, tmp_path: Path, block: tup
     them (48-wide blocks straddle the shard boundary), and equals that slice of the whole."""
     name = "lm_head.weight"  # [272, 64]
     write_fp8_checkpoint(ckpt, tmp_path / "fp8", block, [name])
+    whole = CheckpointReader(tmp_path / "fp8", block).load(name)
     reader = CheckpointReader(tmp_path / "fp8", block)
-    whole = reader.load(name)
+    handle = reader._file(name)
+    reads: list[tuple] = []
+
+    class SliceOnly:  # the safetensors file, refusing whole-tensor reads and logging slices
+        def get_tensor(self, n):
+            raise AssertionError(f"a shard read the whole of {n}")
+
+        def get_slice(self, n):
+            raw = handle.get_slice(n)
+
+            class Logged:
+                def get_shape(self):
+                    return raw.get_shape()
+
+                def get_dtype(self):
+                    return raw.get_dtype()
+
+                def __getitem__(self, index):
+                    part = raw[index]
+                    reads.append((n, tuple(part.shape)))
+                    return part
+            return Logged()
+
+    reader._handles = {f: SliceOnly() for f in set(reader.files.values())}
     for size in (2, 4):
         for rank in range(size):
+            reads.clear()
             part = whole.shape[dim] // size
             want = whole.narrow(dim, rank * part, part)
             assert torch.equal(reader.load(name, dim, rank, size), want), (size, rank)
+            (_, got), (_, scales) = reads  # the weight's slice, then its scale blocks
+            assert got[dim] == part
+            first, last = rank * part // block[dim], -(-(rank + 1) * part // block[dim])
+            assert scales[dim] == last - first, (size, rank, scales)

@@ -103,9 +103,17 @@ def test_make_tiny_exl3_then_generate_with_its_4bit_experts(
                           "--max-tokens", "6"), out, 6)
 
 
-def test_generate_quantize_experts_int4(ckpt: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_generate_quantize_experts_int4(ckpt: Path, capsys: pytest.CaptureFixture[str],
+                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    from glm53.actors.layers import experts
+
+    calls = []
+    forward = experts.Int4Experts.forward
+    monkeypatch.setattr(experts.Int4Experts, "forward",
+                        lambda self, *a: calls.append(1) or forward(self, *a))
     check_output(generate(capsys, "--model", str(ckpt), "--prompt-ids", "1,2,3",
                           "--max-tokens", "6", "--quantize-experts", "int4"), ckpt, 6)
+    assert calls  # the experts ran as int4 codes
 
 
 # ----- generate -----
@@ -258,3 +266,7 @@ def test_plan_memory_of_the_release(capsys: pytest.CaptureFixture[str]) -> None:
     assert "does not fit TP1/EP1/DCP1" in err and "--quantize-experts int4" in err
     assert main([*args, "--release", "fp8", "--quantize-experts", "int4"]) == 0
     assert "int4 (quantised at load)" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match=r"rank 2 is not in 0\.\.1"):
+        main(["plan-memory", "--release", "exl3", "--tp", "2", "--rank", "2"])
+    with pytest.raises(SystemExit, match="does not count a DFlash draft"):
+        main(["plan-memory", "--release", "exl3", "--speculative", "dflash:/nowhere"])
