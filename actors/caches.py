@@ -109,6 +109,8 @@ class CachePlan:
     num_slots: int
     bytes_per_block: int
     bytes_per_slot: int
+    # where the rank's device memory goes (MemoryPlan.describe), when it was planned (CUDA)
+    memory_plan: str | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -120,10 +122,11 @@ class CachePlan:
         return self.num_blocks * self.bytes_per_block + self.num_slots * self.bytes_per_slot
 
     def describe(self, max_model_len: int) -> str:
-        return (f"KV cache: {self.num_blocks - 1} blocks x {self.block_size} tokens = "
+        text = (f"KV cache: {self.num_blocks - 1} blocks x {self.block_size} tokens = "
                 f"{self.num_tokens} tokens ({self.num_tokens // max_model_len} sequences of "
                 f"max_model_len {max_model_len}); {self.num_slots} KDA state slots; "
                 f"{self.total_bytes / 2**20:.1f} MiB")
+        return f"{text}\n{self.memory_plan}" if self.memory_plan else text
 
 
 def cache_bytes(cfg: ModelConfig, block_size: int, dtype: torch.dtype, with_mtp: bool,

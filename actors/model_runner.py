@@ -69,7 +69,6 @@ class ModelRunner:
                 meta_model, total, gpu_memory_utilization, block_size=block_size,
                 num_slots=num_slots, num_spec=num_spec, max_model_len=max_model_len,
                 max_num_batched_tokens=max_num_batched_tokens).check()
-            logger.info("rank %d %s", self.ps.rank, self.memory_plan.describe())
 
         self.model = load_model(model_dir, with_mtp=with_mtp,
                                 dtype=DTYPES[dtype] if dtype else None, device=self.device,
@@ -91,7 +90,8 @@ class ModelRunner:
         self.plan: CachePlan = dataclasses.replace(
             plan_cache(self.config, block_size, num_slots + 1, cache_dtype, with_mtp,
                        num_blocks=num_blocks, budget_bytes=cache_bytes, ps=self.ps,
-                       num_spec=num_spec), num_slots=num_slots)
+                       num_spec=num_spec), num_slots=num_slots,
+            memory_plan=self.memory_plan.describe() if self.memory_plan else None)
         self.caches: ModelCaches | None = None
         self.sampler = Sampler()
         self.graphs: DecodeGraphs | None = None

@@ -273,3 +273,17 @@ def test_load_model_refuses_before_allocating(tmp_path, monkeypatch) -> None:
         plan_memory(meta, 64 * GiB, 0.9, block_size=16, num_slots=4).check()))
     assert next(model.parameters()).device == torch.device("cpu")
     assert weight_bytes(model) == plans[0].weights
+
+
+def test_start_up_log_carries_the_memory_plan(meta_model) -> None:
+    """The cache capacity line the engine logs at start-up (and `glm53 serve` prints) is
+    followed by the rank's memory plan when one was made (CUDA runners)."""
+    from glm53.actors.caches import plan_cache
+
+    model = meta_model("exl3", "TP2/EP2/DCP2 r0")
+    plan = _plan(model, 139)
+    cache = plan_cache(model.config, 32, 17, torch.bfloat16, True, num_blocks=plan.num_blocks,
+                       ps=model.parallel, num_spec=3)
+    text = dataclasses.replace(cache, memory_plan=plan.describe()).describe(131072)
+    assert text.startswith("KV cache: ") and text.endswith(plan.describe())
+    assert "memory plan" not in cache.describe(131072)  # CPU runners plan no device memory
