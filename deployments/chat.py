@@ -28,6 +28,15 @@ MARKER_TOKENS = (THINK_START, THINK_END, TOOL_START, TOOL_END, "<arg_key>", "</a
                  "<arg_value>", "</arg_value>")
 
 
+# OpenAI's `reasoning_effort` -> the value GLM-5.3's chat template is given. The release
+# template names "low" and "high" and reads every other value, even "none", as its maximum, so
+# no value is passed through unmapped: "none" turns thinking off instead (enable_thinking=false,
+# the prompt ends with `<think></think>`); "minimal"/"low" ask for low, "medium"/"high" for
+# high, and "max" (a GLM extension) for the maximum, which is also the template's default.
+REASONING_EFFORTS: dict[str, str | None] = {"none": None, "minimal": "low", "low": "low",
+                                            "medium": "high", "high": "high", "max": "max"}
+
+
 class ChatTemplateError(ValueError):
     """A request the chat template cannot render (a client error)."""
 
@@ -49,11 +58,10 @@ class ChatTemplate:
         unknown = sorted(set(kwargs) - self.variables)
         if unknown:
             raise ChatTemplateError(f"the chat template does not use {', '.join(unknown)}")
-        for name, value in (("tools", tools), ("reasoning_effort", reasoning_effort)):
-            if value is not None and name not in self.variables:
-                raise ChatTemplateError(f"this model's chat template does not support {name}")
+        if tools is not None and "tools" not in self.variables:
+            raise ChatTemplateError("this model's chat template does not support tools")
         if reasoning_effort is not None:
-            kwargs["reasoning_effort"] = reasoning_effort
+            kwargs.update(self._effort_kwargs(reasoning_effort, kwargs))
         if add_generation_prompt and continue_final_message:
             raise ChatTemplateError("add_generation_prompt and continue_final_message are "
                                     "mutually exclusive")
@@ -65,6 +73,28 @@ class ChatTemplate:
         except (jinja2.TemplateError, ValueError, TypeError) as exc:
             raise ChatTemplateError(f"chat template: {exc}") from exc
         return text
+
+
+    def _effort_kwargs(self, effort: str, kwargs: Mapping[str, Any]) -> dict[str, Any]:
+        """Template variables for an OpenAI reasoning effort (REASONING_EFFORTS)."""
+        if effort not in REASONING_EFFORTS:
+            raise ChatTemplateError(f"unsupported reasoning_effort {effort!r}; one of "
+                                    f"{', '.join(REASONING_EFFORTS)}")
+        level = REASONING_EFFORTS[effort]
+        if level is None:
+            if "enable_thinking" not in self.variables:
+                raise ChatTemplateError("this model's chat template cannot turn thinking off "
+                                        "(reasoning_effort none)")
+            if kwargs.get("enable_thinking", False):
+                raise ChatTemplateError("reasoning_effort none contradicts enable_thinking")
+            return {"enable_thinking": False}
+        if "reasoning_effort" not in self.variables:
+            raise ChatTemplateError("this model's chat template does not support "
+                                    "reasoning_effort")
+        if kwargs.get("enable_thinking", True) is False:
+            raise ChatTemplateError(f"reasoning_effort {effort} contradicts "
+                                    "enable_thinking false")
+        return {"reasoning_effort": level}
 
 
 def _template_message(message: Mapping[str, Any]) -> dict[str, Any]:

@@ -123,7 +123,41 @@ def _parser() -> argparse.ArgumentParser:
                      help="speculative decoding: the MTP layer or a DFlash2 draft, K drafts")
     _serve_parser(sub)
     _plan_parser(sub)
+    _verify_parser(sub)
     return parser
+
+
+def _verify_parser(sub) -> None:
+    ver = sub.add_parser(
+        "verify", help="write or check a checkpoint folder's SHA-256 manifest",
+        description="Checks each folder against its glm53-manifest.json (every file's size and "
+                    "SHA-256); exits 1 on any difference. --write records the folder as it is.")
+    ver.add_argument("folders", type=Path, nargs="+", metavar="DIR",
+                     help="checkpoint folders (the model, a DFlash draft)")
+    ver.add_argument("--write", action="store_true", help="write (replace) the manifest")
+    ver.add_argument("--manifest", type=Path, default=None,
+                     help="manifest path (one DIR only; default DIR/glm53-manifest.json)")
+
+
+def _verify(args) -> int:
+    from .provenance import ProvenanceError, verify, write_manifest
+
+    if args.manifest is not None and len(args.folders) != 1:
+        raise SystemExit("error: --manifest needs exactly one DIR")
+    status = 0
+    for folder in args.folders:
+        try:
+            if args.write:
+                manifest = write_manifest(folder, args.manifest)
+                print(f"wrote manifest of {folder}: {len(manifest.files)} files, "
+                      f"{manifest.num_bytes} bytes, sha256 {manifest.digest}")
+            else:
+                manifest = verify(folder, args.manifest)
+                print(f"{folder}: OK, {len(manifest.files)} files, sha256 {manifest.digest}")
+        except ProvenanceError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            status = 1
+    return status
 
 
 def _plan_parser(sub) -> None:
@@ -204,8 +238,12 @@ def _serve_parser(sub) -> None:
     par.add_argument("--num-replicas", type=int, default=None)
     feat = srv.add_argument_group("features")
     feat.add_argument("--speculative", default=None,
-                      help="none | mtp | dflash (optionally METHOD:K); overrides the profile")
+                      help="none | mtp | dflash, optionally METHOD:K or mtp:K:SAMPLING; "
+                           "overrides the profile")
     feat.add_argument("--num-speculative-tokens", type=int, default=None)
+    feat.add_argument("--draft-sampling", choices=["greedy", "probabilistic"], default=None,
+                      help="MTP drafts: argmax, or drawn from the MTP distribution and "
+                           "verified by min(1, p/q) (the lang-mtp3 and long500k default)")
     feat.add_argument("--draft-model", default=None, help="DFlash drafter checkpoint")
     feat.add_argument("--vision", action=argparse.BooleanOptionalAction, default=None)
     feat.add_argument("--kv-cache-dtype", choices=["auto", "fp8", "nvfp4"], default=None)
@@ -222,6 +260,9 @@ def _serve_parser(sub) -> None:
     eng.add_argument("--quantize-experts", choices=["int4"], default=None, help=QUANTIZE_HELP)
     eng.add_argument("--enforce-eager", action="store_true", default=None,
                      help="no CUDA graphs for decode steps (every step runs eagerly)")
+    eng.add_argument("--verify", action="store_true", default=None,
+                     help="check the checkpoint (and DFlash draft) against its SHA-256 "
+                          "manifest before loading; refuse to start on a mismatch")
 
 
 SERVE_FIELDS = ("model", "served_model_name", "profile", "tensor_parallel_size",
@@ -229,7 +270,7 @@ SERVE_FIELDS = ("model", "served_model_name", "profile", "tensor_parallel_size",
                 "vision", "kv_cache_dtype", "dtype", "device", "max_model_len",
                 "max_num_batched_tokens", "max_num_seqs", "block_size", "max_waiting_requests",
                 "seed", "num_blocks", "cache_bytes", "gpu_memory_utilization", "enforce_eager",
-                "quantize_experts")
+                "quantize_experts", "verify")
 
 
 def serving_config(args: argparse.Namespace):
@@ -240,12 +281,18 @@ def serving_config(args: argparse.Namespace):
     spec = None
     if args.speculative is not None:
         spec = {"method": args.speculative} if ":" not in args.speculative else args.speculative
-    if args.num_speculative_tokens is not None or args.draft_model is not None:
-        if not isinstance(spec, dict):
-            raise SystemExit("--num-speculative-tokens/--draft-model need --speculative METHOD")
-        spec = {**spec, "num_speculative_tokens": args.num_speculative_tokens,
-                "draft_model": args.draft_model}
-        spec = {k: v for k, v in spec.items() if v is not None}
+    if (args.num_speculative_tokens is not None or args.draft_model is not None
+            or args.draft_sampling is not None):
+        if spec is None:
+            raise SystemExit("--num-speculative-tokens/--draft-model/--draft-sampling need "
+                             "--speculative METHOD")
+        if isinstance(spec, str):
+            from .config import SpeculativeConfig
+
+            spec = SpeculativeConfig.model_validate(spec).model_dump(exclude_defaults=True)
+        given = {"num_speculative_tokens": args.num_speculative_tokens,
+                 "draft_model": args.draft_model, "draft_sampling": args.draft_sampling}
+        spec = {**spec, **{k: v for k, v in given.items() if v is not None}}
     if spec is not None:
         values["speculative"] = spec
     return ServingConfig.model_validate(values)
@@ -387,6 +434,8 @@ def main(argv: list[str] | None = None) -> int:
         return _serve(args)
     if args.command == "plan-memory":
         return _plan_memory(args)
+    if args.command == "verify":
+        return _verify(args)
     return _generate(args)
 
 

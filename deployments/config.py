@@ -42,14 +42,21 @@ class SpeculativeConfig(BaseModel):
     method: Literal["none", "mtp", "dflash"] = "none"
     num_speculative_tokens: int = Field(0, ge=0, le=16)
     draft_model: str | None = None  # DFlash drafter checkpoint
+    # MTP drafts: argmax ("greedy", verified by exact match) or drawn from the MTP layer's
+    # distribution under the request's sampling settings ("probabilistic", verified by the
+    # min(1, p/q) rule: more drafts accepted at temperature > 0; greedy requests get argmax)
+    draft_sampling: Literal["greedy", "probabilistic"] = "greedy"
 
     @model_validator(mode="before")
     @classmethod
     def _from_string(cls, data: Any) -> Any:
-        # "none", "mtp", "mtp:3", "dflash:7" as a shorthand (CLI, KubeRay args)
+        # "none", "mtp", "mtp:3", "mtp:3:probabilistic", "dflash:7" as a shorthand (CLI,
+        # KubeRay args)
         if isinstance(data, str):
-            method, _, k = data.partition(":")
-            data = {"method": method, **({"num_speculative_tokens": k} if k else {})}
+            method, _, rest = data.partition(":")
+            k, _, sampling = rest.partition(":")
+            data = {"method": method, **({"num_speculative_tokens": k} if k else {}),
+                    **({"draft_sampling": sampling} if sampling else {})}
         if isinstance(data, dict) and "num_speculative_tokens" not in data:
             default = {"mtp": 3, "dflash": 7}.get(data.get("method", "none"))
             if default is not None:
@@ -63,6 +70,9 @@ class SpeculativeConfig(BaseModel):
         if self.method != "none" and self.num_speculative_tokens < 1:
             raise ValueError(f"speculative method {self.method!r} needs "
                              "num_speculative_tokens >= 1")
+        if self.draft_sampling == "probabilistic" and self.method != "mtp":
+            raise ValueError("probabilistic draft sampling is for MTP drafts (DFlash2's "
+                             "selector is greedy)")
         return self
 
     @property
@@ -70,7 +80,8 @@ class SpeculativeConfig(BaseModel):
         return self.method != "none"
 
 
-_MTP3 = {"method": "mtp", "num_speculative_tokens": 3}
+# the reference runtime drew its MTP drafts probabilistically (exl3-dflash-spec.md A.2)
+_MTP3 = {"method": "mtp", "num_speculative_tokens": 3, "draft_sampling": "probabilistic"}
 _DFLASH2 = {"method": "dflash", "num_speculative_tokens": 7}
 
 # Reference runtime launch profiles (design/exl3-dflash-spec.md A.2). Parallel sizes are not
@@ -107,6 +118,8 @@ class ServingConfig(BaseModel):
     # routed experts of a BF16/FP8 checkpoint quantised to 4 bits while loading
     quantize_experts: Literal["int4"] | None = None
     enforce_eager: bool = False  # no CUDA graphs for decode steps
+    # check the checkpoint (and DFlash draft) against its SHA-256 manifest before loading
+    verify: bool = False
     cache_bytes: int | None = Field(None, gt=0)  # KV + state budget (CPU default 256 MiB)
     num_blocks: int | None = Field(None, ge=2)
     block_size: int = Field(16, ge=1)
@@ -200,6 +213,7 @@ class ServingConfig(BaseModel):
             gpu_memory_utilization=self.gpu_memory_utilization,
             quantize_experts=self.quantize_experts,
             with_mtp=self.speculative.method == "mtp", seed=self.seed,
+            draft_sampling=self.speculative.draft_sampling,
             speculative_method=self.speculative.method if self.speculative.enabled else None,
             num_speculative_tokens=self.speculative.num_speculative_tokens,
             tensor_parallel_size=self.tensor_parallel_size,

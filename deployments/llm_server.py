@@ -46,6 +46,7 @@ from .openai_schema import (
     TokenizeRequest,
     bad_request,
 )
+from .provenance import read_manifest, verify
 from .responses import DONE, ChoiceState, Delta, ResponseFormatter, TokenTexts, sse
 from .tokenizer import load_tokenizer
 
@@ -62,6 +63,7 @@ class LLMServer:
         self.config = config
         self.model_name = config.model_name
         self.model_dir = Path(config.model) if config.model else embedded_tiny_model()
+        self.provenance = checkpoint_provenance(config, self.model_dir)
         self.tokenizer = load_tokenizer(self.model_dir)
         self.template = ChatTemplate(self.tokenizer)
         self.texts = TokenTexts(self.tokenizer)
@@ -75,7 +77,8 @@ class LLMServer:
         self.defaults = _generation_defaults(self.model_dir)
         self.created = int(time.time())
         self._outstanding = 0  # engine requests submitted and not yet finished
-        logger.info("%s ready on %s: %s", self.model_name, device, self.engine.capacity)
+        logger.info("%s ready on %s: %s; %s", self.model_name, device, self.engine.capacity,
+                    describe_provenance(self.provenance))
 
     def __del__(self) -> None:  # Serve calls it when the replica shuts down
         engine = getattr(self, "engine", None)
@@ -89,7 +92,7 @@ class LLMServer:
     def model_card(self) -> dict[str, Any]:
         return {"id": self.model_name, "object": "model", "created": self.created,
                 "owned_by": "glm53", "root": str(self.model_dir), "parent": None,
-                "max_model_len": self.engine.max_model_len}
+                "max_model_len": self.engine.max_model_len, "provenance": self.provenance}
 
     def info(self) -> dict[str, Any]:
         return {**self.model_card(), "capacity": self.engine.capacity,
@@ -387,6 +390,30 @@ class LLMServer:
                     return item
                 fmt.accumulate(item)
         return fmt.response()
+
+
+def checkpoint_provenance(config: ServingConfig, model_dir: Path,
+                          ) -> dict[str, Any] | None:
+    """The checkpoint's manifest digest for the model card: checked against every file first
+    when `config.verify` (raising ProvenanceError on a mismatch, so the replica never starts),
+    else as recorded. None when the checkpoint has no manifest (and verify is off)."""
+    folders = {"model": model_dir}
+    if config.speculative.draft_model:
+        folders["draft_model"] = Path(config.speculative.draft_model)
+    out: dict[str, Any] = {}
+    for name, folder in folders.items():
+        manifest = verify(folder, progress=False) if config.verify else read_manifest(folder)
+        if manifest is not None:
+            out[name] = {"manifest_sha256": manifest.digest, "verified": config.verify}
+    return out or None
+
+
+def describe_provenance(provenance: dict[str, Any] | None) -> str:
+    if not provenance:
+        return "no checkpoint manifest (glm53 verify --write DIR records one)"
+    return ", ".join(f"{name} sha256 {p['manifest_sha256']} "
+                     f"({'verified' if p['verified'] else 'not verified'})"
+                     for name, p in provenance.items())
 
 
 def _messages(messages: list) -> list[dict[str, Any]]:

@@ -14,7 +14,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-Effort = Literal["none", "minimal", "low", "medium", "high"]
+# OpenAI's efforts plus GLM's "max"; chat.py REASONING_EFFORTS says what each one means
+Effort = Literal["none", "minimal", "low", "medium", "high", "max"]
 MAX_N = 128
 MAX_STOPS = 16
 

@@ -19,10 +19,11 @@ from glm53.actors.tiny import (
 )
 from glm53.raycluster import envs
 
+from .provenance import write_manifest
 from .tiny_tokenizer import write_tiny_tokenizer
 
 # Bump when the tiny model's layout or values change, so stale cached copies are rebuilt.
-EMBEDDED_TINY_VERSION = 2
+EMBEDDED_TINY_VERSION = 3
 
 
 # EXL3 rotates features in 128-blocks: hidden and expert widths must be multiples of 128
@@ -59,6 +60,7 @@ def embedded_tiny_model() -> Path:
     staging = Path(tempfile.mkdtemp(prefix=".tiny-", dir=target.parent))
     try:
         make_tiny(staging, seed=0, mtp=True)
+        write_manifest(staging, progress=False)  # so its digest shows where it is served
         try:
             staging.rename(target)
         except OSError:  # another process won the race; use its copy

@@ -125,6 +125,31 @@ def test_reasoning_effort_and_template_kwargs(template):
         template.render(user, template_kwargs={"foo": 1})
     with pytest.raises(ChatTemplateError, match="unsupported reasoning_effort"):
         template.render(user, reasoning_effort="extreme")
+    with pytest.raises(ChatTemplateError, match="contradicts"):
+        template.render(user, reasoning_effort="none",
+                        template_kwargs={"enable_thinking": True})
+    with pytest.raises(ChatTemplateError, match="contradicts"):
+        template.render(user, reasoning_effort="low",
+                        template_kwargs={"enable_thinking": False})
+
+
+@pytest.mark.parametrize(("effort", "line", "thinking"), [
+    ("none", None, False), ("minimal", "low", True), ("low", "low", True),
+    ("medium", "high", True), ("high", "high", True), ("max", None, True), (None, None, True)])
+def test_reasoning_effort_mapping_is_explicit(template, effort, line, thinking):
+    """The embedded template reads efforts as the release one does (only low/high named,
+    anything else, even "none", is the maximum); the server's table maps every OpenAI value."""
+    user = [{"role": "user", "content": "hi"}]
+    text = template.render(user, reasoning_effort=effort)
+    assert ("<|system|>\nReasoning effort: " in text) == (line is not None)
+    if line is not None:
+        assert f"Reasoning effort: {line}<|user|>" in text
+    assert text.endswith("<think>" if thinking else "<think></think>")
+    # what the mapping guards against: the raw template reads "none" as the maximum
+    raw = template._tokenizer.apply_chat_template(user, tokenize=False,
+                                                  add_generation_prompt=True,
+                                                  reasoning_effort="none")
+    assert raw.endswith("<think>") and "Reasoning effort" not in raw
     with pytest.raises(ChatTemplateError, match="not valid JSON"):
         template.render([{"role": "assistant", "tool_calls": [
             {"function": {"name": "f", "arguments": "{"}}]}])

@@ -21,6 +21,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from glm53.deployments.app import ingress_app, server_app
 from glm53.deployments.config import ServingConfig
+from glm53.deployments.provenance import read_manifest, write_manifest
 from glm53.deployments.tiny_model import make_tiny
 from glm53.deployments.tokenizer import decode, load_tokenizer
 from tests.deployments.scripted_engine import ScriptedEngine
@@ -39,12 +40,13 @@ def base_url(ray_session, tmp_path_factory):
     from ray import serve
 
     path = make_tiny(tmp_path_factory.mktemp("serve") / "tiny", seed=0, mtp=True)
+    write_manifest(path, progress=False)
     port = _free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     common = {"model": str(path), "device": "cpu"}
     # the default profile's speculative decoding (MTP), with 2 drafts
     tiny = ServingConfig(served_model_name="tiny", max_model_len=256, max_num_seqs=16,
-                         num_blocks=512, speculative="mtp:2", **common)
+                         num_blocks=512, speculative="mtp:2", verify=True, **common)
     scripted = ServingConfig(served_model_name="scripted", max_waiting_requests=2,
                              speculative="none", **common)
     exl3_path = make_tiny(tmp_path_factory.mktemp("serve") / "exl3", seed=1, mtp=True, exl3=True)
@@ -92,8 +94,12 @@ def chat(messages: str | list, **kw) -> dict:
 
 # ----- basics -----
 def test_models_tokenize_detokenize(http, tokenizer):
-    ids = {m["id"] for m in http.get("/v1/models").json()["data"]}
-    assert ids == {"tiny", "exl3", "scripted"}
+    cards = {m["id"]: m for m in http.get("/v1/models").json()["data"]}
+    assert set(cards) == {"tiny", "exl3", "scripted"}
+    digest = read_manifest(cards["tiny"]["root"]).digest
+    assert cards["tiny"]["provenance"] == {"model": {"manifest_sha256": digest,
+                                                     "verified": True}}
+    assert cards["exl3"]["provenance"] is None  # no manifest written
     r = http.post("/tokenize", json={"model": "tiny", "prompt": "héllo"}).json()
     assert r["tokens"] == list("héllo".encode()) and r["count"] == 6
     assert r["max_model_len"] == 256

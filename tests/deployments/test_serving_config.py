@@ -148,3 +148,43 @@ def test_enforce_eager_flag_reaches_the_engine_config():
     gen = ["generate", "--prompt-ids", "1", "--max-tokens", "1"]
     assert _parser().parse_args([*gen, "--enforce-eager"]).enforce_eager
     assert not _parser().parse_args(gen).enforce_eager
+
+
+def test_probabilistic_mtp_drafts_are_selectable():
+    """The reference runtime's MTP profiles drew drafts probabilistically; config, profile,
+    shorthand and flag all reach the engine (before, serving always drafted greedily)."""
+    for profile in ("lang-mtp3", "long500k"):
+        c = ServingConfig(profile=profile)
+        assert c.speculative.draft_sampling == "probabilistic"
+        assert c.engine_config("m", "cpu").draft_sampling == "probabilistic"
+    assert ServingConfig(speculative="mtp:2").speculative.draft_sampling == "greedy"
+    short = ServingConfig(speculative="mtp:2:probabilistic").speculative
+    assert (short.num_speculative_tokens, short.draft_sampling) == (2, "probabilistic")
+    with pytest.raises(ValidationError, match="probabilistic draft sampling is for MTP"):
+        ServingConfig(speculative={"method": "dflash", "draft_sampling": "probabilistic"})
+    with pytest.raises(ValidationError):
+        ServingConfig(speculative="mtp:2:sometimes")
+    flag = serving_config(_parser().parse_args(
+        ["serve", "--speculative", "mtp:2", "--draft-sampling", "probabilistic"]))
+    assert (flag.speculative.num_speculative_tokens, flag.speculative.draft_sampling) == (
+        2, "probabilistic")
+    greedy = serving_config(_parser().parse_args(["serve", "--speculative", "mtp",
+                                                  "--draft-sampling", "greedy"]))
+    assert greedy.engine_config("m", "cpu").draft_sampling == "greedy"
+    with pytest.raises(SystemExit, match="need --speculative METHOD"):
+        serving_config(_parser().parse_args(["serve", "--draft-sampling", "greedy"]))
+
+
+def test_probabilistic_mtp_reaches_the_served_engine(tmp_path):
+    from glm53.deployments.engine_client import LocalEngine
+    from glm53.deployments.tiny_model import make_tiny
+
+    path = make_tiny(tmp_path / "tiny", seed=0, layers=4, mtp=True)
+    config = ServingConfig(model=str(path), device="cpu", num_blocks=64, max_model_len=128,
+                           speculative="mtp:2:probabilistic")
+    engine = LocalEngine(config, path, "cpu")
+    try:
+        proposer = engine.engine.executor.runner.proposer
+        assert proposer.probabilistic
+    finally:
+        engine.shutdown()
