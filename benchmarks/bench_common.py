@@ -58,3 +58,22 @@ def device_ms(fn, reps: int = 20) -> float:
             return statistics.median(start.elapsed_time(end) for start, end in events)
         sleep_s *= 2
     raise RuntimeError("the host could not queue the repetitions ahead of the GPU")
+
+
+def kernel_profile(fn, top: int = 20) -> dict:
+    """One call of fn under torch.profiler: device time per kernel (self time, so nothing is
+    counted twice), the `top` largest and the total, in ms."""
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if torch.cuda.is_available():
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    fn()  # compiled and warm before the profiled call
+    with torch.profiler.profile(activities=activities) as prof:
+        fn()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+    events = [e for e in prof.key_averages() if e.self_device_time_total > 0]
+    events.sort(key=lambda e: e.self_device_time_total, reverse=True)
+    total = sum(e.self_device_time_total for e in events) / 1e3
+    kernels = [dict(name=e.key[:120], calls=e.count, ms=e.self_device_time_total / 1e3)
+               for e in events[:top]]
+    return dict(device_ms=total, kernels=kernels)

@@ -14,6 +14,11 @@ routings (so replays do not find the previous call's experts in L2), the graph i
 Bytes read per call: distinct local experts touched x the format's bytes per expert, plus the
 bf16 activations in and out; % of 4.3 TB/s (the H200 copy bandwidth of benchmarks/kernels.py).
 
+With --profile, each (format, tokens) row also gets the device time per kernel of one eager
+call (torch.profiler); --int4-sweep times int4 at each token count under every setting of
+INT4_SWEEP (the dot-free variant's tiles, warps, K splits and the unsorted-pairs bound), the
+defaults row included, so the module's constants are chosen on measurements.
+
     python benchmarks/moe_4bit.py [--ep2] [--json benchmarks/results/moe_4bit_h200.json]
     TRITON_INTERPRET=1 python benchmarks/moe_4bit.py --smoke   # CPU: tiny shapes, no timing
 """
@@ -27,7 +32,7 @@ import statistics
 from datetime import UTC, datetime
 
 import torch
-from bench_common import git_commit
+from bench_common import git_commit, kernel_profile
 
 from glm53.kernels import int4, moe
 from glm53.kernels.ref import int4 as ref_int4
@@ -96,6 +101,32 @@ def _exl3_format(n_local, d, inter, rnd, dtype):
 
 
 FORMATS = {"bf16": _bf16, "exl3": _exl3_format, "int4": _int4}
+# kernels/int4.py constants swept by --int4-sweep: each entry is one setting (the product of
+# these lists, on top of the module's defaults)
+INT4_SWEEP = {"PAIRS_MAX_TOKENS": [0, 16], "GEMV_BN13": [32, 64, 128], "GEMV_BN2": [64, 128, 256],
+              "GEMV_WARPS": [4, 8], "GEMV_PROGRAMS_PER_SM": [4, 8]}
+
+
+def int4_sweep(op, routes, replays: int, repeats: int) -> list[dict]:
+    """ms of int4's op on `routes` under every setting of INT4_SWEEP (module constants set
+    for the run, restored after)."""
+    import itertools
+
+    names = list(INT4_SWEEP)
+    saved = {n: getattr(int4, n) for n in names}
+    rows = []
+    try:
+        for values in itertools.product(*INT4_SWEEP.values()):
+            setting = dict(zip(names, values, strict=True))
+            for n, v in setting.items():
+                setattr(int4, n, v)
+            calls = [lambda r=r: op(*r, 0) for r in routes]
+            ms = statistics.median(graph_call_ms(calls, replays, repeats))
+            rows.append(dict(setting=setting, ms=ms))
+    finally:
+        for n, v in saved.items():
+            setattr(int4, n, v)
+    return sorted(rows, key=lambda r: r["ms"])
 
 
 def graph_call_ms(calls, replays: int, repeats: int) -> list[float]:
@@ -134,6 +165,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=10)
     ap.add_argument("--json")
     ap.add_argument("--commit", help="the commit measured (the device copy has no .git)")
+    ap.add_argument("--profile", action="store_true", help="device time per kernel per row")
+    ap.add_argument("--int4-sweep", action="store_true", help="int4 under every INT4_SWEEP")
     ap.add_argument("--smoke", action="store_true",
                     help="tiny shapes, correctness only (CPU under TRITON_INTERPRET=1)")
     args = ap.parse_args()
@@ -179,6 +212,13 @@ def main() -> None:
                 times = graph_call_ms(calls, args.replays, args.repeats)
                 ms = statistics.median(times)
                 row.update(ms=ms, ms_min=min(times), pct_bandwidth=100 * nbytes / (ms * 1e-3) / BW)
+                if args.profile:
+                    row["profile"] = kernel_profile(lambda op=op, r=routes[0]: op(*r, 0))
+                if args.int4_sweep and name == "int4":
+                    row["sweep"] = int4_sweep(op, routes, args.replays, args.repeats)
+                    best = row["sweep"][0]
+                    print(f"int4 {t} tokens: best {best['ms']:.4f} ms {best['setting']}, "
+                          f"defaults {ms:.4f} ms")
             rows.append(row)
     by = {(r["format"], r["tokens"]): r.get("ms") for r in rows}
     speedups = {f"speedup_{key}_vs_bf16": {t: by[("bf16", t)] / by[(fmt, t)] for t in tokens}

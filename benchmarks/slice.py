@@ -29,6 +29,7 @@ from datetime import UTC, datetime
 
 import numpy as np
 import torch
+from bench_common import kernel_profile
 
 from glm53.actors.caches import ModelCaches
 from glm53.actors.config import ModelConfig
@@ -144,25 +145,6 @@ def host_profile(fn, top: int = 15) -> list[dict]:
     events = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)
     return [dict(name=e.key[:120], calls=e.count, cpu_ms=e.self_cpu_time_total / 1e3)
             for e in events[:top]]
-
-
-def kernel_profile(fn, top: int = 20) -> dict:
-    """One call of fn under torch.profiler: device time per kernel (self time, so nothing is
-    counted twice), the `top` largest and the total, in ms."""
-    activities = [torch.profiler.ProfilerActivity.CPU]
-    if torch.cuda.is_available():
-        activities.append(torch.profiler.ProfilerActivity.CUDA)
-    fn()  # compiled and warm before the profiled call
-    with torch.profiler.profile(activities=activities) as prof:
-        fn()
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-    events = [e for e in prof.key_averages() if e.self_device_time_total > 0]
-    events.sort(key=lambda e: e.self_device_time_total, reverse=True)
-    total = sum(e.self_device_time_total for e in events) / 1e3
-    kernels = [dict(name=e.key[:120], calls=e.count, ms=e.self_device_time_total / 1e3)
-               for e in events[:top]]
-    return dict(device_ms=total, kernels=kernels)
 
 
 def bench_ours(cfg: ModelConfig, decode_cases, prefill_lens, rows, graphs: bool,

@@ -91,6 +91,9 @@ GEMV_BN13, GEMV_BN2, GEMV_BKW, GEMV_WARPS = 64, 128, 16, 4
 # per split); an int forces that many splits (at most, a power of two dividing the steps)
 GEMV_W2_SPLIT: int | None = None
 GEMV_PROGRAMS_PER_SM, GEMV_MIN_STEPS = 4, 4
+# up to this many tokens (and one row per block) the dot-free variant runs on the unsorted
+# (token, expert) pairs: no sort, searchsorted or align launch (`_moe_decode_pairs`)
+PAIRS_MAX_TOKENS = 16
 ONE_F32_BITS = 0x3F800000
 
 
@@ -317,6 +320,32 @@ def gemv_rows(p_w, p_s, p_z, p_x0, p_x1, p_x2, p_x3, w0, n_steps, GW, one, BM: t
 
 
 @triton.jit
+def pair_block(blocks, i_b, e_off, E, PAIRS: tl.constexpr):
+    """(local expert, first row, end row) of block i_b. Sorted: blocks [NB, 3] from
+    `align_kernel`. PAIRS: blocks are the flat top-k ids [T k] and block i_b is pair i_b alone
+    (row i_b of act; no sort, no align launch), empty when its expert is another rank's."""
+    if PAIRS:
+        e = tl.load(blocks + i_b).to(tl.int64) - e_off
+        r0 = i_b
+        r1 = tl.where((e >= 0) & (e < E), i_b + 1, i_b)
+        e = tl.minimum(tl.maximum(e, 0), E - 1)
+    else:
+        e = tl.load(blocks + i_b * 3).to(tl.int64)
+        r0 = tl.load(blocks + i_b * 3 + 1)
+        r1 = tl.load(blocks + i_b * 3 + 2)
+    return e, r0, r1
+
+
+@triton.jit
+def row_token(sorted_tok, r, K, PAIRS: tl.constexpr):
+    """The token of row r: sorted_tok[r], or r // K for unsorted pairs (K = top-k)."""
+    if PAIRS:
+        return (r // K).to(tl.int64)
+    else:
+        return tl.load(sorted_tok + r).to(tl.int64)
+
+
+@triton.jit
 def swiglu_store(h, act, r, ok, o_n, m_n, INTER, limit, BN: tl.constexpr):
     """act[r, o_n] = swiglu of h [2 BN] (gate, up interleaved) where ok and m_n."""
     b_g, b_u = tl.split(tl.reshape(h, [BN, 2]))
@@ -327,15 +356,14 @@ def swiglu_store(h, act, r, ok, o_n, m_n, INTER, limit, BN: tl.constexpr):
 
 @triton.jit
 def w13_gemv_kernel(x, q, scale, zero, blocks, sorted_tok, act, stride_x, INTER, KW, NG, limit,
-                    GW, one, BM: tl.constexpr, BN: tl.constexpr, BKW: tl.constexpr):
+                    GW, one, K, e_off, E, BM: tl.constexpr, BN: tl.constexpr, BKW: tl.constexpr,
+                    PAIRS: tl.constexpr):
     """w13_swiglu_kernel for blocks of BM <= 4 rows, dot-free (`gemv_rows`): one program
     computes gate and up (rows interleaved in one [2 BN] tile) for BN output columns.
-    q: int32 words [E, 2I, D/8]."""
+    q: int32 words [E, 2I, D/8]. PAIRS (BM = 1): unsorted, see `pair_block`."""
     i_b, i_n = tl.program_id(0), tl.program_id(1)
-    e = tl.load(blocks + i_b * 3).to(tl.int64)
-    r0 = tl.load(blocks + i_b * 3 + 1)
-    r1 = tl.load(blocks + i_b * 3 + 2)
-    if r0 >= r1:  # past the last block: no rows, read no weights
+    e, r0, r1 = pair_block(blocks, i_b, e_off, E, PAIRS)
+    if r0 >= r1:  # past the last block, or another rank's expert: read no weights
         return
     j = tl.arange(0, 2 * BN)
     o_n = i_n * BN + tl.arange(0, BN)
@@ -345,10 +373,10 @@ def w13_gemv_kernel(x, q, scale, zero, blocks, sorted_tok, act, stride_x, INTER,
     p_s = scale + e * 2 * INTER * NG + rows * NG
     p_z = zero + e * 2 * INTER * NG + rows * NG
     # rows past the block's end re-read its last row (results not stored)
-    p_x0 = x + tl.load(sorted_tok + r0).to(tl.int64) * stride_x
-    p_x1 = x + tl.load(sorted_tok + tl.minimum(r0 + 1, r1 - 1)).to(tl.int64) * stride_x
-    p_x2 = x + tl.load(sorted_tok + tl.minimum(r0 + 2, r1 - 1)).to(tl.int64) * stride_x
-    p_x3 = x + tl.load(sorted_tok + tl.minimum(r0 + 3, r1 - 1)).to(tl.int64) * stride_x
+    p_x0 = x + row_token(sorted_tok, r0, K, PAIRS) * stride_x
+    p_x1 = x + row_token(sorted_tok, tl.minimum(r0 + 1, r1 - 1), K, PAIRS) * stride_x
+    p_x2 = x + row_token(sorted_tok, tl.minimum(r0 + 2, r1 - 1), K, PAIRS) * stride_x
+    p_x3 = x + row_token(sorted_tok, tl.minimum(r0 + 3, r1 - 1), K, PAIRS) * stride_x
     h0, h1, h2, h3 = gemv_rows(p_w, p_s, p_z, p_x0, p_x1, p_x2, p_x3, 0, KW // BKW, GW, one, BM,
                                2 * BN, BKW)
     swiglu_store(h0, act, r0, r0 < r1, o_n, m_n, INTER, limit, BN)
@@ -361,14 +389,14 @@ def w13_gemv_kernel(x, q, scale, zero, blocks, sorted_tok, act, stride_x, INTER,
 
 @triton.jit
 def w2_gemv_kernel(act, q, scale, zero, blocks, sorted_tok, sorted_w, out, D, INTER, KW, NG, GW,
-                   STEPS, one, BM: tl.constexpr, BN: tl.constexpr, BKW: tl.constexpr):
+                   STEPS, one, K, e_off, E, BM: tl.constexpr, BN: tl.constexpr,
+                   BKW: tl.constexpr, PAIRS: tl.constexpr):
     """w2_kernel for blocks of BM <= 4 rows, dot-free (`gemv_rows`), split along K: program
     (block, n, s) covers the STEPS * BKW words from s * STEPS * BKW and adds its part of
-    weight * y into out with atomics. q: int32 words [E, D, I/8]."""
+    weight * y into out with atomics. q: int32 words [E, D, I/8]. PAIRS (BM = 1): unsorted,
+    see `pair_block` (sorted_w: the pairs' routing weights in pair order)."""
     i_b, i_n, i_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    e = tl.load(blocks + i_b * 3).to(tl.int64)
-    r0 = tl.load(blocks + i_b * 3 + 1)
-    r1 = tl.load(blocks + i_b * 3 + 2)
+    e, r0, r1 = pair_block(blocks, i_b, e_off, E, PAIRS)
     if r0 >= r1:
         return
     o_n = i_n * BN + tl.arange(0, BN)
@@ -384,7 +412,7 @@ def w2_gemv_kernel(act, q, scale, zero, blocks, sorted_tok, sorted_w, out, D, IN
                                ra + tl.minimum(r0 + 2, r1 - 1) * INTER,
                                ra + tl.minimum(r0 + 3, r1 - 1) * INTER, w0, STEPS, GW, one, BM, BN,
                                BKW)
-    tok = tl.load(sorted_tok + r0).to(tl.int64)
+    tok = row_token(sorted_tok, r0, K, PAIRS)
     tl.atomic_add(out + tok * D + o_n, y0 * tl.load(sorted_w + r0), mask=m_n)
     if BM > 1:
         ok = r0 + 1 < r1
@@ -469,14 +497,58 @@ def _w2_split(steps: int, programs: int, device: torch.device) -> int:
     return split
 
 
+def _gemv_launch(x, w13, w2, g13, g2, bm, blocks, tok32, wts, n_blk, n_hit, limit, out, *,
+                 pairs=None) -> None:
+    """The dot-free variant's two launches over n_blk blocks of bm rows (n_hit: experts that
+    can hold rows). pairs: (k, expert offset, local experts) when blocks are the flat top-k ids
+    (one pair a block, bm = 1; act rows and wts in pair order; tok32 unused)."""
+    (q13, s13, z13), (q2, s2, z2) = w13, w2
+    d, inter = out.shape[1], q13.shape[1] // 2
+    n_pairs = n_blk * bm if pairs else tok32.numel()
+    act = torch.empty((n_pairs, inter), dtype=torch.float32, device=x.device)
+    k, e_off, n_local = pairs or (1, 0, q13.shape[0])
+    # words (8 codes) per group; steps of BKW words inside one group
+    gw13, gw2 = g13 // 8, g2 // 8
+    bn = max(8, min(GEMV_BN13 >> bm // 2, next_pow2(inter)))
+    bkw = min(GEMV_BKW, gw13 & -gw13)
+    w13_gemv_kernel[(n_blk, triton.cdiv(inter, bn))](
+        x, q13.view(torch.int32), s13, z13, blocks, tok32, act, x.stride(0), inter, d // 8,
+        s13.shape[-1], float(limit), gw13, ONE_F32_BITS, k, e_off, n_local, BM=bm, BN=bn,
+        BKW=bkw, PAIRS=pairs is not None, num_warps=GEMV_WARPS)
+    bn = max(16, min(GEMV_BN2 >> bm // 2, next_pow2(d)))
+    bkw = min(GEMV_BKW, gw2 & -gw2)
+    steps = inter // 8 // bkw
+    n_n = triton.cdiv(d, bn)
+    split = _w2_split(steps, min(n_blk, n_hit) * n_n, x.device)
+    w2_gemv_kernel[(n_blk, n_n, split)](
+        act, q2.view(torch.int32), s2, z2, blocks, tok32, wts, out, d, inter, inter // 8,
+        s2.shape[-1], gw2, steps // split, ONE_F32_BITS, k, e_off, n_local, BM=bm, BN=bn,
+        BKW=bkw, PAIRS=pairs is not None, num_warps=GEMV_WARPS)
+
+
+def _words_aligned(w13, w2) -> bool:
+    """Codes viewable as int32 words (the dot-free variant reads words of 8 codes)."""
+    return w13[0].storage_offset() % 4 == 0 and w2[0].storage_offset() % 4 == 0
+
+
+def _moe_decode_pairs(x, w13, w2, g13, g2, topk_ids, topk_weights, expert_offset, limit,
+                      out) -> None:
+    """The dot-free variant on the unsorted pairs (T <= PAIRS_MAX_TOKENS): one block a pair, so
+    an expert chosen by several tokens is read once per token, against the sort, searchsorted
+    and align launches it saves (~2 us each at decode sizes)."""
+    n_tok, k = topk_ids.shape
+    ids = topk_ids.reshape(-1)
+    wts = topk_weights.reshape(-1).float()
+    n_local = w13[0].shape[0]
+    _gemv_launch(x, w13, w2, g13, g2, 1, ids, ids, wts, n_tok * k, min(n_local, n_tok * k),
+                 limit, out, pairs=(k, expert_offset, n_local))
+
+
 def _moe_decode(x, w13, w2, g13, g2, tok, wts, offs, limit, out) -> None:
     n_pairs, n_local = tok.numel(), offs.numel()
     (q13, s13, z13), (q2, s2, z2) = w13, w2
     d, inter = out.shape[1], q13.shape[1] // 2
-    n_tok = x.shape[0]
-    bm = _gemv_rows_per_block(n_tok, g13, g2)
-    if bm and (q13.storage_offset() % 4 or q2.storage_offset() % 4):
-        bm = 0  # codes not viewable as int32 words
+    bm = _gemv_rows_per_block(x.shape[0], g13, g2) if _words_aligned(w13, w2) else 0
     bm_blk = bm or BM
     # sum over experts of ceil(rows / BM) <= (pairs + (BM - 1) * experts hit) / BM
     n_hit = min(n_local, n_pairs)
@@ -486,26 +558,10 @@ def _moe_decode(x, w13, w2, g13, g2, tok, wts, offs, limit, out) -> None:
     align_kernel[(triton.cdiv(n_blk, bb),)](offs, blocks, n_local, n_blk, BM=bm_blk,
                                             BE=next_pow2(n_local), BB=bb)
     tok32 = tok.to(torch.int32)
-    act = torch.empty((n_pairs, inter), dtype=torch.float32, device=x.device)
     if bm:
-        # words (8 codes) per group; steps of BKW words inside one group
-        gw13, gw2 = g13 // 8, g2 // 8
-        bn = max(8, min(GEMV_BN13 >> bm // 2, next_pow2(inter)))
-        bkw = min(GEMV_BKW, gw13 & -gw13)
-        w13_gemv_kernel[(n_blk, triton.cdiv(inter, bn))](
-            x, q13.view(torch.int32), s13, z13, blocks, tok32, act, x.stride(0), inter, d // 8,
-            s13.shape[-1], float(limit), gw13, ONE_F32_BITS, BM=bm, BN=bn, BKW=bkw,
-            num_warps=GEMV_WARPS)
-        bn = max(16, min(GEMV_BN2 >> bm // 2, next_pow2(d)))
-        bkw = min(GEMV_BKW, gw2 & -gw2)
-        steps = inter // 8 // bkw
-        n_n = triton.cdiv(d, bn)
-        split = _w2_split(steps, min(n_blk, n_hit) * n_n, x.device)
-        w2_gemv_kernel[(n_blk, n_n, split)](
-            act, q2.view(torch.int32), s2, z2, blocks, tok32, wts, out, d, inter, inter // 8,
-            s2.shape[-1], gw2, steps // split, ONE_F32_BITS, BM=bm, BN=bn, BKW=bkw,
-            num_warps=GEMV_WARPS)
+        _gemv_launch(x, w13, w2, g13, g2, bm, blocks, tok32, wts, n_blk, n_hit, limit, out)
         return
+    act = torch.empty((n_pairs, inter), dtype=torch.float32, device=x.device)
     bkh, groups = _k_blocking(g13)
     bn_max = DECODE_BN if n_pairs < 512 else DECODE_BN_WIDE
     bn = max(16, min(bn_max, next_pow2(inter)))
@@ -591,6 +647,14 @@ def moe_int4_on_path(
         raise ValueError(f"moe_int4 path must be {DECODE!r} or {PREFILL!r}, not {path!r}")
     if x.stride(1) != 1:
         x = x.contiguous()
+    out = torch.zeros((n_tok, d), dtype=torch.float32, device=x.device)
+    w13 = (w13_q.contiguous(), w13_scale.contiguous(), w13_zero.contiguous())
+    w2 = (w2_q.contiguous(), w2_scale.contiguous(), w2_zero.contiguous())
+    if (path == DECODE and 0 < n_tok <= PAIRS_MAX_TOKENS and _words_aligned(w13, w2)
+            and _gemv_rows_per_block(n_tok, g13, g2) == 1):
+        _moe_decode_pairs(x, w13, w2, g13, g2, topk_ids, topk_weights, expert_offset,
+                          swiglu_limit, out)
+        return out.to(x.dtype)
     local = topk_ids.reshape(-1) - expert_offset
     key = torch.where((local >= 0) & (local < n_local), local, n_local)
     order = torch.argsort(key, stable=True)
@@ -599,9 +663,6 @@ def moe_int4_on_path(
     offs = torch.searchsorted(key[order], bounds, right=False)
     tok = order // k
     wts = topk_weights.reshape(-1)[order].float()
-    out = torch.zeros((n_tok, d), dtype=torch.float32, device=x.device)
-    w13 = (w13_q.contiguous(), w13_scale.contiguous(), w13_zero.contiguous())
-    w2 = (w2_q.contiguous(), w2_scale.contiguous(), w2_zero.contiguous())
     if n_tok:
         run = _moe_prefill if path == PREFILL else _moe_decode
         run(x, w13, w2, g13, g2, tok, wts, offs, swiglu_limit, out)

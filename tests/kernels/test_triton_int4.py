@@ -143,3 +143,24 @@ def test_decode_group_not_multiple_of_8(monkeypatch, variant):
     out = int4.moe_int4_on_path(*(a.to(DEVICE) for a in (x, *packed, wts, ids)), 7.0, 0, 12,
                                 path="decode")
     assert rel_err(out, want) < TOL
+
+
+@pytest.mark.parametrize("pairs_max", [0, 64])
+@pytest.mark.parametrize("t,k,n_local,offset", [(1, 4, 6, 0), (6, 3, 4, 2), (9, 2, 3, 5)])
+def test_decode_unsorted_pairs(monkeypatch, pairs_max, t, k, n_local, offset):
+    """Up to PAIRS_MAX_TOKENS the dot-free variant runs on the unsorted pairs (experts chosen
+    twice, another rank's experts skipped); 0 forces the sorted blocks on the same inputs."""
+    from glm53.kernels import int4
+
+    monkeypatch.setattr(int4, "PAIRS_MAX_TOKENS", pairs_max)
+    calls, pairs = [], int4._moe_decode_pairs
+    monkeypatch.setattr(int4, "_moe_decode_pairs", lambda *a: calls.append(pairs(*a)))
+    x, packed, wts, ids = _case(64, 32, 32, t, k, n_local, seed=31 + t)
+    ids[0, 0] = offset  # one local expert at least
+    if t > 1:
+        ids[1, 0] = offset  # the same expert for two tokens
+    want = ref_int4.moe_int4(x, *packed, wts, ids, 7.0, offset, 32)
+    out = int4.moe_int4_on_path(*(a.to(DEVICE) for a in (x, *packed, wts, ids)), 7.0, offset,
+                                32, path="decode")
+    assert len(calls) == (pairs_max >= t)
+    assert rel_err(out, want) < TOL
