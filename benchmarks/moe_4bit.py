@@ -167,6 +167,7 @@ def main() -> None:
     ap.add_argument("--commit", help="the commit measured (the device copy has no .git)")
     ap.add_argument("--profile", action="store_true", help="device time per kernel per row")
     ap.add_argument("--int4-sweep", action="store_true", help="int4 under every INT4_SWEEP")
+    ap.add_argument("--sweep-tokens", default="1,8,16", help="token counts --int4-sweep runs")
     ap.add_argument("--smoke", action="store_true",
                     help="tiny shapes, correctness only (CPU under TRITON_INTERPRET=1)")
     args = ap.parse_args()
@@ -214,7 +215,7 @@ def main() -> None:
                 row.update(ms=ms, ms_min=min(times), pct_bandwidth=100 * nbytes / (ms * 1e-3) / BW)
                 if args.profile:
                     row["profile"] = kernel_profile(lambda op=op, r=routes[0]: op(*r, 0))
-                if args.int4_sweep and name == "int4":
+                if args.int4_sweep and name == "int4" and str(t) in args.sweep_tokens.split(","):
                     row["sweep"] = int4_sweep(op, routes, args.replays, args.repeats)
                     best = row["sweep"][0]
                     print(f"int4 {t} tokens: best {best['ms']:.4f} ms {best['setting']}, "
