@@ -35,8 +35,10 @@ def _ragged(seqs: list[Sequence[int]]) -> tuple[np.ndarray, np.ndarray]:
     return (np.concatenate(ids) if ids else np.zeros(0, np.int64)), offsets
 
 
-def build_sampling_inputs(rows: Sequence[SamplingRow]) -> SamplingInputs:
-    """One `SamplingInputs` row per (params, seed, position, prompt_ids, output_ids, banned).
+def build_sampling_inputs(rows: Sequence[SamplingRow],
+                          token_bitmask: np.ndarray | None = None) -> SamplingInputs:
+    """One `SamplingInputs` row per (params, seed, position, prompt_ids, output_ids, banned),
+    and the rows' allowed-token bitmask [R, W] int32 if any row is constrained.
 
     The seed is the request's (the engine draws one for unseeded requests), wrapped to int64.
     Penalty context is carried only for rows that use penalties; the others get empty ranges.
@@ -69,7 +71,21 @@ def build_sampling_inputs(rows: Sequence[SamplingRow]) -> SamplingInputs:
         output_offsets=output_offsets,
         banned_ids=banned_ids,
         banned_offsets=banned_offsets,
+        token_bitmask=token_bitmask,
     )
+
+
+def apply_token_bitmask(logits: torch.Tensor, bitmask: np.ndarray) -> torch.Tensor:
+    """logits [R, V] with the tokens bitmask [R, W] int32 does not allow set to -inf (bit b of
+    word w allows token 32 w + b; vocabulary rows past 32 W are not allowed). One copy of the
+    packed mask to the device, unpacked there."""
+    words = torch.from_numpy(bitmask).to(logits.device)
+    shifts = torch.arange(32, dtype=torch.int32, device=logits.device)
+    allowed = ((words.unsqueeze(-1) >> shifts) & 1).bool().flatten(1)
+    vocab = logits.shape[-1]
+    if allowed.shape[1] < vocab:
+        allowed = F.pad(allowed, (0, vocab - allowed.shape[1]))
+    return logits.masked_fill(~allowed[:, :vocab], float("-inf"))
 
 
 def _device(arrays: list[np.ndarray], dtype: type, device: torch.device) -> list[torch.Tensor]:
@@ -116,6 +132,8 @@ class Sampler:
             index = torch.from_numpy(np.stack([rows, s.banned_ids])).to(device)
             logits = logits.index_put((index[0], index[1]),
                                       torch.tensor(float("-inf"), device=device))
+        if s.token_bitmask is not None:
+            logits = apply_token_bitmask(logits, s.token_bitmask)
         if np.any((s.presence_penalty != 0) | (s.frequency_penalty != 0)
                   | (s.repetition_penalty != 1)):
             parts = [s.prompt_ids, s.prompt_offsets, s.output_ids, s.output_offsets]

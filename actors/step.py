@@ -10,6 +10,25 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+STRUCTURED_KINDS = ("json", "json_schema", "regex", "grammar")
+
+
+@dataclass(frozen=True)
+class StructuredOutput:
+    """A constraint on the generated text (after reasoning, when the output starts in it).
+    kind: "json" (any JSON object; spec unused), "json_schema" (spec: the schema as JSON text),
+    "regex" (spec: the pattern), "grammar" (spec: EBNF in xgrammar's GBNF dialect)."""
+
+    kind: str
+    spec: str = ""
+
+    def __post_init__(self) -> None:
+        if self.kind not in STRUCTURED_KINDS:
+            raise ValueError(f"structured output kind must be one of {STRUCTURED_KINDS}, "
+                             f"not {self.kind!r}")
+        if self.kind != "json" and not self.spec:
+            raise ValueError(f"structured output {self.kind} needs a spec")
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -29,6 +48,12 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # top-n logprobs of each sampled token (0 = sampled only)
     prompt_logprobs: int | None = None  # same for every prompt token after the first
+    structured_output: StructuredOutput | None = None  # the engine masks tokens it forbids
+    # the output starts inside the model's reasoning block (the prompt opened it): the
+    # structured output applies after the reasoning-end token, and with thinking_budget the
+    # engine forces that token once the reasoning holds thinking_budget tokens
+    reasoning: bool = False
+    thinking_budget: int | None = None
 
     def __post_init__(self) -> None:
         checks = [
@@ -44,6 +69,8 @@ class SamplingParams:
             (self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs must be in [0, 20]"),
             (self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= 20,
              "prompt_logprobs must be in [0, 20]"),
+            (self.thinking_budget is None or self.thinking_budget >= 0,
+             "thinking_budget must be >= 0"),
         ]
         for ok, message in checks:
             if not ok:
@@ -86,6 +113,9 @@ class SamplingInputs:
     # tokens that must not be sampled yet (eos / stop ids before min_tokens), ragged likewise
     banned_ids: np.ndarray  # [sum] int64
     banned_offsets: np.ndarray  # [R+1] int64
+    # allowed tokens per row (structured output, thinking budget): bit b of word w allows
+    # token 32 w + b (xgrammar's layout); None when no row is constrained (all bits set)
+    token_bitmask: np.ndarray | None = None  # [R, ceil(V / 32)] int32
 
 
 @dataclass(frozen=True)

@@ -9,6 +9,7 @@ from glm53.actors.forward_batch import slot_mapping_for
 from glm53.actors.sampler import build_sampling_inputs
 from glm53.actors.step import StepInput
 
+from .constraints import fold_banned
 from .scheduler import SchedulerOutput
 
 
@@ -42,11 +43,13 @@ def build_step_input(step_id: int, out: SchedulerOutput, block_size: int,
         tables[i, : len(table)] = table
     query_seq = np.repeat(np.arange(len(scheduled)), lengths)
 
-    sample_rows, sample_seqs, sampling_rows = [], [], []
+    sample_rows, sample_seqs, sampling_rows, constrained = [], [], [], []
     for i, s in enumerate(scheduled):
         if not s.samples:
             continue
         r, k = s.request, s.num_drafts
+        if r.constraint is not None:
+            constrained.append((r, len(sample_rows), r.draft_ids[:k]))
         for j in range(k + 1):
             n_out = len(r.output_ids) + j
             sample_rows.append(cu[i + 1] - 1 - k + j)
@@ -55,7 +58,17 @@ def build_step_input(step_id: int, out: SchedulerOutput, block_size: int,
             seen = r.output_ids + r.draft_ids[:j] if r.params.uses_penalties else ()
             sampling_rows.append((r.params, r.seed, n_out, r.prompt_ids, seen,
                                   _banned(r, eos_ids, n_out)))
-    sampling = build_sampling_inputs(sampling_rows)
+    bitmask = None
+    if constrained:
+        words = constrained[0][0].constraint.words
+        bitmask = np.full((len(sample_rows), words), -1, dtype=np.int32)
+        for r, first_row, drafts in constrained:
+            r.constraint.fill(bitmask, first_row, drafts)
+            for row in range(first_row, first_row + len(drafts) + 1):
+                if banned := sampling_rows[row][5]:  # into the mask, where it may yield
+                    fold_banned(bitmask[row], banned)
+                    sampling_rows[row] = (*sampling_rows[row][:5], ())
+    sampling = build_sampling_inputs(sampling_rows, bitmask)
 
     pl_rows, pl_targets, pl_seqs, pl_k = [], [], [], []
     for i, s in enumerate(scheduled):

@@ -21,6 +21,7 @@ from glm53.actors.step import Logprobs, SamplingParams
 from .batch import build_step_input
 from .block_pool import BlockPool
 from .config import EngineConfig
+from .constraints import OutputConstraints, RequestConstraint
 from .executor import Executor, InProcessExecutor, RayExecutor
 from .request import FinishReason, Request
 from .scheduler import RequestRejectedError, Scheduler
@@ -100,8 +101,13 @@ def make_executor(config: EngineConfig) -> Executor:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, executor: Executor | None = None) -> None:
+    def __init__(self, config: EngineConfig, executor: Executor | None = None,
+                 constraints: OutputConstraints | None = None) -> None:
+        """constraints: the grammar compiler for structured output and thinking budgets
+        (built from the tokenizer by the serving layer); without it such requests are
+        refused."""
         self.config = config
+        self.constraints = constraints
         self.executor = executor or make_executor(config)
         self.dead: str | None = None
         self.model_config = self.executor.model_config
@@ -132,8 +138,18 @@ class LLMEngine:
             raise RequestRejectedError(f"prompt token ids must be in [0, {vocab})")
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         seed = params.seed if params.seed is not None else self._rng.randrange(2**62)
-        self.scheduler.add(Request(request_id, list(prompt_ids), params, seed))
+        request = Request(request_id, list(prompt_ids), params, seed)
+        request.constraint = self._constraint(params)
+        self.scheduler.add(request)
         return request_id
+
+    def _constraint(self, params: SamplingParams) -> RequestConstraint | None:
+        if self.constraints is None:
+            if params.structured_output is not None or params.thinking_budget is not None:
+                raise RequestRejectedError("structured output and thinking budgets need an "
+                                           "engine built with output constraints")
+            return None
+        return self.constraints.for_request(params)
 
     def abort(self, request_id: str) -> RequestOutput | None:
         request = self.scheduler.abort(request_id)

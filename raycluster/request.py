@@ -10,10 +10,14 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from glm53.actors.step import SamplingParams
+
+if TYPE_CHECKING:  # constraints imports the scheduler, which imports this module
+    from .constraints import RequestConstraint
 
 
 class RequestStatus(enum.Enum):
@@ -46,6 +50,7 @@ class Request:
     # prompt positions whose next-token logprob has been reported (not repeated on recompute)
     num_prompt_logprobs_done: int = 0
     draft_ids: list[int] = field(default_factory=list)  # proposed tokens awaiting verification
+    constraint: RequestConstraint | None = None  # grammar / thinking budget state
     # block_ids as int32 for the step's block table, and the list it mirrors
     _table: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32), init=False,
                                repr=False)

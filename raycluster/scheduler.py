@@ -200,6 +200,8 @@ class Scheduler:
             for token in sampled[first_row:first_row + accepted + 1]:
                 request.output_ids.append(token)
                 emitted.append(token)
+                if request.constraint is not None:
+                    request.constraint.advance(token)
                 reason = self._stop_reason(request, token, eos_ids)
                 if reason is not None:
                     self.finish(request, reason)
@@ -215,6 +217,8 @@ class Scheduler:
                      eos_ids: tuple[int, ...]) -> FinishReason | None:
         params = request.params
         n_out = len(request.output_ids)
+        if request.constraint is not None and request.constraint.finished:
+            return FinishReason.STOP  # the grammar took a stop token: it ends the output
         if n_out >= params.min_tokens and (
                 token in params.stop_token_ids or (not params.ignore_eos and token in eos_ids)):
             return FinishReason.STOP
