@@ -263,6 +263,10 @@ def _serve_parser(sub) -> None:
     eng.add_argument("--verify", action="store_true", default=None,
                      help="check the checkpoint (and DFlash draft) against its SHA-256 "
                           "manifest before loading; refuse to start on a mismatch")
+    eng.add_argument("--thinking-token-budget", type=int, metavar="N",
+                     help="reasoning tokens a chat request may spend before </think> is "
+                          "forced (a request's thinking_token_budget overrides; default: the "
+                          "profile's, else unbounded)")
 
 
 SERVE_FIELDS = ("model", "served_model_name", "profile", "tensor_parallel_size",
@@ -270,7 +274,7 @@ SERVE_FIELDS = ("model", "served_model_name", "profile", "tensor_parallel_size",
                 "vision", "kv_cache_dtype", "dtype", "device", "max_model_len",
                 "max_num_batched_tokens", "max_num_seqs", "block_size", "max_waiting_requests",
                 "seed", "num_blocks", "cache_bytes", "gpu_memory_utilization", "enforce_eager",
-                "quantize_experts", "verify")
+                "quantize_experts", "verify", "thinking_token_budget")
 
 
 def serving_config(args: argparse.Namespace):

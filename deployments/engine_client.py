@@ -9,6 +9,7 @@ an `LLMEngine` (in-process executor, or the Ray executor for parallel layouts) d
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import logging
 import time
@@ -18,11 +19,14 @@ from typing import Protocol
 
 from glm53.actors.step import SamplingParams
 from glm53.raycluster.config import EngineConfig
+from glm53.raycluster.constraints import OutputConstraints
 from glm53.raycluster.engine import AsyncEngine, LLMEngine, RequestOutput
 from glm53.raycluster.request import Request
 
+from .chat import THINK_END
 from .config import ServingConfig
 from .metrics import EngineStats
+from .tokenizer import load_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -56,8 +60,9 @@ class EngineClient(Protocol):
 class _TrackedEngine(LLMEngine):
     """LLMEngine that keeps its requests' queue/schedule times and counts preemptions."""
 
-    def __init__(self, config: EngineConfig, executor) -> None:
-        super().__init__(config, executor)
+    def __init__(self, config: EngineConfig, executor,
+                 constraints: OutputConstraints | None = None) -> None:
+        super().__init__(config, executor, constraints)
         self.times: dict[str, list[float | None]] = {}  # id -> [queued, first scheduled]
         self.num_preemptions = 0
         schedule = self.scheduler.schedule
@@ -120,7 +125,11 @@ class LocalEngine:
                 logger.warning("profile %s asks for max_model_len %d; this model and cache "
                                "allow %d, serving that", config.profile, max_len, limit)
                 engine_config = dataclasses.replace(engine_config, max_model_len=limit)
-            self.engine = _TrackedEngine(engine_config, executor)
+            tokenizer, mc = load_tokenizer(model_dir), executor.model_config
+            self.constraints = OutputConstraints.from_tokenizer(
+                tokenizer, mc.vocab_size, mc.eos_token_ids,
+                tokenizer.get_added_vocab().get(THINK_END))
+            self.engine = _TrackedEngine(engine_config, executor, self.constraints)
         except BaseException:
             executor.shutdown()
             raise
@@ -130,9 +139,13 @@ class LocalEngine:
         self.eos_token_ids = tuple(self.engine.eos_ids)
         self.capacity = executor.cache_plan.describe(self.max_model_len)
 
-    def generate(self, prompt_ids: list[int], params: SamplingParams,
-                 request_id: str) -> AsyncIterator[RequestOutput]:
-        return self.async_engine.generate(prompt_ids, params, request_id)
+    async def generate(self, prompt_ids: list[int], params: SamplingParams,
+                       request_id: str) -> AsyncIterator[RequestOutput]:
+        if params.structured_output is not None:
+            # compiled here, off the event loop, so the engine's step loop finds it cached
+            await asyncio.to_thread(self.constraints.compile, params.structured_output)
+        async for out in self.async_engine.generate(prompt_ids, params, request_id):
+            yield out
 
     async def abort(self, request_id: str) -> None:
         await self.async_engine.abort(request_id)

@@ -24,7 +24,7 @@ from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
-from glm53.actors.step import SamplingParams
+from glm53.actors.step import SamplingParams, StructuredOutput
 from glm53.raycluster.scheduler import RequestRejectedError
 
 from .chat import (
@@ -138,9 +138,14 @@ class LLMServer:
         arrival = time.monotonic()
         try:
             prompt_ids, reasoning_start, tools, forced = self._chat_prompt(request)
-            params = self._sampling(request, [prompt_ids], request.token_limit,
-                                    logprobs=(request.top_logprobs or 0) if request.logprobs
-                                    else None)
+            budget = request.thinking_token_budget
+            params = self._sampling(
+                request, [prompt_ids], request.token_limit,
+                logprobs=(request.top_logprobs or 0) if request.logprobs else None,
+                structured_output=_structured_output(request.response_format),
+                reasoning=reasoning_start,
+                thinking_budget=budget if budget is not None else
+                self.config.thinking_token_budget)
         except APIError as exc:
             yield exc
             return
@@ -186,9 +191,6 @@ class LLMServer:
         if request.logit_bias:
             raise bad_request("logit_bias is not supported yet", "logit_bias")
         fmt = request.response_format
-        if fmt is not None and fmt.type == "json_schema":
-            raise bad_request("response_format json_schema is not supported yet (needs "
-                              "constrained decoding)", "response_format")
         messages = _messages(request.messages)
         if fmt is not None and fmt.type == "json_object" and "json" not in json.dumps(
                 messages).lower():
@@ -243,8 +245,10 @@ class LLMServer:
 
     def _sampling(self, request: Any, prompts: list[list[int]], limit: int | None, *,
                   logprobs: int | None, prompt_logprobs: int | None = None,
-                  ) -> list[SamplingParams]:
-        """One SamplingParams per choice (n per prompt; seed + i for the i-th choice)."""
+                  structured_output: StructuredOutput | None = None, reasoning: bool = False,
+                  thinking_budget: int | None = None) -> list[SamplingParams]:
+        """One SamplingParams per choice (n per prompt; seed + i for the i-th choice).
+        reasoning: the output starts inside `<think>` (the budget applies only then)."""
         max_len = self.engine.max_model_len
         longest = max(len(p) for p in prompts)
         max_tokens = limit if limit is not None else max_len - longest
@@ -269,7 +273,8 @@ class LLMServer:
             frequency_penalty=request.frequency_penalty,
             repetition_penalty=request.repetition_penalty, min_tokens=request.min_tokens,
             stop_token_ids=stop_ids, ignore_eos=request.ignore_eos, logprobs=logprobs,
-            prompt_logprobs=prompt_logprobs)
+            prompt_logprobs=prompt_logprobs, structured_output=structured_output,
+            reasoning=reasoning, thinking_budget=thinking_budget if reasoning else None)
         out = []
         for _ in prompts:
             for i in range(request.n):
@@ -414,6 +419,15 @@ def describe_provenance(provenance: dict[str, Any] | None) -> str:
     return ", ".join(f"{name} sha256 {p['manifest_sha256']} "
                      f"({'verified' if p['verified'] else 'not verified'})"
                      for name, p in provenance.items())
+
+
+def _structured_output(fmt: Any) -> StructuredOutput | None:
+    """The engine constraint of a chat `response_format` (text: none)."""
+    if fmt is None or fmt.type == "text":
+        return None
+    if fmt.type == "json_object":
+        return StructuredOutput("json")
+    return StructuredOutput("json_schema", json.dumps(fmt.json_schema.schema_))
 
 
 def _messages(messages: list) -> list[dict[str, Any]]:

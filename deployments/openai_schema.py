@@ -3,8 +3,8 @@
 Requests accept OpenAI's fields plus the vLLM extras clients commonly send (top_k, min_p,
 repetition_penalty, min_tokens, ignore_eos, stop_token_ids, skip_special_tokens,
 include_stop_str_in_output, chat_template_kwargs). Fields OpenAI defines but this server cannot
-honour yet (logit_bias, suffix, json_schema, forced tool choice, image parts) are accepted by the
-schema and refused by the server with a clear message. Responses and stream chunks are built as
+honour yet (logit_bias, suffix, image parts) are accepted by the schema and refused by the
+server with a clear message. Responses and stream chunks are built as
 plain dicts by the server (`responses.py`), which keeps the hot path free of model validation.
 """
 
@@ -70,9 +70,22 @@ class NamedToolChoice(_Strict):
     function: NamedFunction
 
 
+class JSONSchemaFormat(_Strict):
+    name: Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")]
+    description: str | None = None
+    schema_: Annotated[dict[str, Any], Field(alias="schema")] = {}
+    strict: bool | None = None
+
+
 class ResponseFormat(_Strict):
     type: Literal["text", "json_object", "json_schema"]
-    json_schema: dict[str, Any] | None = None
+    json_schema: JSONSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _check_schema(self) -> ResponseFormat:
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ValueError("json_schema is required with type json_schema, and only there")
+        return self
 
 
 class FunctionCall(_Strict):
@@ -170,6 +183,8 @@ class ChatCompletionRequest(_Sampling):
     parallel_tool_calls: bool | None = None
     response_format: ResponseFormat | None = None
     reasoning_effort: Effort | None = None
+    # reasoning tokens allowed before the server forces </think> (default: the profile's)
+    thinking_token_budget: Annotated[int, Field(ge=0)] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False

@@ -19,7 +19,7 @@ from typing import Any
 
 from glm53.raycluster.engine import RequestOutput, TokenLogprob
 
-from .chat import ReasoningParser, ToolCall, ToolCallParser
+from .chat import THINK_END, THINK_START, ReasoningParser, ToolCall, ToolCallParser
 from .detokenizer import IncrementalDetokenizer, StopStrings
 from .tiny_tokenizer import _gpt2_bytes_to_unicode
 
@@ -86,6 +86,12 @@ class ChoiceState:
         self._prompt_lps = [TokenLogprob(echo_ids[0], math.nan, 0, ())] if echo_ids else []
         self.num_tokens = 0
         self.num_prompt_tokens = 0
+        # token-level reasoning count (usage.completion_tokens_details.reasoning_tokens): the
+        # tokens before `</think>` when the prompt opened reasoning, or a leading `<think>`
+        self.num_reasoning_tokens = 0
+        self._think_ids = (tokenizer.convert_tokens_to_ids(THINK_START),
+                           tokenizer.convert_tokens_to_ids(THINK_END))
+        self._in_reasoning = reasoning_start
         self.finish_reason: str | None = None
         self.error: str | None = None
 
@@ -98,6 +104,7 @@ class ChoiceState:
         if out.prompt_logprobs and self._echo_ids is not None:
             self._prompt_lps.extend(out.prompt_logprobs)
         ids = list(out.new_token_ids)
+        self._count_reasoning(ids)
         self.num_tokens += len(ids)
         delta.logprobs = list(out.logprobs or [])
         reason = out.finish_reason.value if out.finish_reason is not None else None
@@ -130,6 +137,22 @@ class ChoiceState:
         if final:
             self.finish_reason = delta.finish_reason = reason
         return delta
+
+
+    def _count_reasoning(self, ids: list[int]) -> None:
+        start_id, end_id = self._think_ids
+        for i, token in enumerate(ids):
+            if self._in_reasoning is None:
+                return  # no reasoning split for this choice (completions)
+            if self._in_reasoning:
+                if token == end_id:
+                    self._in_reasoning = None  # reasoning is over
+                else:
+                    self.num_reasoning_tokens += 1
+            elif self.num_tokens + i == 0 and token == start_id:
+                self._in_reasoning = True
+            else:
+                self._in_reasoning = None
 
 
 DONE = "data: [DONE]\n\n"
@@ -211,9 +234,14 @@ def completion_logprobs(entries: list[TokenLogprob], texts: TokenTexts, offset: 
     return out
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+def usage(prompt_tokens: int, completion_tokens: int,
+          reasoning_tokens: int | None = None) -> dict[str, Any]:
+    out: dict[str, Any] = {"prompt_tokens": prompt_tokens,
+                           "completion_tokens": completion_tokens,
+                           "total_tokens": prompt_tokens + completion_tokens}
+    if reasoning_tokens is not None:
+        out["completion_tokens_details"] = {"reasoning_tokens": reasoning_tokens}
+    return out
 
 
 class ResponseFormatter:
@@ -230,10 +258,12 @@ class ResponseFormatter:
         self.acc = [{"text": [], "reasoning": [], "calls": [], "logprobs": [],
                      "prompt_logprobs": [], "finish": None} for _ in choices]
 
-    def _usage(self) -> dict[str, int]:
+    def _usage(self) -> dict[str, Any]:
         prompts = self.choices[::self.request.n]
         return usage(sum(c.num_prompt_tokens for c in prompts),
-                     sum(c.num_tokens for c in self.choices))
+                     sum(c.num_tokens for c in self.choices),
+                     sum(c.num_reasoning_tokens for c in self.choices)
+                     if self.kind == "chat" else None)
 
     def _chunk(self, choices: list[dict], with_usage: bool = False) -> str:
         obj = {"id": self.id, "object": ("chat.completion.chunk" if self.kind == "chat"
