@@ -49,6 +49,7 @@ from .openai_schema import (
 from .provenance import read_manifest, verify
 from .responses import DONE, ChoiceState, Delta, ResponseFormatter, TokenTexts, sse
 from .tokenizer import load_tokenizer
+from .tool_grammar import tool_call_grammar
 
 logger = logging.getLogger(__name__)
 EngineFactory = Callable[[ServingConfig, Path, str], EngineClient]
@@ -137,12 +138,12 @@ class LLMServer:
     async def chat(self, request: ChatCompletionRequest) -> AsyncIterator[Any]:
         arrival = time.monotonic()
         try:
-            prompt_ids, reasoning_start, tools, forced = self._chat_prompt(request)
+            prompt_ids, reasoning_start, tools, forced, structured = self._chat_prompt(request)
             budget = request.thinking_token_budget
             params = self._sampling(
                 request, [prompt_ids], request.token_limit,
                 logprobs=(request.top_logprobs or 0) if request.logprobs else None,
-                structured_output=_structured_output(request.response_format),
+                structured_output=structured,
                 reasoning=reasoning_start,
                 thinking_budget=budget if budget is not None else
                 self.config.thinking_token_budget)
@@ -185,9 +186,9 @@ class LLMServer:
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 
     def _chat_prompt(self, request: ChatCompletionRequest,
-                     ) -> tuple[list[int], bool, list[dict] | None, str]:
+                     ) -> tuple[list[int], bool, list[dict] | None, str, StructuredOutput | None]:
         """(prompt ids, whether the output starts inside <think>, tools to parse, the forced
-        tool-call prefix already in the prompt)."""
+        tool-call prefix already in the prompt, the output's constraint)."""
         if request.logit_bias:
             raise bad_request("logit_bias is not supported yet", "logit_bias")
         fmt = request.response_format
@@ -201,20 +202,24 @@ class LLMServer:
         tools = None
         if request.tools and choice != "none":
             tools = [t.model_dump(exclude_none=True) for t in request.tools]
-        # A forced call is a prefix of the assistant turn: GLM's call syntax starts with the
-        # marker and the name, so prefilling them forces a call (or that call) without a
-        # grammar; the arguments stay the model's.
-        forced = ""
+        # A forced call is a prefix of the assistant turn (GLM's call syntax starts with the
+        # marker and the name), and the rest of the call follows the tool's parameter schema
+        # under a grammar (tool_grammar.py).
+        forced, structured = "", _structured_output(fmt)
         if choice == "required" or hasattr(choice, "function"):
             if not tools:
                 raise bad_request("tool_choice requires tools", "tool_choice")
-            forced = TOOL_START
+            if structured is not None:
+                raise bad_request("response_format cannot be combined with a forced "
+                                  "tool_choice", "response_format")
+            forced, name = TOOL_START, None
             if hasattr(choice, "function"):
                 name = choice.function.name
                 if name not in {t["function"]["name"] for t in tools}:
                     raise bad_request(f"tool_choice names an unknown tool {name!r}",
                                       "tool_choice")
                 forced += f"{name}\n"
+            structured = StructuredOutput("grammar", tool_call_grammar(tools, name))
         try:
             text = self.template.render(
                 messages, tools=tools, reasoning_effort=request.reasoning_effort,
@@ -225,7 +230,7 @@ class LLMServer:
             raise bad_request(str(exc), "messages") from exc
         if forced:
             text += (THINK_END if text.endswith(THINK_START) else "") + forced
-        return self._encode(text), text.endswith(THINK_START), tools, forced
+        return self._encode(text), text.endswith(THINK_START), tools, forced, structured
 
     def _completion_prompts(self, prompt: Any) -> list[list[int]]:
         if isinstance(prompt, str):

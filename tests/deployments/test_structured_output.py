@@ -52,7 +52,7 @@ def client(ray_session, tmp_path_factory):
     port = _free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     config = ServingConfig(served_model_name="tiny", model=str(path), device="cpu",
-                           max_model_len=512, max_num_seqs=16, num_blocks=512,
+                           max_model_len=2048, max_num_seqs=16, num_blocks=1024,
                            speculative="mtp:2")
     serve.run(ingress_app({"tiny": server_app(config, "cpu")}), name="structured-test",
               route_prefix="/", logging_config={"log_level": "WARNING",
@@ -111,3 +111,30 @@ def test_bad_schemas_are_400(client, fmt, message):
     with pytest.raises(openai.BadRequestError, match=message):
         client.chat.completions.create(model="tiny", messages=ASK, response_format=fmt,
                                        max_tokens=8)
+
+
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Rome"]},
+                                     "days": {"type": "integer"}, "note": {"type": "boolean"}},
+    "required": ["city", "days"]}}},
+    {"type": "function", "function": {"name": "get_time", "parameters": {
+        "type": "object", "properties": {"zone": {"type": "string", "enum": ["UTC", "CET"]}},
+        "required": ["zone"]}}}]
+
+
+@pytest.mark.parametrize("tool_choice", [
+    {"type": "function", "function": {"name": "get_weather"}}, "required"])
+def test_forced_tool_call_arguments_follow_the_schema(client, tool_choice):
+    r = client.chat.completions.create(
+        model="tiny", messages=ASK, tools=TOOLS, tool_choice=tool_choice, temperature=1.0,
+        seed=1, n=6, max_tokens=250, reasoning_effort="none")
+    for choice in r.choices:
+        assert choice.finish_reason == "tool_calls"
+        (call,) = choice.message.tool_calls
+        args = json.loads(call.function.arguments)
+        if call.function.name == "get_weather":
+            assert args["city"] in ("Paris", "Rome") and isinstance(args["days"], int)
+            assert set(args) <= {"city", "days", "note"}
+        else:
+            assert tool_choice == "required" and args == {"zone": args["zone"]}
+            assert args["zone"] in ("UTC", "CET")
