@@ -1,18 +1,24 @@
 """The ingress's HTTP guard (issue 18, part 3): API keys, body size and deadline, JSON-only
 bodies, Host allow-list, CORS, and keys kept out of logs. Against the real ingress app served
-in-process (tests/deployments/local_ingress.py), no Ray cluster."""
+in-process (tests/deployments/local_ingress.py), no Ray cluster; the last test checks that
+the guard is mounted in a Serve replica behind Serve's proxy."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
+import socket
 
+import httpx
 import pytest
 from starlette.testclient import TestClient
 
+from glm53.deployments.app import ingress_app, server_app
 from glm53.deployments.config import HTTPConfig, ServingConfig
 from glm53.deployments.http_guard import HTTPGuard, host_name
-from tests.deployments.local_ingress import local_ingress
+from tests.deployments.local_ingress import local_ingress, scripted_config
+from tests.deployments.scripted_engine import ScriptedEngine
 
 CHAT = {"model": "scripted", "messages": [{"role": "user", "content": "SCRIPT:</think>hi"}]}
 
@@ -108,7 +114,6 @@ def _run(app, method: str, path: str, chunks, headers=()) -> tuple[int, dict, in
              "headers": [(b"host", b"testserver"), (b"content-type", b"application/json"),
                          *headers]}
     asyncio.run(asyncio.wait_for(app(scope, receive, send), 30))
-    import json
     body = b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
     return sent[0]["status"], json.loads(body), pulled
 
@@ -197,3 +202,44 @@ def test_keys_are_compared_as_digests():
     assert len(guard.key_digests) == 2 and {len(d) for d in guard.key_digests} == {32}
     assert guard._key_valid(b"Bearer bb") and not guard._key_valid(b"Bearer b")
     assert not guard._key_valid("Bearer ключ".encode())
+
+
+# ----- under Ray Serve: the guard is mounted in the replica, behind Serve's HTTP proxy -----
+@pytest.fixture(scope="module")
+def served(ray_session):
+    from ray import serve
+
+    port = _free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    app = ingress_app({"scripted": server_app(scripted_config(), "cpu", ScriptedEngine)},
+                      HTTPConfig(api_keys=["served-key"], max_request_bytes=65536))
+    serve.run(app, name="guard-test", route_prefix="/",
+              logging_config={"log_level": "WARNING", "enable_access_log": False})
+    with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=60) as client:
+        yield client
+    serve.shutdown()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_guard_under_serve(served):
+    key = {"Authorization": "Bearer served-key"}
+    envelope(served.get("/v1/models"), 401, "invalid_api_key")
+    assert served.get("/v1/models", headers=key).status_code == 200
+    assert served.get("/health").status_code == 200
+    r = served.post("/v1/chat/completions", json=CHAT, headers=key)
+    assert r.json()["choices"][0]["message"]["content"] == "hi"
+    envelope(served.post("/tokenize", content=b'{"prompt": "x"}',
+                         headers={**key, "Content-Type": "text/plain"}),
+             415, "unsupported_media_type")
+    big = b'{"prompt": "' + b"x" * 100_000 + b'"}'
+    headers = {**key, "Content-Type": "application/json"}
+    envelope(served.post("/tokenize", content=big, headers=headers), 413, "request_too_large")
+    # chunked through the proxy: counted in the replica as the messages arrive
+    chunks = (big[i:i + 8192] for i in range(0, len(big), 8192))
+    envelope(served.post("/tokenize", content=chunks, headers=headers), 413,
+             "request_too_large")
