@@ -1,5 +1,6 @@
-"""The HTTP guard of the OpenAI ingress: Host allow-list, API keys, JSON-only bodies, a body
-size limit and a body deadline, each answered with OpenAI's error envelope before a route runs.
+"""The HTTP guard of the OpenAI ingress: Host allow-list, API keys, no client-set Serve proxy
+hints, JSON-only bodies, a body size limit and a body deadline, each answered with OpenAI's
+error envelope before a route runs.
 
 One ASGI middleware (CORS, when origins are configured, is Starlette's CORSMiddleware around
 it, so browsers' preflights are answered before the key check). It sits in the ingress
@@ -36,6 +37,11 @@ OPEN_PATHS = frozenset({"/health", "/metrics"})
 BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})
 KEYS_ENV, KEY_ENV = "GLM53_API_KEYS", "GLM53_API_KEY"
 LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")
+# Serve's proxy obeys these request headers (meant for its own HAProxy mode): a client could
+# lift the operator's request timeout, or keep its generation running after it disconnects.
+# The proxy acts on them before the replica sees the request; refusing the request here ends
+# it at once, so the hints never take effect.
+PROXY_HINT_HEADERS = ("x-request-timeout-seconds", "x-request-disconnect-disabled")
 
 
 def api_keys_from_env(environ: Mapping[str, str] | None = None) -> list[str]:
@@ -130,6 +136,10 @@ class HTTPGuard:
             return _error(401, "Invalid or missing API key: send 'Authorization: Bearer KEY'",
                           "authentication_error", "invalid_api_key",
                           {"WWW-Authenticate": "Bearer"})
+        hint = next((h for h in PROXY_HINT_HEADERS if h in headers), None)
+        if hint is not None:
+            return _error(400, f"the {hint} header is not accepted", "invalid_request_error",
+                          "header_not_allowed")
         if scope["method"] not in BODY_METHODS:
             return None
         media_type = headers.get("content-type", b"").split(b";")[0].strip().lower()

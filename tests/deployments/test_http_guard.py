@@ -64,6 +64,14 @@ def test_api_keys_from_config_and_environment(client):
     assert r.json()["choices"][0]["message"]["content"] == "hi"
 
 
+def test_serve_proxy_hints_from_clients_are_refused(client):
+    """Serve's proxy would let a client lift the request timeout or keep generating after it
+    disconnects; such requests end at once with 400."""
+    for header in ("X-Request-Timeout-Seconds", "x-request-disconnect-disabled"):
+        r = client.post("/v1/chat/completions", json=CHAT, headers={header: "?1"})
+        envelope(r, 400, "header_not_allowed")
+
+
 def test_without_keys_everyone_is_served(client):
     assert client.get("/v1/models").status_code == 200
     assert client.post("/v1/chat/completions", json=CHAT).status_code == 200
@@ -230,6 +238,9 @@ def test_guard_under_serve(served):
     key = {"Authorization": "Bearer served-key"}
     envelope(served.get("/v1/models"), 401, "invalid_api_key")
     assert served.get("/v1/models", headers=key).status_code == 200
+    envelope(served.post("/v1/chat/completions", json=CHAT,
+                         headers={**key, "x-request-disconnect-disabled": "?1"}),
+             400, "header_not_allowed")
     assert served.get("/health").status_code == 200
     r = served.post("/v1/chat/completions", json=CHAT, headers=key)
     assert r.json()["choices"][0]["message"]["content"] == "hi"
