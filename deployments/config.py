@@ -84,7 +84,7 @@ class HTTPConfig(BaseModel):
     """What the OpenAI ingress accepts over HTTP; `http_guard.py` enforces it. Ingress-wide,
     not per model. The API keys are SecretStr: a logged or printed config shows `**********`."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, hide_input_in_errors=True)
 
     # Bearer keys; the ingress adds those in its own environment (GLM53_API_KEYS, comma-
     # separated, and GLM53_API_KEY), which keeps them out of manifests and Serve's config store.
@@ -123,7 +123,8 @@ PROFILES: dict[str, dict[str, Any]] = {
 class ServingConfig(BaseModel):
     """One served model: checkpoint, engine limits, features and Serve deployment knobs."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # errors leave the input out: a whole-config error would print the API keys
+    model_config = ConfigDict(extra="forbid", frozen=True, hide_input_in_errors=True)
 
     model: str | None = None  # checkpoint directory; None = the embedded tiny checkpoint
     served_model_name: str | None = None  # the OpenAI `model` id; default: directory name

@@ -1,6 +1,6 @@
 """The HTTP guard of the OpenAI ingress: Host allow-list, API keys, no client-set Serve proxy
-hints, JSON-only bodies, a body size limit and a body deadline, each answered with OpenAI's
-error envelope before a route runs.
+hints, JSON-only bodies, a body size limit and a body deadline. Refusals use OpenAI's error
+envelope; all but the body's are made from the request head, before a route runs.
 
 One ASGI middleware (CORS, when origins are configured, is Starlette's CORSMiddleware around
 it, so browsers' preflights are answered before the key check). It sits in the ingress
@@ -24,6 +24,7 @@ import logging
 import os
 from collections.abc import Mapping
 
+from starlette.applications import Starlette
 from starlette.middleware.cors import CORSMiddleware
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -166,7 +167,7 @@ class HTTPGuard:
             valid |= hmac.compare_digest(given, digest)
         return valid
 
-    def _too_large(self) -> APIError:
+    def _too_large(self) -> RequestRefused:
         return RequestRefused(413, f"the request body exceeds {self.max_request_bytes} bytes",
                               "invalid_request_error", None, "request_too_large")
 
@@ -206,7 +207,7 @@ async def _answer(error: APIError, scope: Scope, receive: Receive, send: Send) -
                        headers=error.headers)(scope, receive, send)
 
 
-def mount_http_guard(app, config: HTTPConfig,
+def mount_http_guard(app: Starlette, config: HTTPConfig,
                      environ: Mapping[str, str] | None = None) -> None:
     """Put the guard (and CORS, when origins are allowed) around a FastAPI/Starlette app.
     CORS goes outermost: a preflight carries no key, and refusals need CORS headers too."""

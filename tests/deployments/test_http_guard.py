@@ -12,6 +12,7 @@ import socket
 
 import httpx
 import pytest
+from pydantic import ValidationError
 from starlette.testclient import TestClient
 
 from glm53.deployments.app import ingress_app, server_app
@@ -196,6 +197,12 @@ def test_keys_never_reach_logs_or_reprs(monkeypatch, caplog):
     config = ServingConfig(http={"api_keys": ["sk-very-secret"]})
     assert "sk-very-secret" not in repr(config) and "sk-very-secret" not in str(config)
     assert "sk-very-secret" not in config.model_dump_json()
+    for bad in ({"num_blocks": 8, "cache_bytes": 2**20}, {"profile": "nope"},
+                {"http": {"max_request_bytes": 1}}):
+        with pytest.raises(ValidationError) as error:
+            ServingConfig.model_validate({**bad, "http": {**bad.get("http", {}),
+                                                          "api_keys": ["sk-very-secret"]}})
+        assert "sk-very-secret" not in str(error.value)
     with caplog.at_level(logging.DEBUG):
         app = local_ingress(monkeypatch, config.http, {"GLM53_API_KEY": "sk-env-secret"})
         with TestClient(app) as c:
