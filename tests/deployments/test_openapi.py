@@ -17,6 +17,7 @@ from hypothesis.errors import Unsatisfiable
 from starlette.testclient import TestClient
 
 from glm53.deployments.config import HTTPConfig
+from glm53.deployments.openai_schema import MAX_N
 from tests.deployments.local_ingress import local_ingress
 
 EXAMPLES_PER_OPERATION = 60
@@ -47,7 +48,7 @@ def test_every_request_body_is_described(app):
     chat = schemas["ChatCompletionRequest"]
     assert {"model", "messages"} <= set(chat["required"])
     assert chat["additionalProperties"] is False
-    assert chat["properties"]["n"]["maximum"] == 128
+    assert chat["properties"]["n"]["maximum"] == MAX_N
 
 
 def fuzz(operation, mode: schemathesis.GenerationMode) -> tuple[int, list[str]]:
