@@ -12,7 +12,7 @@ from typing import Any
 from ray import serve
 from ray.serve import Application
 
-from .config import ServingConfig
+from .config import HTTPConfig, ServingConfig
 from .ingress import OpenAIIngress
 from .llm_server import EngineFactory, LLMServer
 
@@ -38,13 +38,14 @@ def server_app(config: ServingConfig, device: str,
     return deployment.bind(config, device, engine_factory)
 
 
-def ingress_app(servers: dict[str, Application]) -> Application:
+def ingress_app(servers: dict[str, Application],
+                http: HTTPConfig | None = None) -> Application:
     return serve.deployment(OpenAIIngress, name="OpenAIIngress").options(
-        **INGRESS_OPTIONS).bind(servers)
+        **INGRESS_OPTIONS).bind(servers, http or HTTPConfig())
 
 
 def build_app(args: ServingConfig | dict[str, Any]) -> Application:
     config = args if isinstance(args, ServingConfig) else ServingConfig.model_validate(args)
     config.check_supported()
     device = config.device or cluster_device()
-    return ingress_app({config.model_name: server_app(config, device)})
+    return ingress_app({config.model_name: server_app(config, device)}, config.http)

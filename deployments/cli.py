@@ -42,6 +42,10 @@ def _parse_speculative(text: str) -> tuple[str | None, int, str | None]:
         f"--speculative {text!r}: expected none, mtp[:K] or dflash:PATH[:K]")
 
 
+def _parse_list(text: str) -> list[str]:
+    return [x.strip() for x in text.split(",") if x.strip()]
+
+
 def _parse_bytes(text: str) -> int:
     m = re.fullmatch(r"(\d+)\s*([KMGT]?)(i?B)?", text.strip(), flags=re.I)
     if not m:
@@ -267,6 +271,33 @@ def _serve_parser(sub) -> None:
                      help="reasoning tokens a chat request may spend before </think> is "
                           "forced (a request's thinking_token_budget overrides; default: the "
                           "profile's, else unbounded)")
+    sec = srv.add_argument_group(
+        "HTTP limits and security (README: Security)",
+        "API keys also come from GLM53_API_KEYS (comma-separated) and GLM53_API_KEY; prefer "
+        "them to --api-key, which other local users can read in the process list")
+    sec.add_argument("--api-key", dest="api_keys", action="append", default=None,
+                     metavar="KEY", help="accept 'Authorization: Bearer KEY' (repeatable); "
+                                         "with any key set, every route but /health and "
+                                         "/metrics needs one")
+    sec.add_argument("--max-request-bytes", type=_parse_bytes, default=None, metavar="SIZE",
+                     help="largest request body, e.g. 8M (default 8M): 413 beyond it")
+    sec.add_argument("--body-timeout", dest="body_timeout_s", type=float, default=None,
+                     metavar="SECONDS", help="a request body must arrive within this time "
+                                             "(default 60): 408 after it")
+    sec.add_argument("--allowed-hosts", type=_parse_list, action="extend", default=None,
+                     metavar="NAMES", help="Host header names served, comma-separated "
+                                           "('*.example.com' for subdomains, '*' for any); "
+                                           "default: localhost names when --host is a "
+                                           "loopback address, else any (with a warning)")
+    sec.add_argument("--allowed-origins", type=_parse_list, action="extend", default=None,
+                     metavar="ORIGINS", help="browser origins allowed cross-origin (CORS), "
+                                             "comma-separated; default none")
+    sec.add_argument("--request-timeout", type=float, default=None, metavar="SECONDS",
+                     help="Serve proxy: end-to-end limit of one request, streams included "
+                          "(default none: long generations are legitimate)")
+    sec.add_argument("--keep-alive-timeout", type=int, default=None, metavar="SECONDS",
+                     help="Serve proxy: idle keep-alive connections close after this "
+                          "(default Ray's 90, above common load balancers' 60)")
 
 
 SERVE_FIELDS = ("model", "served_model_name", "profile", "tensor_parallel_size",
@@ -299,15 +330,71 @@ def serving_config(args: argparse.Namespace):
         spec = {**spec, **{k: v for k, v in given.items() if v is not None}}
     if spec is not None:
         values["speculative"] = spec
+    values["http"] = http_config(args)
     return ServingConfig.model_validate(values)
 
 
+def http_config(args: argparse.Namespace) -> dict:
+    """The ingress's HTTPConfig fields of `glm53 serve` flags. Keys from this shell's
+    environment are included: a cluster joined through RAY_ADDRESS does not see it."""
+    from .http_guard import LOOPBACK_NAMES, api_keys_from_env, is_loopback
+
+    http = {"api_keys": [*(args.api_keys or []), *api_keys_from_env()]}
+    for field in ("max_request_bytes", "body_timeout_s", "allowed_hosts", "allowed_origins"):
+        if getattr(args, field) is not None:
+            http[field] = getattr(args, field)
+    if args.allowed_hosts is None and is_loopback(args.host):
+        # a loopback server is reached by name only through DNS rebinding: refuse other names
+        http["allowed_hosts"] = list(LOOPBACK_NAMES)
+    return http
+
+
+def exposure_warnings(args: argparse.Namespace, config) -> list[str]:
+    """What an operator binding beyond loopback should know at start-up."""
+    from .http_guard import is_loopback
+
+    if is_loopback(args.host):
+        return []
+    warnings = []
+    if not config.http.api_keys:
+        warnings.append(f"serving on {args.host} without an API key: anyone who reaches port "
+                        f"{args.port} is served (set GLM53_API_KEYS or --api-key)")
+    if config.http.allowed_hosts is None:
+        warnings.append("any Host header is accepted (set --allowed-hosts to the names "
+                        "clients use)")
+    return warnings
+
+
+def proxy_options(args: argparse.Namespace) -> dict:
+    """Serve's HTTP proxy (uvicorn) options. Its idle keep-alive timeout is the only read
+    timeout uvicorn has: it does not bound slow request heads (a fronting proxy does, README
+    Security); the guard bounds the body."""
+    options = {"host": args.host, "port": args.port}
+    if args.request_timeout is not None:
+        options["request_timeout_s"] = args.request_timeout
+    if args.keep_alive_timeout is not None:
+        options["keep_alive_timeout_s"] = args.keep_alive_timeout
+    return options
+
+
 def _start_ray():
+    """Joins the cluster named by RAY_ADDRESS; otherwise starts a private one on this machine
+    whose Ray listeners (GCS, raylet, workers, agents) bind 127.0.0.1 only."""
+    import os
+
+    joining = bool(os.environ.get("RAY_ADDRESS"))
+    if not joining:
+        # Ray binds its listeners to the node IP, which it takes from the network unless this
+        # switch (Ray's own, for single-machine use) is off; it is read when ray is imported
+        os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
     import ray
 
-    # Joins the cluster named by RAY_ADDRESS or started with `ray start`; otherwise starts a
-    # local one. (address="auto" would also join any other process's private cluster.)
-    ray.init(include_dashboard=False)
+    ray.init(address=None if joining else "local", include_dashboard=False)
+    if not joining and ray.util.get_node_ip_address() != "127.0.0.1":
+        logging.getLogger(__name__).warning(
+            "the local Ray listens on %s, not only loopback (ray was imported before "
+            "glm53 serve could set RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0)",
+            ray.util.get_node_ip_address())
     return ray
 
 
@@ -325,13 +412,15 @@ def _serve(args: argparse.Namespace) -> int:
         raise SystemExit(f"error: invalid serving config:\n{exc}") from exc
     except NotSupportedYetError as exc:
         raise SystemExit(f"error: {exc}") from exc
+    for warning in exposure_warnings(args, config):
+        print(f"warning: {warning}", file=sys.stderr, flush=True)
     ray = _start_ray()
     from ray import serve
 
     from .app import build_app
 
     try:
-        serve.start(http_options={"host": args.host, "port": args.port})
+        serve.start(http_options=proxy_options(args))
         try:
             handle = serve.run(build_app(config), name="glm53", route_prefix="/")
         except RuntimeError as exc:  # the replicas' own errors are in the log above

@@ -18,7 +18,7 @@ import dataclasses
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, SecretStr, model_validator
 
 from glm53.raycluster.config import EngineConfig
 
@@ -80,6 +80,26 @@ class SpeculativeConfig(BaseModel):
         return self.method != "none"
 
 
+class HTTPConfig(BaseModel):
+    """What the OpenAI ingress accepts over HTTP; `http_guard.py` enforces it. Ingress-wide,
+    not per model. The API keys are SecretStr: a logged or printed config shows `**********`."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, hide_input_in_errors=True)
+
+    # Bearer keys; the ingress adds those in its own environment (GLM53_API_KEYS, comma-
+    # separated, and GLM53_API_KEY), which keeps them out of manifests and Serve's config store.
+    # None configured: every caller is served.
+    api_keys: tuple[SecretStr, ...] = ()
+    # a larger body is refused with 413 while it is read (never buffered whole)
+    max_request_bytes: int = Field(8 * 2**20, ge=1024)
+    # the whole body must arrive within this many seconds (slow senders hold a request slot)
+    body_timeout_s: float = Field(60.0, gt=0)
+    # Host header names served ("*.example.com" matches subdomains); None: any Host
+    allowed_hosts: tuple[str, ...] | None = None
+    # browser origins allowed cross-origin (CORS); empty: no CORS headers, browsers block
+    allowed_origins: tuple[str, ...] = ()
+
+
 # the reference runtime drew its MTP drafts probabilistically (exl3-dflash-spec.md A.2)
 _MTP3 = {"method": "mtp", "num_speculative_tokens": 3, "draft_sampling": "probabilistic"}
 _DFLASH2 = {"method": "dflash", "num_speculative_tokens": 7}
@@ -103,7 +123,8 @@ PROFILES: dict[str, dict[str, Any]] = {
 class ServingConfig(BaseModel):
     """One served model: checkpoint, engine limits, features and Serve deployment knobs."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # errors leave the input out: a whole-config error would print the API keys
+    model_config = ConfigDict(extra="forbid", frozen=True, hide_input_in_errors=True)
 
     model: str | None = None  # checkpoint directory; None = the embedded tiny checkpoint
     served_model_name: str | None = None  # the OpenAI `model` id; default: directory name
@@ -140,6 +161,8 @@ class ServingConfig(BaseModel):
     # Ray Serve deployment of the LLM server
     num_replicas: int = Field(1, ge=1)
     max_ongoing_requests: int = Field(1024, ge=1)
+    # the OpenAI ingress in front of this model: API keys, size and time limits, hosts, CORS
+    http: HTTPConfig = HTTPConfig()
 
     _from_profile: frozenset[str] = PrivateAttr(default=frozenset())
 

@@ -21,6 +21,8 @@ from pydantic import BaseModel, ValidationError
 from ray import serve
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from .config import HTTPConfig
+from .http_guard import mount_http_guard
 from .metrics import CONTENT_TYPE, merge_expositions
 from .openai_schema import (
     APIError,
@@ -29,10 +31,13 @@ from .openai_schema import (
     DetokenizeRequest,
     TokenizeRequest,
 )
+from .openapi_doc import FastAPIWithBodies, json_body
 
 logger = logging.getLogger(__name__)
 
-app = FastAPI(title="glm53", description="OpenAI-compatible API of the glm53 serving cluster")
+BODY_MODELS = [ChatCompletionRequest, CompletionRequest, TokenizeRequest, DetokenizeRequest]
+app = FastAPIWithBodies(title="glm53", body_models=BODY_MODELS,
+                        description="OpenAI-compatible API of the glm53 serving cluster")
 
 _ERROR_TYPES = {400: "invalid_request_error", 404: "not_found_error", 405: "invalid_request_error",
                 503: "service_unavailable_error"}
@@ -108,8 +113,15 @@ async def _relay(stream: Any) -> AsyncIterator[str]:
 class OpenAIIngress:
     """Routes by model name to LLM-server deployment handles."""
 
-    def __init__(self, servers: dict[str, Any]) -> None:
+    def __init__(self, servers: dict[str, Any], http: HTTPConfig | None = None) -> None:
         self.servers = servers
+        self.http = http or HTTPConfig()
+
+    def __serve_build_asgi_app__(self) -> FastAPI:
+        """Serve calls this in the replica after __init__, before the first request: the
+        guard needs this deployment's HTTPConfig, which the module-level app cannot know."""
+        mount_http_guard(self.app, self.http)
+        return self.app
 
     def _server(self, model: str | None) -> Any:
         if model is None and len(self.servers) == 1:
@@ -132,12 +144,12 @@ class OpenAIIngress:
     async def model(self, model_id: str) -> dict[str, Any]:
         return await self._server(model_id).model_card.remote()
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", openapi_extra=json_body(ChatCompletionRequest))
     async def chat_completions(self, request: Request) -> Response:
         body = await parse(request, ChatCompletionRequest)
         return await self._generate("chat", body)
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", openapi_extra=json_body(CompletionRequest))
     async def completions(self, request: Request) -> Response:
         body = await parse(request, CompletionRequest)
         return await self._generate("completions", body)
@@ -157,12 +169,12 @@ class OpenAIIngress:
             stream.cancel()
             raise
 
-    @app.post("/tokenize")
+    @app.post("/tokenize", openapi_extra=json_body(TokenizeRequest))
     async def tokenize(self, request: Request) -> Any:
         body = await parse(request, TokenizeRequest)
         return _answer(await self._server(body.model).tokenize.remote(body))
 
-    @app.post("/detokenize")
+    @app.post("/detokenize", openapi_extra=json_body(DetokenizeRequest))
     async def detokenize(self, request: Request) -> Any:
         body = await parse(request, DetokenizeRequest)
         return _answer(await self._server(body.model).detokenize.remote(body))

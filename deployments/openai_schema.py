@@ -100,6 +100,11 @@ class ToolCallIn(_Strict):
 
 
 class ChatMessage(_Strict):
+    # what `_check` enforces, stated in the OpenAPI document: content unless from the assistant
+    model_config = ConfigDict(json_schema_extra={
+        "if": {"properties": {"role": {"const": "assistant"}}},
+        "else": {"required": ["content"], "properties": {"content": {"not": {"type": "null"}}}}})
+
     role: Literal["system", "developer", "user", "assistant", "tool", "observation"]
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None

@@ -114,11 +114,13 @@ def crd_schemas(crd_dir: Path = CRD_DIR) -> dict[tuple[str, str], dict]:
 def model_schemas() -> dict[tuple[str, str], dict]:
     """Built-in and Prometheus Operator kinds used under k8s/, from cloudcoil's models."""
     from cloudcoil.models.kubernetes.core import v1 as core
+    from cloudcoil.models.kubernetes.networking import v1 as networking
     from cloudcoil.models.prometheus_operator import v1 as monitoring_v1
 
     kinds = {("v1", "PersistentVolumeClaim"): core.PersistentVolumeClaim,
              ("v1", "ConfigMap"): core.ConfigMap, ("v1", "Secret"): core.Secret,
              ("v1", "Service"): core.Service,
+             ("networking.k8s.io/v1", "NetworkPolicy"): networking.NetworkPolicy,
              ("monitoring.coreos.com/v1", "PodMonitor"): monitoring_v1.PodMonitor,
              ("monitoring.coreos.com/v1", "ServiceMonitor"): monitoring_v1.ServiceMonitor,
              ("monitoring.coreos.com/v1", "PrometheusRule"): monitoring_v1.PrometheusRule}

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -270,3 +273,19 @@ def test_plan_memory_of_the_release(capsys: pytest.CaptureFixture[str]) -> None:
         main(["plan-memory", "--release", "exl3", "--tp", "2", "--rank", "2"])
     with pytest.raises(SystemExit, match="does not count a DFlash draft"):
         main(["plan-memory", "--release", "exl3", "--speculative", "dflash:/nowhere"])
+
+
+def test_serve_starts_a_private_ray_on_loopback():
+    """Without RAY_ADDRESS, `glm53 serve` starts its own Ray whose listeners (GCS, raylet,
+    workers) bind 127.0.0.1, not the machine's network address (a fresh process: the switch
+    is read when ray is imported)."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RAY_ADDRESS", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER")}
+    code = ("from glm53.deployments.cli import _start_ray\n"
+            "ray = _start_ray()\n"
+            "print(ray.util.get_node_ip_address(), ray.get_runtime_context().gcs_address)\n"
+            "ray.shutdown()\n")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         timeout=300, check=True).stdout.split()
+    node_ip, gcs = out[-2:]
+    assert node_ip == "127.0.0.1" and gcs.startswith("127.0.0.1:"), out

@@ -7,7 +7,7 @@ import pytest
 from pydantic import ValidationError
 
 from glm53.deployments.app import build_app
-from glm53.deployments.cli import _parser, main, serving_config
+from glm53.deployments.cli import _parser, exposure_warnings, main, proxy_options, serving_config
 from glm53.deployments.config import (
     CPU_CACHE_BYTES,
     PROFILES,
@@ -94,7 +94,9 @@ def test_model_name():
     assert ServingConfig(model="/m/x", served_model_name="glm").model_name == "glm"
 
 
-def test_serve_flags_override_profile_only_when_given():
+def test_serve_flags_override_profile_only_when_given(monkeypatch):
+    monkeypatch.delenv("GLM53_API_KEYS", raising=False)
+    monkeypatch.delenv("GLM53_API_KEY", raising=False)
     args = _parser().parse_args(["serve", "--profile", "long500k", "--speculative", "none",
                                  "--tp", "2", "--max-num-seqs", "3", "--cache-bytes", "64M",
                                  "--no-vision"])
@@ -108,7 +110,41 @@ def test_serve_flags_override_profile_only_when_given():
     assert serving_config(args).speculative.num_speculative_tokens == 1
     default = _parser().parse_args(["serve"])
     assert (default.host, default.port) == ("127.0.0.1", 8000)
-    assert serving_config(default) == ServingConfig()
+    assert serving_config(default) == ServingConfig(
+        http={"allowed_hosts": ["localhost", "127.0.0.1", "::1"]})
+
+
+def test_serve_http_security_flags(monkeypatch):
+    """Keys from flags and from this shell's environment (a joined cluster does not see it),
+    limits, and the Host default: localhost names on loopback, any beyond it with warnings."""
+    monkeypatch.setenv("GLM53_API_KEYS", "env-a,env-b")
+    monkeypatch.setenv("GLM53_API_KEY", "env-c")
+    args = _parser().parse_args(
+        ["serve", "--api-key", "flag-a", "--api-key", "flag-b", "--max-request-bytes", "1M",
+         "--body-timeout", "5", "--allowed-origins", "https://a.example,https://b.example",
+         "--request-timeout", "900", "--keep-alive-timeout", "75"])
+    http = serving_config(args).http
+    assert [k.get_secret_value() for k in http.api_keys] == [
+        "flag-a", "flag-b", "env-a", "env-b", "env-c"]
+    assert (http.max_request_bytes, http.body_timeout_s) == (2**20, 5.0)
+    assert http.allowed_origins == ("https://a.example", "https://b.example")
+    assert http.allowed_hosts == ("localhost", "127.0.0.1", "::1")
+    assert proxy_options(args) == {"host": "127.0.0.1", "port": 8000,
+                                   "request_timeout_s": 900.0, "keep_alive_timeout_s": 75}
+    assert exposure_warnings(args, serving_config(args)) == []
+
+    monkeypatch.delenv("GLM53_API_KEYS")
+    monkeypatch.delenv("GLM53_API_KEY")
+    public = _parser().parse_args(["serve", "--host", "0.0.0.0"])
+    config = serving_config(public)
+    assert config.http.allowed_hosts is None and config.http.api_keys == ()
+    warnings = exposure_warnings(public, config)
+    assert len(warnings) == 2 and "without an API key" in warnings[0]
+    assert proxy_options(public) == {"host": "0.0.0.0", "port": 8000}
+    named = _parser().parse_args(["serve", "--host", "::", "--allowed-hosts", "api.example",
+                                  "--api-key", "k"])
+    assert serving_config(named).http.allowed_hosts == ("api.example",)
+    assert exposure_warnings(named, serving_config(named)) == []
 
 
 def test_serve_refuses_unimplemented_profile_features_before_starting_ray():

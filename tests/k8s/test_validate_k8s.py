@@ -89,7 +89,7 @@ def test_manifest_set_and_naming():
             "ray-cluster.dev.yaml", "kustomization.yaml"} <= set(names)
     for name in names:  # one feature per file, KubeRay's naming
         assert name.split(".")[0] in {"ray-service", "ray-cluster", "model-pvc",
-                                      "kustomization", "serve-config"}, name
+                                      "kustomization", "serve-config", "network-policy"}, name
 
 
 def test_profiles_share_one_cluster_shape():
@@ -147,12 +147,33 @@ def test_dev_raycluster_typo_fails(vk):
      "'intervl' was unexpected"),
     ("monitoring/prometheus-rule.glm53.yaml",
      lambda d: d["spec"]["groups"][0]["rules"][0].update(fore="10m"), "'fore' was unexpected"),
+    ("network-policy.yaml", lambda d: d["spec"]["ingress"][1]["ports"][0].update(prot="TCP"),
+     "'prot' was unexpected"),
 ])
 def test_builtin_and_prometheus_operator_typos_fail(vk, name, edit, message):
     doc = _doc(name)
     assert vk.validate_document(doc, name) == []
     edit(doc)
     assert any(message in e for e in vk.validate_document(doc, name))
+
+
+@pytest.mark.parametrize("name", ["ray-service.lang-mtp3.yaml", "ray-service.lang-dflash2.yaml"])
+def test_ray_ports_are_cluster_internal_and_keys_come_from_a_secret(name):
+    """Every Ray pod is under the NetworkPolicy (only glm53's pods reach its Ray ports;
+    clients only 8000) and every container gets the API keys from the Secret."""
+    policy = _doc("network-policy.yaml")
+    assert "network-policy.yaml" in _doc("kustomization.yaml")["resources"]
+    selected = policy["spec"]["podSelector"]["matchLabels"]
+    open_rules = [r for r in policy["spec"]["ingress"] if "from" not in r]
+    assert [p["port"] for r in open_rules for p in r["ports"]] == [8000]
+    cluster = _doc(name)["spec"]["rayClusterConfig"]
+    for group in [cluster["headGroupSpec"], *cluster["workerGroupSpecs"]]:
+        labels = group["template"]["metadata"]["labels"]
+        assert selected.items() <= labels.items()
+        env = {e["name"]: e for e in group["template"]["spec"]["containers"][0]["env"]}
+        assert env["GLM53_API_KEYS"]["valueFrom"]["secretKeyRef"] == {
+            "name": "glm53-api-keys", "key": "keys"}
+    assert "api_keys" not in _serve(_doc(name))["applications"][0]["args"].get("http", {})
 
 
 @pytest.mark.parametrize("edit, message", [
