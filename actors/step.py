@@ -6,10 +6,13 @@ StepInput per step, every rank receives the same one, rank 0 answers with a Step
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import numpy as np
 
+INT32_MAX = 2**31 - 1
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 STRUCTURED_KINDS = ("json", "json_schema", "regex", "grammar")
 
 
@@ -56,8 +59,19 @@ class SamplingParams:
     thinking_budget: int | None = None
 
     def __post_init__(self) -> None:
+        floats = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
+                  "repetition_penalty")
+        for name in floats:  # NaN passes every comparison below as False, so say it here
+            if not math.isfinite(getattr(self, name)):
+                raise ValueError(f"{name} must be a finite number")
         checks = [
-            (self.max_tokens >= 1, "max_tokens must be >= 1"),
+            # the sampler carries top_k and token counts as int32, seeds and token ids as int64
+            (1 <= self.max_tokens <= INT32_MAX, f"max_tokens must be in [1, {INT32_MAX}]"),
+            (self.top_k <= INT32_MAX, f"top_k must be <= {INT32_MAX}"),
+            (self.seed is None or INT64_MIN <= self.seed <= INT64_MAX,
+             "seed must fit in a signed 64-bit integer"),
+            (all(0 <= t <= INT64_MAX for t in self.stop_token_ids),
+             "stop_token_ids must be token ids (>= 0)"),
             (self.temperature >= 0, "temperature must be >= 0"),
             (0 < self.top_p <= 1, "top_p must be in (0, 1]"),
             (self.top_k >= 0, "top_k must be >= 0 (0 = off)"),
@@ -69,8 +83,8 @@ class SamplingParams:
             (self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs must be in [0, 20]"),
             (self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= 20,
              "prompt_logprobs must be in [0, 20]"),
-            (self.thinking_budget is None or self.thinking_budget >= 0,
-             "thinking_budget must be >= 0"),
+            (self.thinking_budget is None or 0 <= self.thinking_budget <= INT32_MAX,
+             f"thinking_budget must be in [0, {INT32_MAX}]"),
         ]
         for ok, message in checks:
             if not ok:

@@ -16,7 +16,7 @@ from collections import deque
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-from glm53.actors.step import Logprobs, SamplingParams
+from glm53.actors.step import Logprobs, SamplingParams, StepInput
 
 from .batch import build_step_input
 from .block_pool import BlockPool
@@ -24,7 +24,7 @@ from .config import EngineConfig
 from .constraints import OutputConstraints, RequestConstraint
 from .executor import Executor, InProcessExecutor, RayExecutor
 from .request import FinishReason, Request
-from .scheduler import RequestRejectedError, Scheduler
+from .scheduler import RequestRejectedError, Scheduler, SchedulerOutput
 from .state_slots import StateSlotPool
 
 logger = logging.getLogger(__name__)
@@ -136,6 +136,8 @@ class LLMEngine:
         vocab = self.model_config.vocab_size
         if any(not 0 <= t < vocab for t in prompt_ids):
             raise RequestRejectedError(f"prompt token ids must be in [0, {vocab})")
+        if any(t >= vocab for t in params.stop_token_ids):  # they index the logits rows
+            raise RequestRejectedError(f"stop_token_ids must be in [0, {vocab})")
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         seed = params.seed if params.seed is not None else self._rng.randrange(2**62)
         request = Request(request_id, list(prompt_ids), params, seed)
@@ -167,9 +169,10 @@ class LLMEngine:
         scheduled = self.scheduler.schedule()
         if not scheduled.scheduled:
             return []
-        step = build_step_input(next(self._step_ids), scheduled, self.scheduler.blocks.block_size,
-                                self.eos_ids, self.config.num_speculative_tokens,
-                                self.max_model_len)
+        try:
+            step = self._build(next(self._step_ids), scheduled.scheduled)
+        except Exception:  # noqa: BLE001 - one request's data; find it, fail it, run the rest
+            return self._fail_unbuildable(scheduled.scheduled)
         try:
             result = self.executor.execute(step)
         except Exception as exc:  # noqa: BLE001 - every request must end, with the reason
@@ -195,6 +198,32 @@ class LLMEngine:
         for request_id, lps in prompt_lps.items():  # prompt chunks that sampled nothing yet
             outputs.append(RequestOutput(request_id, [], None, None, lps))
         return outputs
+
+    def _build(self, step_id: int, items: list) -> StepInput:
+        return build_step_input(step_id, SchedulerOutput(list(items)),
+                                self.scheduler.blocks.block_size, self.eos_ids,
+                                self.config.num_speculative_tokens, self.max_model_len)
+
+    def _fail_unbuildable(self, items: list) -> list[RequestOutput]:
+        """A step input could not be built: build each request alone and fail (ERROR) the
+        ones that cannot be, freeing their resources. Nothing ran, so the others are
+        scheduled again by the next step as if this one had not happened."""
+        failed = []
+        for item in items:
+            try:
+                self._build(-1, [item])
+            except Exception as exc:  # noqa: BLE001 - this request's own fault
+                request = item.request
+                logger.exception("request %s cannot be run; failing it", request.request_id)
+                self.scheduler.finish(request, FinishReason.ERROR)
+                failed.append(RequestOutput(
+                    request.request_id, [], FinishReason.ERROR,
+                    num_prompt_tokens=len(request.prompt_ids),
+                    num_output_tokens=len(request.output_ids),
+                    error=f"request cannot be run: {type(exc).__name__}"))
+        if not failed:
+            raise RuntimeError("a step input could not be built, yet each request builds alone")
+        return failed
 
     def _fail_all(self, message: str) -> list[RequestOutput]:
         """The workers are gone: finish every request with an error; refuse new ones."""
@@ -242,7 +271,13 @@ class LLMEngine:
 
 
 class AsyncEngine:
-    """asyncio front of an LLMEngine: `generate` yields RequestOutput deltas of one request."""
+    """asyncio front of an LLMEngine: `generate` yields RequestOutput deltas of one request.
+
+    The step loop survives anything one request does (the engine fails that request alone).
+    If the loop itself fails, the engine is marked dead (`engine.dead`, which health checks
+    read), every request in flight or queued ends with an ERROR output, and new ones are
+    refused with EngineDeadError: nothing waits on a loop that is gone.
+    """
 
     def __init__(self, engine: LLMEngine) -> None:
         self.engine = engine
@@ -252,6 +287,8 @@ class AsyncEngine:
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams,
                        request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+        if self.engine.dead:
+            raise EngineDeadError(self.engine.dead)
         request_id = request_id or f"req-{next(self.engine._ids)}"
         queue: asyncio.Queue = asyncio.Queue()
         loop = asyncio.get_running_loop()
@@ -268,11 +305,13 @@ class AsyncEngine:
                 yield out
         finally:
             self._queues.pop(request_id, None)
-            if not finished:  # the consumer left early (maybe before the add was applied):
-                self._ops.append(("abort", request_id, None))  # ops run in order
+            if not finished and not self.engine.dead:  # the consumer left early (maybe
+                self._ops.append(("abort", request_id, None))  # before the add): ops run in order
                 self._ensure_loop(loop)
 
     async def abort(self, request_id: str) -> None:
+        if self.engine.dead:
+            return
         self._ops.append(("abort", request_id, None))
         self._ensure_loop(asyncio.get_running_loop())
 
@@ -281,12 +320,30 @@ class AsyncEngine:
             self._loop_task = loop.create_task(self._run(loop))
 
     async def _run(self, loop: asyncio.AbstractEventLoop) -> None:
-        while self._ops or self.engine.has_unfinished:
-            outputs = await asyncio.to_thread(self._step_once, loop)
-            for out in outputs:
-                queue = self._queues.get(out.request_id)
-                if queue is not None:
-                    queue.put_nowait(out)
+        try:
+            while (self._ops or self.engine.has_unfinished) and not self.engine.dead:
+                outputs = await asyncio.to_thread(self._step_once, loop)
+                for out in outputs:
+                    queue = self._queues.get(out.request_id)
+                    if queue is not None:
+                        queue.put_nowait(out)
+            if self.engine.dead:  # the workers failed (their requests already have errors)
+                self._fail_pending(self.engine.dead)
+        except BaseException as exc:
+            logger.exception("the engine loop failed; the engine is dead")
+            self._fail_pending(f"engine loop failed: {type(exc).__name__}")
+            if not isinstance(exc, Exception):
+                raise  # cancellation and exit requests go on
+
+    def _fail_pending(self, message: str) -> None:
+        """Mark the engine dead; end every waiting consumer and refuse the queued adds."""
+        self.engine.dead = self.engine.dead or message
+        while self._ops:
+            kind, _, done = self._ops.popleft()
+            if kind == "add":
+                _resolve(done, EngineDeadError(message))
+        for request_id, queue in self._queues.items():
+            queue.put_nowait(RequestOutput(request_id, [], FinishReason.ERROR, error=message))
 
     def _step_once(self, loop: asyncio.AbstractEventLoop) -> list[RequestOutput]:
         outputs: list[RequestOutput] = []
