@@ -11,6 +11,12 @@ Owns: chat template rendering, tokenization, sampling defaults, the waiting-queu
 the n choices of a request (one engine request each, merged into one stream), metrics.
 Client disconnect cancels the generator; that cancels the choices, whose engine streams
 abort their requests and free the cache.
+
+Rendering and tokenising run in a small thread pool, bounded in size (prompt characters per
+context token) and time, so a huge prompt never stalls the event loop that relays every other
+stream. Engine failures reach the client as a message and the request id, never their text
+(that goes to the log): 503 + Retry-After when the engine is dead (Serve replaces the replica),
+500 when only this request failed.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -53,6 +60,12 @@ from .tool_grammar import tool_call_grammar
 
 logger = logging.getLogger(__name__)
 EngineFactory = Callable[[ServingConfig, Path, str], EngineClient]
+# a prompt longer than this many characters per token of context cannot fit (GLM's tokenizer
+# averages ~4 on text); refusing it before tokenising bounds the work a request can cause
+MAX_PROMPT_CHARS_PER_TOKEN = 16
+PREPARE_THREADS = 2  # their own pool: the engine's step loop uses the default one
+PREPARE_TIMEOUT_S = 30.0  # queue wait included: past it the server is too busy
+RETRY_AFTER = {"Retry-After": "1"}
 
 
 class LLMServer:
@@ -78,10 +91,15 @@ class LLMServer:
         self.defaults = _generation_defaults(self.model_dir)
         self.created = int(time.time())
         self._outstanding = 0  # engine requests submitted and not yet finished
+        self.max_prompt_chars = self.engine.max_model_len * MAX_PROMPT_CHARS_PER_TOKEN
+        self._prepare_pool = ThreadPoolExecutor(PREPARE_THREADS, thread_name_prefix="prepare")
         logger.info("%s ready on %s: %s; %s", self.model_name, device, self.engine.capacity,
                     describe_provenance(self.provenance))
 
     def __del__(self) -> None:  # Serve calls it when the replica shuts down
+        pool = getattr(self, "_prepare_pool", None)
+        if pool is not None:
+            pool.shutdown(wait=False, cancel_futures=True)
         engine = getattr(self, "engine", None)
         if engine is not None:
             try:
@@ -113,15 +131,22 @@ class LLMServer:
     # ----- tokenizer endpoints -----
     async def tokenize(self, request: TokenizeRequest) -> dict[str, Any] | APIError:
         try:
+            return await self._off_loop(self._tokenize, request)
+        except APIError as exc:
+            return exc
+
+    def _tokenize(self, request: TokenizeRequest) -> dict[str, Any]:
+        try:
             if request.messages is not None:
                 text = self.template.render(_messages(request.messages),
                                             add_generation_prompt=request.add_generation_prompt)
                 ids = self._encode(text)
             else:
+                self._check_size(request.prompt, "prompt")
                 ids = list(self.tokenizer.encode(request.prompt,
                                                  add_special_tokens=request.add_special_tokens))
         except ChatTemplateError as exc:
-            return bad_request(str(exc), "messages")
+            raise bad_request(str(exc), "messages") from exc
         out: dict[str, Any] = {"count": len(ids), "max_model_len": self.engine.max_model_len,
                                "tokens": ids}
         if request.return_token_strs:
@@ -129,16 +154,36 @@ class LLMServer:
         return out
 
     async def detokenize(self, request: DetokenizeRequest) -> dict[str, Any] | APIError:
-        if any(t >= self.engine.vocab_size for t in request.tokens):
-            return bad_request(f"token ids must be in [0, {self.engine.vocab_size})", "tokens")
-        return {"prompt": self.tokenizer.decode(request.tokens, skip_special_tokens=False,
+        try:
+            return await self._off_loop(self._detokenize, request.tokens)
+        except APIError as exc:
+            return exc
+
+    def _detokenize(self, tokens: list[int]) -> dict[str, Any]:
+        if any(t >= self.engine.vocab_size for t in tokens):
+            raise bad_request(f"token ids must be in [0, {self.engine.vocab_size})", "tokens")
+        return {"prompt": self.tokenizer.decode(tokens, skip_special_tokens=False,
                                                 clean_up_tokenization_spaces=False)}
 
+    async def _off_loop(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """`fn(*args)` in the prepare threads, within PREPARE_TIMEOUT_S (APIErrors it raises
+        come through)."""
+        work = asyncio.get_running_loop().run_in_executor(self._prepare_pool, fn, *args)
+        try:
+            return await asyncio.wait_for(work, PREPARE_TIMEOUT_S)
+        except TimeoutError:
+            raise APIError(503, "the server is too busy to prepare this prompt; retry later",
+                           "service_unavailable_error", None, "server_overloaded",
+                           RETRY_AFTER) from None
+
     # ----- generation endpoints -----
-    async def chat(self, request: ChatCompletionRequest) -> AsyncIterator[Any]:
+    async def chat(self, request: ChatCompletionRequest,
+                   request_id: str = "") -> AsyncIterator[Any]:
+        """`request_id`: the HTTP request's id, named in errors and logs."""
         arrival = time.monotonic()
         try:
-            prompt_ids, reasoning_start, tools, forced, structured = self._chat_prompt(request)
+            prompt_ids, reasoning_start, tools, forced, structured = await self._off_loop(
+                self._chat_prompt, request)
             budget = request.thinking_token_budget
             params = self._sampling(
                 request, [prompt_ids], request.token_limit,
@@ -153,17 +198,18 @@ class LLMServer:
         choices = [self._choice(i, request, len(prompt_ids), reasoning_start, tools,
                                 tool_prefix=forced) for i in range(request.n)]
         runs = [(prompt_ids, p) for p in params]
-        async for item in self._respond("chat", request, runs, choices, arrival):
+        async for item in self._respond("chat", request, runs, choices, arrival, request_id):
             yield item
 
-    async def completions(self, request: CompletionRequest) -> AsyncIterator[Any]:
+    async def completions(self, request: CompletionRequest,
+                          request_id: str = "") -> AsyncIterator[Any]:
         arrival = time.monotonic()
         try:
             if request.suffix is not None:
                 raise bad_request("suffix is not supported", "suffix")
             if request.best_of is not None and request.best_of != request.n:
                 raise bad_request("best_of other than n is not supported", "best_of")
-            prompts = self._completion_prompts(request.prompt)
+            prompts = await self._off_loop(self._completion_prompts, request.prompt)
             lp = request.logprobs
             params = self._sampling(request, prompts, request.token_limit, logprobs=lp,
                                     prompt_logprobs=lp if request.echo and lp is not None
@@ -178,11 +224,20 @@ class LLMServer:
                 runs.append((prompt_ids, params[index]))
                 choices.append(self._choice(index, request, len(prompt_ids), None, None,
                                             echo_ids=prompt_ids if request.echo else None))
-        async for item in self._respond("completion", request, runs, choices, arrival):
+        async for item in self._respond("completion", request, runs, choices, arrival,
+                                        request_id):
             yield item
 
-    # ----- request preparation -----
-    def _encode(self, text: str) -> list[int]:
+    # ----- request preparation (in the prepare threads) -----
+    def _check_size(self, text: str, param: str) -> None:
+        if len(text) > self.max_prompt_chars:
+            raise bad_request(
+                f"the {param} has {len(text)} characters; this model's context of "
+                f"{self.engine.max_model_len} tokens cannot hold more than "
+                f"{self.max_prompt_chars}", param, "context_length_exceeded")
+
+    def _encode(self, text: str, param: str = "messages") -> list[int]:
+        self._check_size(text, param)
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 
     def _chat_prompt(self, request: ChatCompletionRequest,
@@ -234,9 +289,9 @@ class LLMServer:
 
     def _completion_prompts(self, prompt: Any) -> list[list[int]]:
         if isinstance(prompt, str):
-            prompts = [self._encode(prompt)]
+            prompts = [self._encode(prompt, "prompt")]
         elif isinstance(prompt[0], str):
-            prompts = [self._encode(p) for p in prompt]
+            prompts = [self._encode(p, "prompt") for p in prompt]
         elif isinstance(prompt[0], int):
             prompts = [list(prompt)]
         else:
@@ -264,6 +319,9 @@ class LLMServer:
                 f"requested {longest + max_tokens} tokens ({longest} in the {param}, "
                 f"{max_tokens} in the completion). Please reduce the length of the {param} "
                 "or completion.", param, "context_length_exceeded")
+        vocab = self.engine.vocab_size
+        if any(t >= vocab for t in request.stop_token_ids or ()):
+            raise bad_request(f"stop_token_ids must be in [0, {vocab})", "stop_token_ids")
         d = self.defaults
         top_k = request.top_k if request.top_k is not None else d.get("top_k", 0)
         stop_ids = tuple(dict.fromkeys(request.stop_token_ids or ()))
@@ -307,7 +365,19 @@ class LLMServer:
 
     # ----- running the choices -----
     async def _respond(self, kind: str, request: Any, runs: list, choices: list[ChoiceState],
-                       arrival: float) -> AsyncIterator[Any]:
+                       arrival: float, http_id: str) -> AsyncIterator[Any]:
+        http_id = http_id or uuid.uuid4().hex  # callers other than the ingress may give none
+        try:
+            self.engine.check_health()
+        except Exception as exc:  # noqa: BLE001 - Serve's health check replaces this replica
+            logger.warning("request %s refused: engine unhealthy: %s", http_id, exc)
+            yield _engine_unavailable(http_id)
+            return
+        bound = self.config.max_waiting_requests
+        if len(runs) > bound:  # would be refused as overloaded even on an idle server
+            yield bad_request(f"this request runs {len(runs)} sequences (n choices per prompt); "
+                              f"this server queues at most {bound}", "n")
+            return
         stats = self.engine.stats()
         waiting = max(0, self._outstanding - stats.num_running)
         if waiting + len(runs) > self.config.max_waiting_requests:
@@ -322,7 +392,7 @@ class LLMServer:
         queue: asyncio.Queue = asyncio.Queue()
         self._outstanding += len(runs)
         tasks = [asyncio.create_task(self._run_choice(
-            f"{response_id}-{c.index}", ids, params, c, queue, arrival))
+            f"{response_id}-{c.index}", ids, params, c, queue, arrival, http_id))
             for (ids, params), c in zip(runs, choices, strict=True)]
         fmt = ResponseFormatter(kind, response_id, self.created, self.model_name, request, choices,
                          self.texts)
@@ -339,7 +409,8 @@ class LLMServer:
             await asyncio.gather(*tasks, return_exceptions=True)
 
     async def _run_choice(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
-                          choice: ChoiceState, queue: asyncio.Queue, arrival: float) -> None:
+                          choice: ChoiceState, queue: asyncio.Queue, arrival: float,
+                          http_id: str) -> None:
         times = RequestTimes(arrival)
         stream = self.engine.generate(prompt_ids, params, request_id)
         try:
@@ -348,7 +419,7 @@ class LLMServer:
                 self.metrics.tokens(times, len(out.new_token_ids), out.num_prompt_tokens, now)
                 delta = choice.feed(out)
                 if choice.error is not None:
-                    queue.put_nowait(APIError(500, choice.error, "server_error"))
+                    queue.put_nowait(self._engine_error(http_id, request_id, choice.error))
                     break
                 queue.put_nowait(delta)
                 if choice.done:
@@ -356,8 +427,8 @@ class LLMServer:
         except RequestRejectedError as exc:
             queue.put_nowait(bad_request(str(exc)))
         except Exception as exc:  # noqa: BLE001 - every request must get a terminal answer
-            logger.exception("request %s failed", request_id)
-            queue.put_nowait(APIError(500, f"engine error: {exc}", "server_error"))
+            logger.exception("request %s (%s) failed", http_id, request_id)
+            queue.put_nowait(self._engine_error(http_id, request_id, type(exc).__name__))
         finally:
             await stream.aclose()  # aborts the engine request if it is still running
             if not choice.done:
@@ -369,6 +440,17 @@ class LLMServer:
             reason = "error" if choice.error else choice.finish_reason or "abort"
             self.metrics.finished(times, reason, time.monotonic())
             queue.put_nowait(None)  # this choice is over
+
+    def _engine_error(self, http_id: str, request_id: str, detail: str) -> APIError:
+        """The client's error for an engine failure: 503 if the engine is dead (the replica is
+        being replaced: retrying helps), else 500; the detail goes to the log only."""
+        logger.error("request %s (%s) failed in the engine: %s", http_id, request_id, detail)
+        try:
+            self.engine.check_health()
+        except Exception:  # noqa: BLE001 - any failure means dead
+            return _engine_unavailable(http_id)
+        return APIError(500, f"the engine failed on this request (request id {http_id})",
+                        "server_error")
 
     async def _items(self, queue: asyncio.Queue, num_tasks: int) -> AsyncIterator[list]:
         """Batches of whatever the choices produced, until every choice is over."""
@@ -400,6 +482,12 @@ class LLMServer:
                     return item
                 fmt.accumulate(item)
         return fmt.response()
+
+
+def _engine_unavailable(http_id: str) -> APIError:
+    return APIError(503, f"the engine is unavailable and being restarted; retry later "
+                    f"(request id {http_id})", "service_unavailable_error", None,
+                    "engine_unavailable", RETRY_AFTER)
 
 
 def checkpoint_provenance(config: ServingConfig, model_dir: Path,

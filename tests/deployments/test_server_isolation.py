@@ -1,0 +1,116 @@
+"""The LLM-server replica without Ray (a scripted engine injected): prompts are prepared off
+the event loop and bounded, an unhealthy engine gets 503 + Retry-After, a request that can never
+be admitted gets 400, and engine failures reach the client without their text."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import pytest
+
+from glm53.deployments.config import ServingConfig
+from glm53.deployments.llm_server import LLMServer
+from glm53.deployments.openai_schema import APIError, ChatCompletionRequest, CompletionRequest
+from glm53.raycluster.engine import EngineDeadError
+from tests.deployments.scripted_engine import ScriptedEngine
+
+LEAK = "ActorDiedError: actor 5f3ac0ffee at 10.0.0.7:6379, /home/ray/glm53/engine.py line 12"
+
+
+@pytest.fixture
+def server() -> LLMServer:
+    config = ServingConfig(served_model_name="scripted", max_waiting_requests=4,
+                           speculative="none", device="cpu")
+    return LLMServer(config, "cpu", ScriptedEngine)
+
+
+def chat(text: str, **kw) -> ChatCompletionRequest:
+    return ChatCompletionRequest(model="scripted", messages=[{"role": "user", "content": text}],
+                                 **kw)
+
+
+def items(generator) -> list:
+    async def collect():
+        return [item async for item in generator]
+    return asyncio.run(collect())
+
+
+def test_prompts_are_rendered_and_tokenised_off_the_event_loop(server, monkeypatch):
+    threads = []
+    encode = server.tokenizer.encode
+
+    def spying_encode(*args, **kwargs):
+        threads.append(threading.current_thread())
+        return encode(*args, **kwargs)
+
+    monkeypatch.setattr(server.tokenizer, "encode", spying_encode)
+    out = items(server.chat(chat("SCRIPT:ok")))
+    assert out[0]["choices"][0]["message"]["reasoning_content"] == "ok"
+    out = items(server.completions(CompletionRequest(model="scripted", prompt="abc",
+                                                     max_tokens=2)))
+    assert out[0]["usage"]["prompt_tokens"] == 3
+    assert len(threads) == 2 and threading.main_thread() not in threads
+
+
+def test_a_prompt_too_long_for_any_context_is_refused_before_tokenising(server, monkeypatch):
+    def no_encode(*args, **kwargs):
+        raise AssertionError("tokenised a prompt that cannot fit")
+
+    monkeypatch.setattr(server.tokenizer, "encode", no_encode)
+    huge = "x" * (server.max_prompt_chars + 1)
+    for generator in (server.chat(chat(huge)),
+                      server.completions(CompletionRequest(model="scripted", prompt=huge))):
+        (error,) = items(generator)
+        assert isinstance(error, APIError) and error.status == 400
+        assert error.code == "context_length_exceeded"
+
+
+def test_an_unhealthy_engine_gets_503_with_retry_after(server, monkeypatch):
+    def dead():
+        raise EngineDeadError(LEAK)
+
+    monkeypatch.setattr(server.engine, "check_health", dead)
+    (error,) = items(server.chat(chat("SCRIPT:x", stream=True)))
+    assert isinstance(error, APIError) and error.status == 503
+    assert error.headers == {"Retry-After": "1"} and LEAK not in error.message
+
+
+def test_more_choices_than_the_server_ever_queues_is_400_not_503(server):
+    (error,) = items(server.chat(chat("SCRIPT:x", n=5)))  # max_waiting_requests = 4
+    assert isinstance(error, APIError) and error.status == 400 and error.param == "n"
+    server._outstanding = 4  # but a full queue is still an overload: 503 + Retry-After
+    (error,) = items(server.chat(chat("SCRIPT:x", n=1)))
+    assert error.status == 503 and error.headers == {"Retry-After": "1"}
+
+
+def test_stop_token_ids_beyond_the_vocabulary_are_400(server):
+    (error,) = items(server.chat(chat("SCRIPT:x", stop_token_ids=[server.engine.vocab_size])))
+    assert error.status == 400 and error.param == "stop_token_ids"
+
+
+async def _raising(exc: Exception):
+    """An engine stream that fails before its first output."""
+    raise exc
+    yield  # makes this an async generator
+
+
+def test_engine_failures_carry_the_request_id_not_the_exception_text(server, monkeypatch):
+    monkeypatch.setattr(server.engine, "generate", lambda *a: _raising(RuntimeError(LEAK)))
+    (error,) = items(server.chat(chat("SCRIPT:x"), "req-42"))
+    assert error.status == 500 and LEAK not in error.message and "req-42" in error.message
+    out = items(server.chat(chat("SCRIPT:x", stream=True), "req-43"))
+    assert out[0] is True and out[-1].endswith("data: [DONE]\n\n")
+    assert LEAK not in out[-1] and "req-43" in out[-1] and '"server_error"' in out[-1]
+
+
+def test_a_dead_engine_mid_request_is_503_with_retry_after(server, monkeypatch):
+    def dead():
+        raise EngineDeadError(LEAK)
+
+    monkeypatch.setattr(server.engine, "generate", lambda *a: _raising(EngineDeadError(LEAK)))
+    checks = iter([None])  # healthy at admission, dead by the time the request failed
+    monkeypatch.setattr(server.engine, "check_health", lambda: next(checks, None) or dead())
+    (error,) = items(server.chat(chat("SCRIPT:x"), "req-44"))
+    assert error.status == 503 and error.headers == {"Retry-After": "1"}
+    assert LEAK not in error.message and "req-44" in error.message
