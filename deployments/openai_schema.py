@@ -1,5 +1,9 @@
 """OpenAI request models (strict: wrong types and unknown fields are 400s) and the error type.
 
+Every field is bounded to what the engine can represent, so no request can fail inside the
+engine on its numbers: integers at the sampler's type limits (top_k and token counts are int32
+there, seeds int64), floats finite (NaN and infinities refused), lists by length, strings by size.
+
 Requests accept OpenAI's fields plus the vLLM extras clients commonly send (top_k, min_p,
 repetition_penalty, min_tokens, ignore_eos, stop_token_ids, skip_special_tokens,
 include_stop_str_in_output, chat_template_kwargs). Fields OpenAI defines but this server cannot
@@ -18,10 +22,29 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 Effort = Literal["none", "minimal", "low", "medium", "high", "max"]
 MAX_N = 128
 MAX_STOPS = 16
+MAX_STOP_CHARS = 1024
+MAX_STOP_TOKEN_IDS = 1024
+MAX_LOGIT_BIAS = 1024
+MAX_MESSAGES = 4096
+MAX_TOOLS = 256
+MAX_PROMPTS = 128  # prompts of one completions request (each runs n choices)
+MAX_PROMPT_TOKENS = 1 << 21  # a token-id prompt; the server refuses more than max_model_len
+MAX_TEXT_CHARS = 1 << 23  # any one text field; the server caps a whole prompt by its context
+MAX_NAME_CHARS = 256  # ids, names, model, user
+INT32_MAX = 2**31 - 1
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+
+Text = Annotated[str, Field(max_length=MAX_TEXT_CHARS)]
+Name = Annotated[str, Field(max_length=MAX_NAME_CHARS)]
+TokenId = Annotated[int, Field(ge=0, le=INT32_MAX)]
+TokenCount = Annotated[int, Field(ge=1, le=INT32_MAX)]
+StopString = Annotated[str, Field(max_length=MAX_STOP_CHARS)]
+MAX_REPETITION_PENALTY = 100.0
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
+    # allow_inf_nan=False: 1e999 parses to inf; no float field may carry it to the sampler
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
 
 class APIError(Exception):
@@ -51,7 +74,7 @@ class StreamOptions(_Strict):
 
 class FunctionDef(_Strict):
     name: Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.:-]+$")]
-    description: str | None = None
+    description: Text | None = None
     parameters: dict[str, Any] | None = None
     strict: bool | None = None
 
@@ -62,7 +85,7 @@ class Tool(_Strict):
 
 
 class NamedFunction(_Strict):
-    name: str
+    name: Name
 
 
 class NamedToolChoice(_Strict):
@@ -89,12 +112,12 @@ class ResponseFormat(_Strict):
 
 
 class FunctionCall(_Strict):
-    name: str
-    arguments: str
+    name: Name
+    arguments: Text
 
 
 class ToolCallIn(_Strict):
-    id: str | None = None
+    id: Name | None = None
     type: Literal["function"] = "function"
     function: FunctionCall
 
@@ -106,12 +129,12 @@ class ChatMessage(_Strict):
         "else": {"required": ["content"], "properties": {"content": {"not": {"type": "null"}}}}})
 
     role: Literal["system", "developer", "user", "assistant", "tool", "observation"]
-    content: str | list[dict[str, Any]] | None = None
-    name: str | None = None
-    tool_calls: list[ToolCallIn] | None = None
-    tool_call_id: str | None = None
-    reasoning_content: str | None = None
-    reasoning: str | None = None
+    content: Text | Annotated[list[dict[str, Any]], Field(max_length=MAX_MESSAGES)] | None = None
+    name: Name | None = None
+    tool_calls: Annotated[list[ToolCallIn], Field(max_length=MAX_TOOLS)] | None = None
+    tool_call_id: Name | None = None
+    reasoning_content: Text | None = None
+    reasoning: Text | None = None
 
     @model_validator(mode="after")
     def _check(self) -> ChatMessage:
@@ -126,34 +149,37 @@ class ChatMessage(_Strict):
                                  "(text only: this deployment has no vision)")
             if not isinstance(part.get("text"), str) or set(part) - {"type", "text"}:
                 raise ValueError("a text content part is {'type': 'text', 'text': str}")
+            if len(part["text"]) > MAX_TEXT_CHARS:
+                raise ValueError(f"a text content part has at most {MAX_TEXT_CHARS} characters")
         return self
 
 
 class _Sampling(_Strict):
     """Fields shared by chat and completions."""
 
-    model: str
+    model: Name
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: Annotated[int, Field(ge=1, le=MAX_N)] = 1
-    stop: str | Annotated[list[str], Field(max_length=MAX_STOPS)] | None = None
-    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
+    stop: StopString | Annotated[list[StopString], Field(max_length=MAX_STOPS)] | None = None
+    stop_token_ids: Annotated[list[TokenId], Field(max_length=MAX_STOP_TOKEN_IDS)] | None = None
     include_stop_str_in_output: bool = False
-    max_tokens: Annotated[int, Field(ge=1)] | None = None
+    max_tokens: TokenCount | None = None
     temperature: Annotated[float, Field(ge=0, le=2)] | None = None
     top_p: Annotated[float, Field(gt=0, le=1)] | None = None
-    top_k: Annotated[int, Field(ge=-1)] | None = None  # -1 or 0: off
+    top_k: Annotated[int, Field(ge=-1, le=INT32_MAX)] | None = None  # -1 or 0: off
     min_p: Annotated[float, Field(ge=0, le=1)] | None = None
     presence_penalty: Annotated[float, Field(ge=-2, le=2)] = 0.0
     frequency_penalty: Annotated[float, Field(ge=-2, le=2)] = 0.0
-    repetition_penalty: Annotated[float, Field(gt=0)] = 1.0
-    seed: int | None = None
-    min_tokens: Annotated[int, Field(ge=0)] = 0
+    repetition_penalty: Annotated[float, Field(gt=0, le=MAX_REPETITION_PENALTY)] = 1.0
+    seed: Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX)] | None = None
+    min_tokens: Annotated[int, Field(ge=0, le=INT32_MAX)] = 0
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     return_tokens_as_token_ids: bool = False  # logprob tokens as "token_id:{id}" (vLLM)
-    logit_bias: dict[str, float] | None = None
-    user: str | None = None
+    logit_bias: Annotated[dict[Name, Annotated[float, Field(ge=-100, le=100)]],
+                          Field(max_length=MAX_LOGIT_BIAS)] | None = None
+    user: Name | None = None
 
     @field_validator("stop")
     @classmethod
@@ -179,11 +205,11 @@ class _Sampling(_Strict):
 
 
 class ChatCompletionRequest(_Sampling):
-    messages: Annotated[list[ChatMessage], Field(min_length=1)]
-    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
+    messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=MAX_MESSAGES)]
+    max_completion_tokens: TokenCount | None = None
     logprobs: bool = False
     top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
-    tools: list[Tool] | None = None
+    tools: Annotated[list[Tool], Field(max_length=MAX_TOOLS)] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
     response_format: ResponseFormat | None = None
@@ -194,7 +220,8 @@ class ChatCompletionRequest(_Sampling):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     store: bool | None = None
-    metadata: dict[str, str] | None = None
+    metadata: Annotated[dict[Name, Annotated[str, Field(max_length=512)]],
+                        Field(max_length=16)] | None = None  # OpenAI's limits
 
     @model_validator(mode="after")
     def _check_chat(self) -> ChatCompletionRequest:
@@ -207,9 +234,10 @@ class ChatCompletionRequest(_Sampling):
         return self.max_completion_tokens or self.max_tokens
 
 
-Prompt = (str | Annotated[list[str], Field(min_length=1)]
-          | Annotated[list[int], Field(min_length=1)]
-          | Annotated[list[Annotated[list[int], Field(min_length=1)]], Field(min_length=1)])
+TokenPrompt = Annotated[list[TokenId], Field(min_length=1, max_length=MAX_PROMPT_TOKENS)]
+Prompt = (Text | Annotated[list[Text], Field(min_length=1, max_length=MAX_PROMPTS)]
+          | TokenPrompt
+          | Annotated[list[TokenPrompt], Field(min_length=1, max_length=MAX_PROMPTS)])
 
 
 class CompletionRequest(_Sampling):
@@ -217,7 +245,7 @@ class CompletionRequest(_Sampling):
     echo: bool = False
     logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
     best_of: Annotated[int, Field(ge=1, le=MAX_N)] | None = None
-    suffix: str | None = None
+    suffix: Text | None = None
 
     @property
     def token_limit(self) -> int:
@@ -225,9 +253,9 @@ class CompletionRequest(_Sampling):
 
 
 class TokenizeRequest(_Strict):
-    model: str | None = None
-    prompt: str | None = None
-    messages: list[ChatMessage] | None = None
+    model: Name | None = None
+    prompt: Text | None = None
+    messages: Annotated[list[ChatMessage], Field(max_length=MAX_MESSAGES)] | None = None
     add_special_tokens: bool = False
     add_generation_prompt: bool = True
     return_token_strs: bool = False
@@ -240,5 +268,5 @@ class TokenizeRequest(_Strict):
 
 
 class DetokenizeRequest(_Strict):
-    model: str | None = None
-    tokens: list[Annotated[int, Field(ge=0)]]
+    model: Name | None = None
+    tokens: Annotated[list[TokenId], Field(max_length=MAX_PROMPT_TOKENS)]
