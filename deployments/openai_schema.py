@@ -95,7 +95,7 @@ class NamedToolChoice(_Strict):
 
 class JSONSchemaFormat(_Strict):
     name: Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")]
-    description: str | None = None
+    description: Text | None = None
     schema_: Annotated[dict[str, Any], Field(alias="schema")] = {}
     strict: bool | None = None
 
@@ -215,7 +215,7 @@ class ChatCompletionRequest(_Sampling):
     response_format: ResponseFormat | None = None
     reasoning_effort: Effort | None = None
     # reasoning tokens allowed before the server forces </think> (default: the profile's)
-    thinking_token_budget: Annotated[int, Field(ge=0)] | None = None
+    thinking_token_budget: Annotated[int, Field(ge=0, le=INT32_MAX)] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
