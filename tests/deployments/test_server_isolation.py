@@ -114,3 +114,25 @@ def test_a_dead_engine_mid_request_is_503_with_retry_after(server, monkeypatch):
     (error,) = items(server.chat(chat("SCRIPT:x"), "req-44"))
     assert error.status == 503 and error.headers == {"Retry-After": "1"}
     assert LEAK not in error.message and "req-44" in error.message
+
+
+def test_a_consumer_leaving_mid_stream_aborts_the_engine_request(server, monkeypatch):
+    """What the ingress does when its client disconnects: it cancels the replica's stream,
+    which closes this generator; the choice's engine stream is closed and aborted."""
+    aborted = []
+
+    async def abort(request_id):
+        aborted.append(request_id)
+
+    monkeypatch.setattr(server.engine, "abort", abort)
+
+    async def leave_after_first_batch():
+        stream = server.chat(chat("SCRIPT:" + "x" * 200, stream=True), "req-45")
+        assert await stream.__anext__() is True
+        assert (await stream.__anext__()).startswith("data: {")
+        await stream.aclose()
+
+    asyncio.run(leave_after_first_batch())
+    assert server.engine.running == 0  # the engine's generator was closed
+    assert len(aborted) == 1 and aborted[0].startswith("chatcmpl-")
+    assert server._outstanding == 0
