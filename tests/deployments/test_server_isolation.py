@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 
 import pytest
 
@@ -64,6 +65,21 @@ def test_a_prompt_too_long_for_any_context_is_refused_before_tokenising(server, 
         (error,) = items(generator)
         assert isinstance(error, APIError) and error.status == 400
         assert error.code == "context_length_exceeded"
+
+
+def test_prompt_preparation_is_bounded_in_time(server, monkeypatch):
+    from glm53.deployments import llm_server
+
+    encode = server.tokenizer.encode
+
+    def slow_encode(*args, **kwargs):
+        time.sleep(0.5)
+        return encode(*args, **kwargs)
+
+    monkeypatch.setattr(llm_server, "PREPARE_TIMEOUT_S", 0.05)
+    monkeypatch.setattr(server.tokenizer, "encode", slow_encode)
+    (error,) = items(server.completions(CompletionRequest(model="scripted", prompt="abc")))
+    assert error.status == 503 and error.headers == {"Retry-After": "1"}
 
 
 def test_an_unhealthy_engine_gets_503_with_retry_after(server, monkeypatch):
