@@ -6,7 +6,12 @@ import numpy as np
 import pytest
 import torch
 
-from glm53.actors.sampler import Sampler, build_sampling_inputs, gather_logprobs
+from glm53.actors.sampler import (
+    Sampler,
+    apply_token_bitmask,
+    build_sampling_inputs,
+    gather_logprobs,
+)
 from glm53.actors.step import SamplingParams
 from glm53.kernels.ref import sampling
 
@@ -59,7 +64,7 @@ def test_logprobs_are_log_softmax_of_processed_logits():
     logits, rows = _mixed_batch()
     s = build_sampling_inputs(rows)
     ids, lp = SAMPLER(logits, s)
-    t = {k: torch.from_numpy(np.asarray(getattr(s, k))) for k in vars(s)}
+    t = {k: torch.from_numpy(np.asarray(v)) for k, v in vars(s).items() if v is not None}
     penalised = sampling.apply_penalties(
         logits, t["presence_penalty"], t["frequency_penalty"], t["repetition_penalty"],
         t["prompt_ids"], t["prompt_offsets"], t["output_ids"], t["output_offsets"])
@@ -156,3 +161,24 @@ def test_draw_distributions_are_one_hot_for_greedy_rows():
         assert ids[row] == logits[row].argmax()
         assert torch.equal(probs[row], torch.nn.functional.one_hot(ids[row], VOCAB).float())
     assert torch.allclose(probs[1], torch.softmax(logits[1] / 0.7, -1), atol=1e-6)
+
+
+def test_token_bitmask_masks_exactly_the_cleared_bits():
+    """Bit b of word w allows token 32 w + b (bit 31 included); vocabulary past the words is
+    not allowed; a masked greedy row takes the best allowed token."""
+    vocab = 70  # 3 words, the last partly past the vocabulary
+    rng = np.random.default_rng(0)
+    allowed = rng.random((4, 96)) < 0.3
+    allowed[:, 31] = allowed[:, 63] = True  # the sign bit of words 0 and 1
+    allowed[:, 66:] = False
+    words = np.packbits(allowed, axis=1, bitorder="little").view(np.int32)
+    logits = torch.randn(4, vocab)
+    out = apply_token_bitmask(logits, words)
+    assert torch.equal(torch.isfinite(out), torch.from_numpy(allowed[:, :vocab]))
+    assert torch.equal(out[torch.isfinite(out)], logits[torch.isfinite(out)])
+    narrow = apply_token_bitmask(torch.randn(1, 40), words[:1, :1])  # 32 bits for 40 tokens
+    assert not torch.isfinite(narrow[0, 32:]).any()
+    rows = [(SamplingParams(temperature=0), 0, 0, [], [], ())] * 4
+    ids, _ = SAMPLER(logits, build_sampling_inputs(rows, words))
+    assert ids.tolist() == out.argmax(dim=-1).tolist()
+    assert all(allowed[r, i] for r, i in enumerate(ids.tolist()))

@@ -1,0 +1,134 @@
+"""Chaos under load, through Serve's HTTP proxy on CPU: 32 streams run while (a) the engine's
+replica is killed, (b) one worker actor of a TP=2 replica is killed. Every stream ends, with
+its finish reason or an SSE error event, and `[DONE]`, within a bound; `/health` turns 503
+and back to 200 once Serve has replaced the replica; new requests are served again."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import socket
+import time
+
+import httpx
+import pytest
+
+from glm53.deployments.app import ingress_app, server_app
+from glm53.deployments.config import ServingConfig
+from glm53.deployments.tiny_model import make_tiny
+
+STREAMS = 32
+STREAM_BOUND_S = 60  # every stream ends within this after the kill
+RECOVERY_BOUND_S = 120  # health is 200 again and requests are served
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def base_url(ray_session, tmp_path_factory):
+    from ray import serve
+
+    path = make_tiny(tmp_path_factory.mktemp("chaos") / "tiny", seed=4)
+    port = _free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    common = dict(model=str(path), device="cpu", max_model_len=512, max_num_seqs=32,
+                  num_blocks=1024, speculative="none")
+    servers = {"solo": server_app(ServingConfig(served_model_name="solo", **common), "cpu"),
+               "pair": server_app(ServingConfig(served_model_name="pair",
+                                                tensor_parallel_size=2, **common), "cpu")}
+    serve.run(ingress_app(servers), name="chaos-test", route_prefix="/",
+              logging_config={"log_level": "WARNING", "enable_access_log": False})
+    yield f"http://127.0.0.1:{port}"
+    serve.shutdown()
+
+
+async def _stream(client: httpx.AsyncClient, model: str, seed: int) -> str:
+    """'finished' or 'error' by how the stream ended; raises if it ended without [DONE]."""
+    body = {"model": model, "prompt": f"chaos {seed}", "max_tokens": 200, "stream": True,
+            "ignore_eos": True, "temperature": 1.0, "seed": seed}
+    outcome, done = None, False
+    async with client.stream("POST", "/v1/completions", json=body) as r:
+        if r.status_code != 200:
+            return "refused"
+        async for line in r.aiter_lines():
+            if not line.startswith("data: "):
+                continue
+            data = line[6:]
+            if data == "[DONE]":
+                done = True
+                break
+            event = json.loads(data)
+            if "error" in event:
+                outcome = "error"
+            elif event["choices"] and event["choices"][0].get("finish_reason"):
+                outcome = "finished"
+    assert done, "stream ended without [DONE]"
+    assert outcome is not None, "stream ended without a finish reason or an error event"
+    return outcome
+
+
+async def _under_load(base_url: str, model: str, kill) -> list[str]:
+    async with httpx.AsyncClient(base_url=base_url, timeout=STREAM_BOUND_S) as client:
+        tasks = [asyncio.create_task(_stream(client, model, i)) for i in range(STREAMS)]
+        await asyncio.sleep(1.0)  # streams are running
+        kill()
+        return await asyncio.wait_for(asyncio.gather(*tasks), STREAM_BOUND_S)
+
+
+def _recovers(base_url: str, model: str) -> None:
+    """/health reports 503 at least once, then 200, and a request to `model` succeeds."""
+    deadline = time.monotonic() + RECOVERY_BOUND_S
+    seen_503 = False
+    with httpx.Client(base_url=base_url, timeout=10) as client:
+        while time.monotonic() < deadline:
+            status = client.get("/health").status_code
+            seen_503 |= status == 503
+            if status == 200 and seen_503:
+                r = client.post("/v1/completions", json={"model": model, "prompt": "again",
+                                                          "max_tokens": 4})
+                if r.status_code == 200:
+                    return
+            time.sleep(0.5)
+    pytest.fail(f"not recovered within {RECOVERY_BOUND_S} s (saw 503: {seen_503})")
+
+
+def _replica_actor(model: str):
+    import ray
+
+    for entry in ray.util.list_named_actors(all_namespaces=True):
+        if "SERVE_REPLICA" in entry["name"] and f"LLMServer:{model}" in entry["name"]:
+            return ray.get_actor(entry["name"], namespace=entry["namespace"])
+    raise AssertionError(f"no replica of {model}")
+
+
+def _worker_pids() -> list[int]:
+    """Processes of the engine worker actors alive now (the TP=2 replica's)."""
+    from ray._private import state
+
+    return [a["Pid"] for a in state.actors().values()
+            if a["State"] == "ALIVE" and a["ActorClassName"] == "Worker"]
+
+
+def test_killed_replica_ends_every_stream_and_is_replaced(base_url):
+    import ray
+
+    outcomes = asyncio.run(_under_load(
+        base_url, "solo", lambda: ray.kill(_replica_actor("solo"), no_restart=True)))
+    assert "error" in outcomes  # the kill really cut streams
+    _recovers(base_url, "solo")
+
+
+def test_killed_worker_of_a_tp2_replica_ends_every_stream(base_url):
+    pids = _worker_pids()
+    assert len(pids) == 2
+    outcomes = asyncio.run(_under_load(
+        base_url, "pair", lambda: os.kill(pids[1], signal.SIGKILL)))
+    assert "error" in outcomes
+    _recovers(base_url, "pair")
+    assert set(_worker_pids()).isdisjoint(pids)  # a new replica with new workers
