@@ -44,6 +44,11 @@ class EngineClient(Protocol):
         """Abort a request (queued behind its own submission, so it cannot be overtaken)."""
         ...
 
+    async def check_request(self, params: SamplingParams) -> None:
+        """Raise RequestRejectedError for sampling params this engine can never serve (a
+        grammar that does not compile), before a stream is accepted."""
+        ...
+
     def stats(self) -> EngineStats: ...
 
     def pop_times(self, request_id: str) -> tuple[float | None, float | None]:
@@ -139,13 +144,14 @@ class LocalEngine:
         self.eos_token_ids = tuple(self.engine.eos_ids)
         self.capacity = executor.cache_plan.describe(self.max_model_len)
 
-    async def generate(self, prompt_ids: list[int], params: SamplingParams,
-                       request_id: str) -> AsyncIterator[RequestOutput]:
+    def generate(self, prompt_ids: list[int], params: SamplingParams,
+                 request_id: str) -> AsyncIterator[RequestOutput]:
+        return self.async_engine.generate(prompt_ids, params, request_id)
+
+    async def check_request(self, params: SamplingParams) -> None:
         if params.structured_output is not None:
-            # compiled here, off the event loop, so the engine's step loop finds it cached
+            # compiled off the event loop; the engine's step loop then finds it cached
             await asyncio.to_thread(self.constraints.compile, params.structured_output)
-        async for out in self.async_engine.generate(prompt_ids, params, request_id):
-            yield out
 
     async def abort(self, request_id: str) -> None:
         await self.async_engine.abort(request_id)

@@ -192,6 +192,10 @@ class LLMServer:
                 reasoning=reasoning_start,
                 thinking_budget=budget if budget is not None else
                 self.config.thinking_token_budget)
+            await self.engine.check_request(params[0])
+        except RequestRejectedError as exc:  # before a stream is accepted: a plain 400
+            yield bad_request(str(exc), "response_format" if request.response_format else None)
+            return
         except APIError as exc:
             yield exc
             return

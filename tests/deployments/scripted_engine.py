@@ -64,6 +64,9 @@ class ScriptedEngine:
     async def abort(self, request_id: str) -> None:
         pass
 
+    async def check_request(self, params: SamplingParams) -> None:
+        pass
+
     def stats(self) -> EngineStats:
         return EngineStats(num_running=self.running)
 

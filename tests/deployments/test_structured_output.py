@@ -107,10 +107,11 @@ def test_thinking_budget_caps_reasoning_and_the_answer_follows(client):
     ({"type": "json_schema"}, "json_schema"),
     ({"type": "json_schema", "json_schema": {"name": "bad name!", "schema": {}}}, "name"),
 ])
-def test_bad_schemas_are_400(client, fmt, message):
+@pytest.mark.parametrize("stream", [False, True])
+def test_bad_schemas_are_400(client, fmt, message, stream):
     with pytest.raises(openai.BadRequestError, match=message):
         client.chat.completions.create(model="tiny", messages=ASK, response_format=fmt,
-                                       max_tokens=8)
+                                       max_tokens=8, stream=stream)
 
 
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
