@@ -87,7 +87,11 @@ def local_ingress(monkeypatch, http: HTTPConfig | None = None,
     servers = {config.model_name: LocalHandle(LLMServer(config, "cpu", ScriptedEngine))}
     servable = object.__new__(_LocalIngress)
     ingress.OpenAIIngress.__mro__[1].__init__(servable, servers, http)  # the user class
-    ASGIAppReplicaWrapper.__init__(servable, cloudpickle.loads(cloudpickle.dumps(ingress.app)))
+    app = cloudpickle.loads(cloudpickle.dumps(ingress.app))
+    # a replica unpickles an app that never ran; other tests in this process may have run
+    # the module's app, whose built middleware stack would then come along in the copy
+    app.middleware_stack = None
+    ASGIAppReplicaWrapper.__init__(servable, app)
     monkeypatch.setattr(serve, "get_replica_context",
                         lambda: SimpleNamespace(servable_object=servable))
     return servable.__serve_build_asgi_app__()

@@ -82,18 +82,21 @@ async def _under_load(base_url: str, model: str, kill) -> list[str]:
 
 
 def _recovers(base_url: str, model: str) -> None:
-    """/health reports 503 at least once, then 200, and a request to `model` succeeds."""
+    """/health reports 503 at least once, then 200, and a request to `model` succeeds; every
+    request meanwhile is answered 200 or 503 + Retry-After (never 500)."""
     deadline = time.monotonic() + RECOVERY_BOUND_S
     seen_503 = False
-    with httpx.Client(base_url=base_url, timeout=10) as client:
+    with httpx.Client(base_url=base_url, timeout=30) as client:
         while time.monotonic() < deadline:
-            status = client.get("/health").status_code
-            seen_503 |= status == 503
-            if status == 200 and seen_503:
-                r = client.post("/v1/completions", json={"model": model, "prompt": "again",
-                                                          "max_tokens": 4})
-                if r.status_code == 200:
-                    return
+            health = client.get("/health").status_code
+            seen_503 |= health == 503
+            r = client.post("/v1/completions", json={"model": model, "prompt": "again",
+                                                      "max_tokens": 4})
+            assert r.status_code in (200, 503), (r.status_code, r.text)
+            if r.status_code == 503:
+                assert "Retry-After" in r.headers and "error" in r.json()
+            elif health == 200 and seen_503:
+                return
             time.sleep(0.5)
     pytest.fail(f"not recovered within {RECOVERY_BOUND_S} s (saw 503: {seen_503})")
 
