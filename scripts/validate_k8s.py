@@ -197,7 +197,8 @@ def _built_deployment_infos(app_name: str, config: Any) -> dict[str, Any]:
     from glm53.deployments.app import ingress_app, server_app
 
     device = config.device or "cuda"
-    app = ingress_app({config.model_name: server_app(config, device)})
+    app = ingress_app({config.model_name: server_app(config, device)}, config.http,
+                      config.drain_timeout_s)
     built = serve_build_app(app, name=app_name)
     return {d.name: deploy_args_to_deployment_info(
                 deployment_name=d.name,
