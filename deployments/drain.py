@@ -43,8 +43,6 @@ class DrainState:
 
     def start(self) -> int:
         """Refuse new requests from now on (idempotent); returns how many are in flight."""
-        if not self.draining:
-            logger.info("draining: %d request(s) in flight, new ones get 503", self.in_flight)
         self.draining = True
         return self.in_flight
 
