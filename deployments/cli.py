@@ -7,11 +7,8 @@ import argparse
 import json
 import logging
 import re
-import signal
 import sys
-import threading
 from pathlib import Path
-from typing import Any
 
 from .config import CPU_CACHE_BYTES  # default KV/state budget on CPU when no size is given
 
@@ -406,30 +403,11 @@ def _start_ray():
     return ray
 
 
-class StopSignals:
-    """SIGTERM and SIGINT handler of `glm53 serve`: the first signal asks for a graceful drain
-    (`requested` is set), a second one stops at once (KeyboardInterrupt in the main thread)."""
-
-    def __init__(self) -> None:
-        self.requested = threading.Event()
-
-    def install(self) -> None:
-        for signum in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(signum, self)
-
-    def __call__(self, signum: int, frame: Any) -> None:
-        if self.requested.is_set():
-            raise KeyboardInterrupt
-        self.requested.set()
-        logging.getLogger(__name__).info(
-            "%s received: draining (a second signal stops at once)", signal.Signals(signum).name)
-
-
 def _serve(args: argparse.Namespace) -> int:
     from pydantic import ValidationError
 
     from .config import NotSupportedYetError
-    from .drain import drain_ingress
+    from .drain import StopSignals, drain_ingress
 
     try:
         config = serving_config(args)

@@ -3,8 +3,9 @@ with Retry-After and OpenAI's error envelope, `/health` answers 503 so load bala
 probes move away, and requests already in flight (streams included) run to their end.
 
 Two halves: `DrainGate`, an ASGI middleware in the ingress replica that refuses and counts
-requests, and `drain_ingress`, which `glm53 serve` runs on SIGTERM/SIGINT: it starts the drain
-through the ingress handle and waits, up to a timeout, until nothing is in flight.
+requests, and, in `glm53 serve`, `StopSignals` (SIGTERM/SIGINT) and `drain_ingress`, which
+starts the drain through the ingress handle and waits, up to a timeout, until nothing is in
+flight.
 
 Replicas that Serve itself stops (scale-down, a rolling update of the app, a KubeRay node
 drain) drain through Serve's graceful shutdown instead: the deployments' graceful_shutdown_*
@@ -14,6 +15,8 @@ options come from the same `drain_timeout_s` (config.graceful_shutdown_options).
 from __future__ import annotations
 
 import logging
+import signal
+import threading
 import time
 from typing import Any
 
@@ -97,3 +100,22 @@ def drain_ingress(ingress: Any, timeout_s: float) -> int:
     else:
         logger.info("drained: no request in flight")
     return in_flight
+
+
+class StopSignals:
+    """SIGTERM and SIGINT handler of `glm53 serve`: the first signal asks for a graceful drain
+    (`requested` is set), a second one stops at once (KeyboardInterrupt in the main thread)."""
+
+    def __init__(self) -> None:
+        self.requested = threading.Event()
+
+    def install(self) -> None:
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(signum, self)
+
+    def __call__(self, signum: int, frame: Any) -> None:
+        if self.requested.is_set():
+            raise KeyboardInterrupt
+        self.requested.set()
+        logger.info("%s received: draining (a second signal stops at once)",
+                    signal.Signals(signum).name)

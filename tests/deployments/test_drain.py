@@ -22,9 +22,9 @@ from starlette.responses import PlainTextResponse
 from starlette.testclient import TestClient
 
 from glm53.deployments.app import build_app
-from glm53.deployments.cli import StopSignals, _parser, serving_config
+from glm53.deployments.cli import _parser, serving_config
 from glm53.deployments.config import ServingConfig
-from glm53.deployments.drain import DrainGate, DrainState
+from glm53.deployments.drain import DrainGate, DrainState, StopSignals
 from tests.deployments.local_ingress import local_ingress
 
 CHAT = {"model": "scripted", "messages": [{"role": "user", "content": "SCRIPT:</think>hi"}]}
@@ -129,17 +129,15 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _wait_healthy(base: str, proc: subprocess.Popen, log: Path, timeout_s: float) -> None:
+def _wait_serving(proc: subprocess.Popen, log: Path, timeout_s: float) -> None:
+    """Until `glm53 serve` waits for a signal (/health answers earlier, while it starts)."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         assert proc.poll() is None, log.read_text()[-3000:]
-        try:
-            if httpx.get(f"{base}/health", timeout=5).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
+        if "drains the server" in log.read_text():
+            return
         time.sleep(0.5)
-    raise AssertionError(f"glm53 serve not healthy in {timeout_s} s:\n{log.read_text()[-3000:]}")
+    raise AssertionError(f"glm53 serve not up in {timeout_s} s:\n{log.read_text()[-3000:]}")
 
 
 def test_serve_drains_on_sigterm(tmp_path: Path):
@@ -158,7 +156,7 @@ def test_serve_drains_on_sigterm(tmp_path: Path):
              "--speculative", "none", "--drain-timeout", "30"],
             env=env, stdout=out, stderr=subprocess.STDOUT)
     try:
-        _wait_healthy(base, proc, log, 120)
+        _wait_serving(proc, log, 120)
         body = {"model": "glm53-tiny", "prompt": "hello", "max_tokens": 600,
                 "ignore_eos": True, "stream": True}
         with httpx.Client(timeout=60) as client, client.stream(
