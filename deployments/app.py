@@ -12,7 +12,7 @@ from typing import Any
 from ray import serve
 from ray.serve import Application
 
-from .config import HTTPConfig, ServingConfig
+from .config import HTTPConfig, ServingConfig, graceful_shutdown_options
 from .ingress import OpenAIIngress
 from .llm_server import EngineFactory, LLMServer
 
@@ -38,14 +38,20 @@ def server_app(config: ServingConfig, device: str,
     return deployment.bind(config, device, engine_factory)
 
 
-def ingress_app(servers: dict[str, Application],
-                http: HTTPConfig | None = None) -> Application:
+def ingress_app(servers: dict[str, Application], http: HTTPConfig | None = None,
+                drain_timeout_s: float | None = None) -> Application:
+    """The OpenAI ingress in front of `servers`. A stopping ingress replica drains like the
+    servers (default: ServingConfig's drain timeout): its streams relay theirs."""
+    if drain_timeout_s is None:
+        drain_timeout_s = ServingConfig.model_fields["drain_timeout_s"].default
     return serve.deployment(OpenAIIngress, name="OpenAIIngress").options(
-        **INGRESS_OPTIONS).bind(servers, http or HTTPConfig())
+        **INGRESS_OPTIONS, **graceful_shutdown_options(drain_timeout_s)).bind(
+        servers, http or HTTPConfig())
 
 
 def build_app(args: ServingConfig | dict[str, Any]) -> Application:
     config = args if isinstance(args, ServingConfig) else ServingConfig.model_validate(args)
     config.check_supported()
     device = config.device or cluster_device()
-    return ingress_app({config.model_name: server_app(config, device)}, config.http)
+    return ingress_app({config.model_name: server_app(config, device)}, config.http,
+                       config.drain_timeout_s)

@@ -235,6 +235,11 @@ def _serve_parser(sub) -> None:
                      help="lang-mtp3 (default), lang-dflash2, mm-dflash2, long500k")
     srv.add_argument("--host", default="127.0.0.1")
     srv.add_argument("--port", type=int, default=8000)
+    srv.add_argument("--drain-timeout", dest="drain_timeout_s", type=float, default=None,
+                     metavar="SECONDS",
+                     help="on SIGTERM or Ctrl-C, new requests get 503 and those in flight get "
+                          "this long to finish before the server stops (default 30; a second "
+                          "signal stops at once); also the replicas' graceful shutdown timeout")
     par = srv.add_argument_group("parallelism (one engine per replica)")
     par.add_argument("--tp", dest="tensor_parallel_size", type=int, default=None)
     par.add_argument("--ep", dest="expert_parallel_size", type=int, default=None)
@@ -305,7 +310,7 @@ SERVE_FIELDS = ("model", "served_model_name", "profile", "tensor_parallel_size",
                 "vision", "kv_cache_dtype", "dtype", "device", "max_model_len",
                 "max_num_batched_tokens", "max_num_seqs", "block_size", "max_waiting_requests",
                 "seed", "num_blocks", "cache_bytes", "gpu_memory_utilization", "enforce_eager",
-                "quantize_experts", "verify", "thinking_token_budget")
+                "quantize_experts", "verify", "thinking_token_budget", "drain_timeout_s")
 
 
 def serving_config(args: argparse.Namespace):
@@ -399,11 +404,10 @@ def _start_ray():
 
 
 def _serve(args: argparse.Namespace) -> int:
-    import time
-
     from pydantic import ValidationError
 
     from .config import NotSupportedYetError
+    from .drain import StopSignals, drain_ingress
 
     try:
         config = serving_config(args)
@@ -419,6 +423,11 @@ def _serve(args: argparse.Namespace) -> int:
 
     from .app import build_app
 
+    # from here on (Ray's own SIGTERM handler would kill the driver without any cleanup); a
+    # signal during start-up drains once the app is up, when nothing is in flight yet
+    stop = StopSignals()
+    stop.install()
+    status, graceful = 0, True
     try:
         serve.start(http_options=proxy_options(args))
         try:
@@ -428,15 +437,31 @@ def _serve(args: argparse.Namespace) -> int:
         for card in handle.server_info.remote().result():
             print(f"serving {card['id']} (profile {card['profile']}) at "
                   f"http://{args.host}:{args.port}/v1\n{card['capacity']}", flush=True)
-        print("Ctrl-C stops the server", flush=True)
-        while True:
-            time.sleep(3600)
+        print(f"SIGTERM or Ctrl-C drains the server (up to {config.drain_timeout_s:g} s), a "
+              "second one stops it at once", flush=True)
+        stop.requested.wait()
+        try:
+            drain_ingress(handle, config.drain_timeout_s)
+        except Exception:  # noqa: BLE001 - a failed drain must not prevent the shutdown
+            logging.getLogger(__name__).exception("the drain failed; stopping")
     except KeyboardInterrupt:
-        print("stopping", flush=True)
+        print("stopping at once", flush=True)
+        status, graceful = 1, False
     finally:
-        serve.shutdown()
+        _shutdown(ray, serve, graceful)
+    return status
+
+
+def _shutdown(ray, serve, graceful: bool) -> None:
+    """Serve (its replicas drain first: nothing is in flight after a drain), then Ray; a
+    signal during Serve's shutdown skips the rest of it."""
+    try:
+        if graceful:
+            serve.shutdown()
+    except KeyboardInterrupt:
+        print("stopping at once", flush=True)
+    finally:
         ray.shutdown()
-    return 0
 
 
 def _generate(args: argparse.Namespace) -> int:

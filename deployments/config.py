@@ -80,6 +80,14 @@ class SpeculativeConfig(BaseModel):
         return self.method != "none"
 
 
+def graceful_shutdown_options(drain_timeout_s: float) -> dict[str, float]:
+    """Serve options that make a stopping replica drain: it takes no new requests and
+    shuts down once none is ongoing (checked every wait loop, Ray's default 2 s) or after
+    `drain_timeout_s`, when Serve kills it."""
+    return {"graceful_shutdown_wait_loop_s": min(2.0, drain_timeout_s),
+            "graceful_shutdown_timeout_s": drain_timeout_s}
+
+
 class HTTPConfig(BaseModel):
     """What the OpenAI ingress accepts over HTTP; `http_guard.py` enforces it. Ingress-wide,
     not per model. The API keys are SecretStr: a logged or printed config shows `**********`."""
@@ -161,6 +169,10 @@ class ServingConfig(BaseModel):
     # Ray Serve deployment of the LLM server
     num_replicas: int = Field(1, ge=1)
     max_ongoing_requests: int = Field(1024, ge=1)
+    # seconds in-flight requests get to finish when a replica or `glm53 serve` stops (Serve's
+    # graceful shutdown of both deployments; `glm53 serve`'s drain on SIGTERM); pods that run
+    # replicas need a longer terminationGracePeriodSeconds (k8s/, checked by validate_k8s.py)
+    drain_timeout_s: float = Field(30.0, ge=0)
     # the OpenAI ingress in front of this model: API keys, size and time limits, hosts, CORS
     http: HTTPConfig = HTTPConfig()
 
@@ -258,7 +270,8 @@ class ServingConfig(BaseModel):
         its workers in its own STRICT_PACK placement group, so the replica asks for no GPU."""
         options: dict[str, Any] = {"num_replicas": self.num_replicas,
                                    "max_ongoing_requests": self.max_ongoing_requests,
-                                   "health_check_period_s": 10, "health_check_timeout_s": 30}
+                                   "health_check_period_s": 10, "health_check_timeout_s": 30,
+                                   **graceful_shutdown_options(self.drain_timeout_s)}
         if device.startswith("cuda") and self.world_size == 1:
             options["ray_actor_options"] = {"num_cpus": 1, "num_gpus": 1}
         else:

@@ -33,6 +33,7 @@ from ray.serve.exceptions import (
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .config import HTTPConfig
+from .drain import DrainGate, DrainState
 from .http_guard import mount_http_guard
 from .metrics import CONTENT_TYPE, merge_expositions
 from .openai_schema import (
@@ -189,12 +190,19 @@ class OpenAIIngress:
     def __init__(self, servers: dict[str, Any], http: HTTPConfig | None = None) -> None:
         self.servers = servers
         self.http = http or HTTPConfig()
+        self.drain_state = DrainState()
 
     def __serve_build_asgi_app__(self) -> FastAPI:
         """Serve calls this in the replica after __init__, before the first request: the
         guard needs this deployment's HTTPConfig, which the module-level app cannot know."""
+        self.app.add_middleware(DrainGate, state=self.drain_state)  # inside the guard
         mount_http_guard(self.app, self.http)
         return self.app
+
+    async def drain(self) -> int:
+        """Refuse new requests from now on (`glm53 serve` on SIGTERM, drain.py); returns
+        how many are in flight."""
+        return self.drain_state.start()
 
     def _server(self, model: str | None) -> Any:
         if model is None and len(self.servers) == 1:

@@ -17,6 +17,11 @@ or by hand: `.venv/bin/python scripts/validate_k8s.py` (exit 1 on any error).
 4. Conventions (design/style.md §4.5 rule 10): rayVersion = image Ray = Dockerfile = pyproject
    pin, image tag = Dockerfile label, head without GPUs, GPU requests = limits, named ports, one
    pair per pod matching the engine's parallel size, Serve autoscaling bounds = worker group.
+   Drain (issue 18): every pod's terminationGracePeriodSeconds > its preStop sleep + Ray's
+   SIGTERM node drain (RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S); in a RayService that node drain
+   and rayClusterDeletionDelaySeconds are at least the replicas' graceful_shutdown_timeout_s
+   (ServingConfig.drain_timeout_s), so neither a pod deletion nor an upgrade cuts a draining
+   request.
 5. Monitoring (monitoring.py beside this file): promtool check/test rules, PromQL of every
    dashboard panel parses, and every vllm:/glm53: name exists in the app's registry.
 """
@@ -55,6 +60,10 @@ rules:
 _LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
 UPGRADE_TYPES = {"NewCluster", "NewClusterWithIncrementalUpgrade", "None"}
 APP_IMPORT_PATH = "glm53.deployments.app:build_app"
+# on SIGTERM, `ray start --block` drains its node for this long (Ray's default 30 s)
+RAY_DRAIN_ENV, RAY_DRAIN_DEFAULT_S = "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S", 30.0
+K8S_GRACE_DEFAULT_S = 30  # terminationGracePeriodSeconds when not set
+DELETION_DELAY_DEFAULT_S = 60  # KubeRay's rayClusterDeletionDelaySeconds when not set
 
 
 @dataclass
@@ -197,7 +206,8 @@ def _built_deployment_infos(app_name: str, config: Any) -> dict[str, Any]:
     from glm53.deployments.app import ingress_app, server_app
 
     device = config.device or "cuda"
-    app = ingress_app({config.model_name: server_app(config, device)})
+    app = ingress_app({config.model_name: server_app(config, device)}, config.http,
+                      config.drain_timeout_s)
     built = serve_build_app(app, name=app_name)
     return {d.name: deploy_args_to_deployment_info(
                 deployment_name=d.name,
@@ -308,9 +318,72 @@ def check_cluster_spec(spec: dict, where: str, image: str | None = None) -> list
                 errors.append(f"{cw}: resources.requests != resources.limits")
             errors += [f"{cw}: port {p.get('containerPort')} has no name"
                        for p in c.get("ports", []) if not p.get("name")]
+        errors += _check_termination(template, f"{where}: group {name}")
         if name == "head":
             continue
         errors += _check_pair_pod(template, f"{where}: group {name}")
+    return errors
+
+
+def pre_stop_s(container: dict) -> float:
+    """Seconds a container's preStop hook sleeps (Kubernetes' sleep action or `sleep N`)."""
+    hook = container.get("lifecycle", {}).get("preStop", {})
+    if "sleep" in hook:
+        return float(hook["sleep"]["seconds"])
+    match = re.search(r"\bsleep\s+(\d+(?:\.\d+)?)\b",
+                      " ".join(hook.get("exec", {}).get("command", [])))
+    return float(match.group(1)) if match else 0.0
+
+
+def ray_drain_s(container: dict) -> float:
+    """How long `ray start` in this container drains its node on SIGTERM."""
+    value = next((e.get("value") for e in container.get("env", [])
+                  if e.get("name") == RAY_DRAIN_ENV), None)
+    return float(value) if value is not None else RAY_DRAIN_DEFAULT_S
+
+
+def _check_termination(template: dict, where: str) -> list[str]:
+    """Kubernetes sends SIGKILL terminationGracePeriodSeconds after the deletion; the preStop
+    hook and then Ray's node drain must both fit before it."""
+    spec = template.get("spec", {})
+    grace = spec.get("terminationGracePeriodSeconds", K8S_GRACE_DEFAULT_S)
+    errors = []
+    for c in spec.get("containers", []):
+        pre_stop, drain = pre_stop_s(c), ray_drain_s(c)
+        if grace <= pre_stop + drain:
+            errors.append(f"{where} container {c.get('name')}: terminationGracePeriodSeconds "
+                          f"{grace} must exceed the preStop sleep ({pre_stop:g} s) + "
+                          f"{RAY_DRAIN_ENV} ({drain:g} s): Kubernetes would kill Ray mid-drain")
+    return errors
+
+
+def check_drain(apps: dict[str, Any], spec: dict, where: str) -> list[str]:
+    """A RayService's replicas drain for up to graceful_shutdown_timeout_s: Ray's node drain
+    on every pod (replicas and proxies may run on any) and the old cluster's life after an
+    upgrade switched traffic must be at least that long."""
+    timeouts = {f"{app_name!r} deployment {name!r}": info.deployment_config
+                .graceful_shutdown_timeout_s
+                for app_name, (_, infos) in apps.items() for name, info in infos.items()}
+    if not timeouts:
+        return []
+    longest = max(timeouts, key=timeouts.get)
+    need = timeouts[longest]
+    errors = []
+    delay = spec.get("rayClusterDeletionDelaySeconds", DELETION_DELAY_DEFAULT_S)
+    if delay < need:
+        errors.append(f"{where}: rayClusterDeletionDelaySeconds {delay} < graceful_shutdown_"
+                      f"timeout_s {need:g} of application {longest}: an upgrade would delete "
+                      "the old cluster while its requests drain")
+    cluster = spec.get("rayClusterConfig", {})
+    groups = [("head", cluster.get("headGroupSpec", {}))] + [
+        (g.get("groupName"), g) for g in cluster.get("workerGroupSpecs", [])]
+    for group_name, group in groups:
+        for c in group.get("template", {}).get("spec", {}).get("containers", []):
+            if ray_drain_s(c) < need:
+                errors.append(f"{where}: group {group_name} container {c.get('name')}: "
+                              f"{RAY_DRAIN_ENV} {ray_drain_s(c):g} < graceful_shutdown_"
+                              f"timeout_s {need:g} of application {longest}: a pod deletion "
+                              "would stop Ray before its replicas drained")
     return errors
 
 
@@ -383,6 +456,7 @@ def check_document(doc: dict, source: str, image: str | None = None) -> Report:
         cluster = spec.get("rayClusterConfig", {})
         report.errors += check_cluster_spec(cluster, where, image)
         report.errors += check_serve_against_cluster(apps, cluster, where)
+        report.errors += check_drain(apps, spec, where)
     elif kind == "RayCluster":
         report.errors += check_cluster_spec(spec, where, image)
     elif kind == "PrometheusRule":

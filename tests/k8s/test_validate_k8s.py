@@ -214,12 +214,41 @@ def test_serve_config_typos_fail(vk, edit, message):
     (lambda d: d["spec"]["upgradeStrategy"].update(type="BlueGreen"), "upgradeStrategy.type"),
     (lambda d: d["spec"]["rayClusterConfig"]["workerGroupSpecs"][0]["template"]["spec"]
      ["containers"][0]["volumeMounts"][1].pop("readOnly"), "/model must be a read-only"),
+    (lambda d: d["spec"]["rayClusterConfig"]["workerGroupSpecs"][0]["template"]["spec"]
+     .update(terminationGracePeriodSeconds=300), "terminationGracePeriodSeconds 300 must "
+     "exceed the preStop sleep (15 s) + RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S (310 s)"),
+    (lambda d: d["spec"]["rayClusterConfig"]["headGroupSpec"]["template"]["spec"]
+     ["containers"][0].update(env=[]), "group head container ray-head: "
+     "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S 30 < graceful_shutdown_timeout_s 300"),
+    (lambda d: d["spec"].update(rayClusterDeletionDelaySeconds=60),
+     "rayClusterDeletionDelaySeconds 60 < graceful_shutdown_timeout_s 300"),
 ])
 def test_convention_violations_fail(vk, edit, message):
     doc = _doc("ray-service.lang-mtp3.yaml")
     edit(doc)
     report = vk.check_document(doc, "typo")
     assert any(message in e for e in report.errors), report.errors
+
+
+def test_drain_timeout_drives_both_deployments_and_the_pods(vk):
+    """`drain_timeout_s` in the app's args sets both deployments' graceful shutdown; a longer
+    one than the pods' Ray drain fails, as does a dev cluster without a grace period."""
+    doc = _doc("ray-service.lang-mtp3.yaml")
+    serve = _serve(doc)
+    _, apps = vk.check_serve_config(serve, "x")
+    _, infos = apps["glm53"]
+    assert {name: info.deployment_config.graceful_shutdown_timeout_s
+            for name, info in infos.items()} == {"OpenAIIngress": 300,
+                                                 "LLMServer:glm-5.3-flash": 300}
+    serve["applications"][0]["args"]["drain_timeout_s"] = 600
+    report = vk.check_document(_with_serve(doc, serve), "typo")
+    assert any("RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S 310 < graceful_shutdown_timeout_s 600"
+               in e for e in report.errors), report.errors
+    dev = _doc("ray-cluster.dev.yaml")
+    del dev["spec"]["workerGroupSpecs"][0]["template"]["spec"]["terminationGracePeriodSeconds"]
+    report = vk.check_document(dev, "typo")
+    assert any("group gpu-pair container ray-worker: terminationGracePeriodSeconds 30 must "
+               "exceed" in e for e in report.errors), report.errors
 
 
 def test_engine_size_must_match_the_pair(vk):
