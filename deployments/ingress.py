@@ -32,6 +32,7 @@ from ray.serve.exceptions import (
 )
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from .caller_watch import Caller
 from .config import HTTPConfig
 from .drain import DrainGate, DrainState
 from .http_guard import mount_http_guard
@@ -191,6 +192,8 @@ class OpenAIIngress:
         self.servers = servers
         self.http = http or HTTPConfig()
         self.drain_state = DrainState()
+        # passed with each generation call: the LLM server aborts our requests if we die
+        self.caller = Caller.current()
 
     def __serve_build_asgi_app__(self) -> FastAPI:
         """Serve calls this in the replica after __init__, before the first request: the
@@ -238,7 +241,7 @@ class OpenAIIngress:
     async def _generate(self, method: str, body: Any, request: Request) -> Response:
         rid = request_id(request)
         handle = self._server(body.model)
-        stream = getattr(handle.options(stream=True), method).remote(body, rid)
+        stream = getattr(handle.options(stream=True), method).remote(body, rid, self.caller)
         try:
             first = await stream.__anext__()
             if isinstance(first, APIError):

@@ -34,6 +34,7 @@ from typing import Any
 from glm53.actors.step import SamplingParams, StructuredOutput
 from glm53.raycluster.scheduler import RequestRejectedError
 
+from .caller_watch import Caller, CallerWatch
 from .chat import (
     MARKER_TOKENS,
     THINK_END,
@@ -91,6 +92,7 @@ class LLMServer:
         self.defaults = _generation_defaults(self.model_dir)
         self.created = int(time.time())
         self._outstanding = 0  # engine requests submitted and not yet finished
+        self.callers = CallerWatch()
         self.max_prompt_chars = self.engine.max_model_len * MAX_PROMPT_CHARS_PER_TOKEN
         self._prepare_pool = ThreadPoolExecutor(PREPARE_THREADS, thread_name_prefix="prepare")
         logger.info("%s ready on %s: %s; %s", self.model_name, device, self.engine.capacity,
@@ -177,9 +179,10 @@ class LLMServer:
                            RETRY_AFTER) from None
 
     # ----- generation endpoints -----
-    async def chat(self, request: ChatCompletionRequest,
-                   request_id: str = "") -> AsyncIterator[Any]:
-        """`request_id`: the HTTP request's id, named in errors and logs."""
+    async def chat(self, request: ChatCompletionRequest, request_id: str = "",
+                   caller: Caller | None = None) -> AsyncIterator[Any]:
+        """`request_id`: the HTTP request's id, named in errors and logs; `caller`: the
+        ingress replica relaying the response (its death aborts the request)."""
         arrival = time.monotonic()
         try:
             prompt_ids, reasoning_start, tools, forced, structured = await self._off_loop(
@@ -202,11 +205,12 @@ class LLMServer:
         choices = [self._choice(i, request, len(prompt_ids), reasoning_start, tools,
                                 tool_prefix=forced) for i in range(request.n)]
         runs = [(prompt_ids, p) for p in params]
-        async for item in self._respond("chat", request, runs, choices, arrival, request_id):
+        async for item in self._respond("chat", request, runs, choices, arrival, request_id,
+                                        caller):
             yield item
 
-    async def completions(self, request: CompletionRequest,
-                          request_id: str = "") -> AsyncIterator[Any]:
+    async def completions(self, request: CompletionRequest, request_id: str = "",
+                          caller: Caller | None = None) -> AsyncIterator[Any]:
         arrival = time.monotonic()
         try:
             if request.suffix is not None:
@@ -229,7 +233,7 @@ class LLMServer:
                 choices.append(self._choice(index, request, len(prompt_ids), None, None,
                                             echo_ids=prompt_ids if request.echo else None))
         async for item in self._respond("completion", request, runs, choices, arrival,
-                                        request_id):
+                                        request_id, caller):
             yield item
 
     # ----- request preparation (in the prepare threads) -----
@@ -369,7 +373,8 @@ class LLMServer:
 
     # ----- running the choices -----
     async def _respond(self, kind: str, request: Any, runs: list, choices: list[ChoiceState],
-                       arrival: float, http_id: str) -> AsyncIterator[Any]:
+                       arrival: float, http_id: str,
+                       caller: Caller | None = None) -> AsyncIterator[Any]:
         http_id = http_id or uuid.uuid4().hex  # callers other than the ingress may give none
         try:
             self.engine.check_health()
@@ -401,12 +406,13 @@ class LLMServer:
         fmt = ResponseFormatter(kind, response_id, self.created, self.model_name, request, choices,
                          self.texts)
         try:
-            if request.stream:
-                yield True
-                async for batch in self._stream(queue, len(tasks), fmt):
-                    yield batch
-            else:
-                yield await self._collect(queue, len(tasks), fmt)
+            with self.callers.watch(caller, tasks):
+                if request.stream:
+                    yield True
+                    async for batch in self._stream(queue, len(tasks), fmt):
+                        yield batch
+                else:
+                    yield await self._collect(queue, len(tasks), fmt)
         finally:
             for task in tasks:
                 task.cancel()

@@ -135,3 +135,66 @@ def test_killed_worker_of_a_tp2_replica_ends_every_stream(base_url):
     assert "error" in outcomes
     _recovers(base_url, "pair")
     assert set(_worker_pids()).isdisjoint(pids)  # a new replica with new workers
+
+
+def test_killed_ingress_aborts_its_requests_in_the_engine(base_url):
+    """A stream whose ingress replica dies is aborted in the engine, not generated to the end:
+    its requests finish as aborted (not by length), and nothing runs soon after the kill."""
+    import ray
+    from ray import serve
+
+    def ingress_actor():
+        for entry in ray.util.list_named_actors(all_namespaces=True):
+            if "SERVE_REPLICA" in entry["name"] and "OpenAIIngress" in entry["name"]:
+                return ray.get_actor(entry["name"], namespace=entry["namespace"])
+        raise AssertionError("no ingress replica")
+
+    server = serve.get_deployment_handle("LLMServer:solo", app_name="chaos-test")
+
+    def sample(text: bytes, prefix: str) -> float:
+        line = next(ln for ln in text.decode().splitlines() if ln.startswith(prefix))
+        return float(line.rsplit(" ", 1)[1])
+
+    def running(text: bytes) -> float:
+        return sample(text, "vllm:num_requests_running")
+
+    def finished(reason: str) -> float:
+        """vllm:request_success_total of one finish reason."""
+        text = server.metrics_text.remote().result().decode()
+        return sum(float(ln.rsplit(" ", 1)[1]) for ln in text.splitlines()
+                   if ln.startswith("vllm:request_success_total{")
+                   and f'finished_reason="{reason}"' in ln)
+
+    async def streams():
+        async with httpx.AsyncClient(base_url=base_url, timeout=STREAM_BOUND_S) as client:
+            body = {"model": "solo", "prompt": "long", "max_tokens": 480, "stream": True,
+                    "ignore_eos": True}
+            tasks = [asyncio.create_task(client.post("/v1/completions", json=body))
+                     for _ in range(8)]
+            await asyncio.sleep(1.5)
+            assert running(await server.metrics_text.remote()) > 0
+            ray.kill(ingress_actor(), no_restart=True)
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    before = {reason: finished(reason) for reason in ("abort", "length")}
+    asyncio.run(streams())
+    deadline = time.monotonic() + 20
+    while running(server.metrics_text.remote().result()) > 0:
+        assert time.monotonic() < deadline, "the engine kept generating for a dead ingress"
+        time.sleep(0.5)
+    after = {reason: finished(reason) for reason in ("abort", "length")}
+    assert (after["abort"] - before["abort"], after["length"] - before["length"]) == (8, 0)
+    _recovers_health(base_url)
+
+
+def _recovers_health(base_url: str) -> None:
+    deadline = time.monotonic() + RECOVERY_BOUND_S
+    with httpx.Client(base_url=base_url, timeout=10) as client:
+        while time.monotonic() < deadline:
+            try:
+                if client.get("/health").status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+    pytest.fail("the ingress was not replaced")
