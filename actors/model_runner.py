@@ -20,10 +20,10 @@ from .loader import DTYPES, load_model
 from .memory_plan import MemoryPlan, plan_memory
 from .parallel import ParallelState
 from .sampler import Sampler, gather_logprobs
-from .spec.dflash import DFlashProposer
-from .spec.dflash_model import load_draft
-from .spec.mtp import MTPProposer
-from .spec.verify import accept_drafts
+from .speculative.dflash import DFlashProposer
+from .speculative.dflash_model import load_draft
+from .speculative.mtp import MTPProposer
+from .speculative.verify import accept_drafts
 from .step import StepInput, StepOutput
 
 logger = logging.getLogger(__name__)

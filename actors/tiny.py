@@ -200,7 +200,7 @@ def write_tiny_draft(out_dir: str | Path, target: ModelConfig, seed: int = 0,
                      block_size: int = 8) -> Path:
     """A tiny DFlash2 draft checkpoint (HF layout) matching `target`'s hidden size and
     vocabulary: 2 layers, a 16-token sliding window (so tests cross it), block_size drafts."""
-    from .spec.dflash_model import DFlashConfig, DFlashDraftModel
+    from .speculative.dflash_model import DFlashConfig, DFlashDraftModel
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)

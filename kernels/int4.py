@@ -1,4 +1,4 @@
-"""INT4 routed experts (twins of `kernels/ref/int4.py`; storage format in notes/spec17.md).
+"""INT4 routed experts (twins of `kernels/ref/int4.py`, whose docstring gives the storage format).
 
 Two paths, both starting like `moe.fused_moe`: the (token, expert) pairs are stably sorted by
 local expert (other EP ranks' experts sort last and are never visited) and `offs[e]` (the end

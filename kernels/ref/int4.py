@@ -1,4 +1,4 @@
-"""Reference INT4 routed experts: group-wise asymmetric 4-bit weights (notes/spec17.md).
+"""Reference INT4 routed experts: group-wise asymmetric 4-bit weights.
 
 Storage of one linear weight W [N, Kin] (nn.Linear layout [out, in]) with group size g along the
 input dim: q uint8 [N, Kin/2] holds two 4-bit codes per byte (low nibble = even input column),

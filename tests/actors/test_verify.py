@@ -8,7 +8,7 @@ import numpy as np
 import torch
 
 from glm53.actors.sampler import Sampler, build_sampling_inputs
-from glm53.actors.spec.verify import accept_drafts
+from glm53.actors.speculative.verify import accept_drafts
 from glm53.actors.step import SamplingParams
 
 

@@ -9,7 +9,7 @@ import pytest
 
 from glm53.actors.config import ModelConfig
 from glm53.actors.loader import read_config
-from glm53.actors.spec.dflash_model import DFlashConfig, load_draft
+from glm53.actors.speculative.dflash_model import DFlashConfig, load_draft
 from glm53.actors.step import SamplingParams
 from glm53.actors.tiny import write_tiny_draft
 from glm53.deployments.tiny_model import make_tiny
