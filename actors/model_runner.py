@@ -1,6 +1,7 @@
 """ModelRunner: StepInput (host arrays) -> tensors -> model over the paged caches -> logits rows
 -> sampler -> StepOutput. Owns the model shard, its caches and the sampler of one worker; every
-rank runs the same forward (the collectives need all of them), only rank 0 samples.
+rank runs the same forward (the collectives need all of them) and samples the same gathered logits;
+only rank 0 answers with the StepOutput.
 
 On CUDA, uniform decode / verify steps replay a captured graph of the forward + lm_head
 (cuda_graphs.py); every other step, and every step under `enforce_eager`, runs eagerly."""

@@ -14,7 +14,6 @@ nothing is silently ignored. Parallel sizes pass through to `EngineConfig`.
 
 from __future__ import annotations
 
-import dataclasses
 from pathlib import Path
 from typing import Any, Literal
 
@@ -25,11 +24,6 @@ from glm53.raycluster.config import EngineConfig
 CPU_CACHE_BYTES = 256 * 2**20  # default KV/state budget on CPU when no size is given
 DEFAULT_PROFILE = "lang-mtp3"
 TINY_MODEL_NAME = "glm53-tiny"
-
-
-def _engine_has(field: str) -> bool:
-    """Whether this build's EngineConfig has `field` (features land there first)."""
-    return field in {f.name for f in dataclasses.fields(EngineConfig)}
 
 
 class NotSupportedYetError(ValueError):
@@ -222,14 +216,9 @@ class ServingConfig(BaseModel):
         def origin(field: str) -> str:
             return f" (from profile {self.profile})" if self.from_profile(field) else ""
 
-        if self.speculative.method == "dflash":
-            if not _engine_has("draft_model"):
-                problems.append(
-                    f"speculative decoding with dflash{origin('speculative')} is not supported "
-                    "yet; pass --speculative mtp or --speculative none")
-            elif not self.speculative.draft_model:
-                problems.append(f"speculative decoding with dflash{origin('speculative')} "
-                                "needs the drafter checkpoint (--draft-model DIR)")
+        if self.speculative.method == "dflash" and not self.speculative.draft_model:
+            problems.append(f"speculative decoding with dflash{origin('speculative')} "
+                            "needs the drafter checkpoint (--draft-model DIR)")
         if self.vision:
             problems.append(f"vision input{origin('vision')} is not supported yet; use a "
                             "lang-* profile or --no-vision")

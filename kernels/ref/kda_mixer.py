@@ -1,8 +1,9 @@
 """Reference KDA token mixer: everything between a KDA layer's projections and its o_proj.
 
 The composition of the ops in `kernels/ref/kda.py` (conv + SiLU, decay gate, sigmoid beta, the
-gated delta rule over state slots, gated RMSNorm). Its Triton twin fuses all of it into one
-launch for decode and verification steps, where the separate launches dominate the time.
+gated delta rule over state slots, gated RMSNorm). Its Triton twin runs decode and
+verification steps in three launches instead of six (the fused conv/gate/beta/norm/recurrence
+kernel, the window write, the gated RMSNorm), where the separate launches dominate the time.
 """
 
 from __future__ import annotations

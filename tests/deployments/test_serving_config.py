@@ -163,13 +163,7 @@ def test_build_app_is_the_serve_import_path():
     assert isinstance(app, Application)
 
 
-def test_dflash_follows_what_the_engine_supports(monkeypatch):
-    from glm53.deployments import config as config_module
-
-    monkeypatch.setattr(config_module, "_engine_has", lambda field: False)
-    with pytest.raises(NotSupportedYetError, match="is not supported yet; pass --speculative"):
-        ServingConfig(profile="lang-dflash2").check_supported()
-    monkeypatch.setattr(config_module, "_engine_has", lambda field: True)
+def test_dflash_needs_its_draft_checkpoint():
     with pytest.raises(NotSupportedYetError, match="needs the drafter checkpoint"):
         ServingConfig(profile="lang-dflash2").check_supported()
     ServingConfig(profile="lang-dflash2", speculative={
