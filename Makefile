@@ -29,7 +29,7 @@ HOST ?= 127.0.0.1
 PORT ?= 8000
 SERVE_ARGS ?=
 
-.PHONY: setup test serve lint clean distclean
+.PHONY: setup test test-all serve lint clean distclean
 
 setup: $(STAMP)
 
@@ -49,6 +49,10 @@ $(STAMP): pyproject.toml | $(PY)
 
 test: setup
 	$(TEST_ENV) $(PY) -m pytest -q -m "$(PYTEST_MARKERS)" $(PYTEST_ARGS)
+
+# Everything that runs without a GPU, the `slow` tier included (what CI runs).
+test-all: setup
+	$(TEST_ENV) $(PY) -m pytest -q -m "not gpu" $(PYTEST_ARGS)
 
 # Blocks serving the OpenAI API on http://$(HOST):$(PORT)/v1 until Ctrl-C.
 serve: setup

@@ -19,6 +19,9 @@ from glm53.deployments.app import ingress_app, server_app
 from glm53.deployments.config import ServingConfig
 from glm53.deployments.tiny_model import make_tiny
 
+# the full tier (make test-all, CI): kills parts of a served app, waits for Serve to heal it
+pytestmark = pytest.mark.slow
+
 STREAMS = 32
 STREAM_BOUND_S = 60  # every stream ends within this after the kill
 RECOVERY_BOUND_S = 120  # health is 200 again and requests are served

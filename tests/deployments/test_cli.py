@@ -275,6 +275,7 @@ def test_plan_memory_of_the_release(capsys: pytest.CaptureFixture[str]) -> None:
         main(["plan-memory", "--release", "exl3", "--speculative", "dflash:/nowhere"])
 
 
+@pytest.mark.slow  # starts a private Ray in a subprocess
 def test_serve_starts_a_private_ray_on_loopback():
     """Without RAY_ADDRESS, `glm53 serve` starts its own Ray whose listeners (GCS, raylet,
     workers) bind 127.0.0.1, not the machine's network address (a fresh process: the switch

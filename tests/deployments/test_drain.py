@@ -140,6 +140,7 @@ def _wait_serving(proc: subprocess.Popen, log: Path, timeout_s: float) -> None:
     raise AssertionError(f"glm53 serve not up in {timeout_s} s:\n{log.read_text()[-3000:]}")
 
 
+@pytest.mark.slow  # starts glm53 serve in a subprocess
 def test_serve_drains_on_sigterm(tmp_path: Path):
     """A stream running at SIGTERM completes with [DONE]; a request after it gets 503 +
     Retry-After and /health 503; the process exits 0. Before, SIGTERM killed the driver at

@@ -241,6 +241,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.slow  # serves the app through Ray Serve's proxy
 def test_guard_under_serve(served):
     key = {"Authorization": "Bearer served-key"}
     envelope(served.get("/v1/models"), 401, "invalid_api_key")

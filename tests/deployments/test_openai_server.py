@@ -26,6 +26,9 @@ from glm53.deployments.tiny_model import make_tiny
 from glm53.deployments.tokenizer import decode, load_tokenizer
 from tests.deployments.scripted_engine import ScriptedEngine
 
+# the full tier (make test-all, CI): serves three models through Ray Serve's HTTP proxy
+pytestmark = pytest.mark.slow
+
 GREEDY = {"temperature": 0, "extra_body": {"ignore_eos": True}}
 
 

@@ -16,6 +16,9 @@ from glm53.deployments.app import ingress_app, server_app
 from glm53.deployments.config import ServingConfig
 from glm53.deployments.tiny_model import make_tiny
 
+# the full tier (make test-all, CI): serves through Ray Serve, samples 70 constrained answers
+pytestmark = pytest.mark.slow
+
 SCHEMA = {
     "type": "object",
     "properties": {

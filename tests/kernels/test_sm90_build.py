@@ -18,6 +18,9 @@ from pathlib import Path
 
 import pytest
 
+# the full tier (make test-all, CI): compiles every Triton kernel for sm_90
+pytestmark = pytest.mark.slow
+
 triton = pytest.importorskip("triton")
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -18,6 +18,9 @@ from glm53.raycluster.engine import EngineDeadError, LLMEngine
 from glm53.raycluster.executor import RayExecutor, WorkerError
 from glm53.raycluster.request import FinishReason
 
+# the full tier (make test-all, CI): runs TP/EP/DCP engines as Ray worker actors
+pytestmark = pytest.mark.slow
+
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, prompt_logprobs=0)
 LAYOUTS = {"tp2": (2, 1, 1), "ep2": (1, 2, 1), "dcp2": (1, 1, 2), "tp2-ep2-dcp2": (2, 2, 2)}
 

@@ -13,6 +13,9 @@ from glm53.raycluster.executor import RayExecutor
 
 from .test_parallel import _config, _prompts, _run
 
+# the full tier (make test-all, CI): runs TP/EP/DCP engines as Ray worker actors
+pytestmark = pytest.mark.slow
+
 # EXL3 shards never cut a 128-wide Hadamard block: TP-sharded experts (no EP) need an expert
 # width of 2 x 128, the EP layouts keep whole experts
 EXL3_LAYOUTS = {"tp2": (2, 1, 1), "ep2": (1, 2, 1), "tp2-ep2-dcp2": (2, 2, 2)}
