@@ -13,12 +13,9 @@ import asyncio
 from collections.abc import AsyncIterator
 from pathlib import Path
 
-from glm53.actors.step import SamplingParams
 from glm53.deployments.config import ServingConfig
-from glm53.deployments.metrics import EngineStats
 from glm53.deployments.tokenizer import load_tokenizer
-from glm53.raycluster.engine import RequestOutput
-from glm53.raycluster.request import FinishReason
+from glm53.raycluster.api import EngineStats, FinishReason, RequestOutput, SamplingParams
 
 MARKER = "SCRIPT:"
 FAIL = "FAIL!"
@@ -69,9 +66,6 @@ class ScriptedEngine:
 
     def stats(self) -> EngineStats:
         return EngineStats(num_running=self.running)
-
-    def pop_times(self, request_id: str) -> tuple[float | None, float | None]:
-        return None, None
 
     def check_health(self) -> None:
         pass

@@ -13,7 +13,7 @@ import pytest
 from glm53.deployments.config import ServingConfig
 from glm53.deployments.llm_server import LLMServer
 from glm53.deployments.openai_schema import APIError, ChatCompletionRequest, CompletionRequest
-from glm53.raycluster.engine import EngineDeadError
+from glm53.raycluster.api import EngineDeadError
 from tests.deployments.scripted_engine import ScriptedEngine
 
 LEAK = "ActorDiedError: actor 5f3ac0ffee at 10.0.0.7:6379, /home/ray/glm53/engine.py line 12"
