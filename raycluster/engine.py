@@ -1,9 +1,10 @@
 """The engine: requests in, token deltas out.
 
-`LLMEngine` is the synchronous core (add_request / abort / step). `AsyncEngine` runs its step
-loop in a worker thread and streams per-request deltas to asyncio consumers; requests and
-aborts from the event loop are queued and applied between steps, so the core stays
-single-threaded.
+`LLMEngine` is the synchronous core (add_request / abort / step / stats). `AsyncEngine` runs
+its step loop in a worker thread and streams per-request deltas to asyncio consumers; requests
+and aborts from the event loop are queued and applied between steps, so the core stays
+single-threaded. Each delta carries its request's timing (queued, first scheduled, first
+token, finished), stamped by the engine as the step loop reaches each milestone.
 """
 
 from __future__ import annotations
