@@ -188,8 +188,13 @@ def _plan_parser(sub) -> None:
 
 
 def _plan_memory(args) -> int:
-    from glm53.actors.memory_plan import GiB, MemoryPlanError, plan_for_config
-    from glm53.actors.release import exl3_release_config, release_config
+    from glm53.raycluster.api import (
+        GiB,
+        MemoryPlanError,
+        exl3_release_config,
+        plan_for_config,
+        release_config,
+    )
 
     if args.model:
         path = args.model / "config.json"
@@ -465,14 +470,18 @@ def _shutdown(ray, serve, graceful: bool) -> None:
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from glm53.actors.config import UnsupportedConfigError
-    from glm53.actors.loader import read_config
-    from glm53.actors.step import SamplingParams
-    from glm53.actors.weights import CheckpointError
-    from glm53.raycluster.config import EngineConfig
-    from glm53.raycluster.engine import EngineDeadError, LLMEngine
-    from glm53.raycluster.executor import InProcessExecutor, RayExecutor, WorkerError
-    from glm53.raycluster.scheduler import RequestRejectedError
+    from glm53.raycluster.api import (
+        CheckpointError,
+        EngineConfig,
+        EngineDeadError,
+        LLMEngine,
+        RequestRejectedError,
+        SamplingParams,
+        UnsupportedConfigError,
+        WorkerError,
+        make_executor,
+        read_config,
+    )
 
     from .tiny_model import embedded_tiny_model
     from .tokenizer import apply_chat_template, decode, load_tokenizer
@@ -511,9 +520,7 @@ def _generate(args: argparse.Namespace) -> int:
             expert_parallel_size=args.ep, decode_context_parallel_size=args.dcp,
             speculative_method=args.speculative[0], num_speculative_tokens=args.speculative[1],
             draft_model=args.speculative[2], enforce_eager=args.enforce_eager)
-        executor = (RayExecutor(config, progress=not args.json) if config.world_size > 1
-                    else InProcessExecutor(config, progress=not args.json))
-        engine = LLMEngine(config, executor)
+        engine = LLMEngine(config, make_executor(config, progress=not args.json))
         try:
             outputs = engine.generate(prompts, params)
         finally:
@@ -538,8 +545,7 @@ def main(argv: list[str] | None = None) -> int:
         from .tiny_model import embedded_tiny_model, make_tiny
 
         if args.dflash:
-            from glm53.actors.loader import read_config
-            from glm53.actors.tiny import write_tiny_draft
+            from glm53.raycluster.api import read_config, write_tiny_draft
 
             target = read_config(args.target or embedded_tiny_model())
             path = write_tiny_draft(args.out, target, seed=args.seed)

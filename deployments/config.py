@@ -15,11 +15,12 @@ nothing is silently ignored. Parallel sizes pass through to `EngineConfig`.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, SecretStr, model_validator
 
-from glm53.raycluster.config import EngineConfig
+if TYPE_CHECKING:  # imported where used: the CLI reads this module and should start fast
+    from glm53.raycluster.api import EngineConfig
 
 CPU_CACHE_BYTES = 256 * 2**20  # default KV/state budget on CPU when no size is given
 DEFAULT_PROFILE = "lang-mtp3"
@@ -231,6 +232,8 @@ class ServingConfig(BaseModel):
     def engine_config(self, model_dir: str | Path, device: str,
                       max_model_len: int | None = None) -> EngineConfig:
         """The EngineConfig of one replica (`max_model_len` overrides, e.g. after clamping)."""
+        from glm53.raycluster.api import EngineConfig
+
         cache_bytes = self.cache_bytes
         if cache_bytes is None and self.num_blocks is None and not device.startswith("cuda"):
             cache_bytes = CPU_CACHE_BYTES

@@ -3,8 +3,8 @@
 `EngineClient` is the interface the server is written against, so tests can inject a scripted
 engine (Ray Serve LLM's pattern of injecting the engine class). `LocalEngine` is the real one:
 an `LLMEngine` (in-process executor, or the Ray executor for parallel layouts) driven by
-`AsyncEngine` inside this replica. It also remembers each request's engine-side timestamps
-(queued, first scheduled) for the latency metrics, and counts preemptions.
+`AsyncEngine` inside this replica. The engine itself records each request's timing (carried
+by its outputs) and its own counters (`stats`).
 """
 
 from __future__ import annotations
@@ -12,20 +12,22 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Protocol
 
-from glm53.actors.step import SamplingParams
-from glm53.raycluster.config import EngineConfig
-from glm53.raycluster.constraints import OutputConstraints
-from glm53.raycluster.engine import AsyncEngine, LLMEngine, RequestOutput
-from glm53.raycluster.request import Request
+from glm53.raycluster.api import (
+    AsyncEngine,
+    EngineStats,
+    LLMEngine,
+    OutputConstraints,
+    RequestOutput,
+    SamplingParams,
+    make_executor,
+)
 
 from .chat import THINK_END
 from .config import ServingConfig
-from .metrics import EngineStats
 from .tokenizer import load_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -51,69 +53,11 @@ class EngineClient(Protocol):
 
     def stats(self) -> EngineStats: ...
 
-    def pop_times(self, request_id: str) -> tuple[float | None, float | None]:
-        """(queued, first scheduled) monotonic times of a finished request, if known."""
-        ...
-
     def check_health(self) -> None:
         """Raise if the engine can no longer serve."""
         ...
 
     def shutdown(self) -> None: ...
-
-
-class _TrackedEngine(LLMEngine):
-    """LLMEngine that keeps its requests' queue/schedule times and counts preemptions."""
-
-    def __init__(self, config: EngineConfig, executor,
-                 constraints: OutputConstraints | None = None) -> None:
-        super().__init__(config, executor, constraints)
-        self.times: dict[str, list[float | None]] = {}  # id -> [queued, first scheduled]
-        self.num_preemptions = 0
-        schedule = self.scheduler.schedule
-
-        def timed_schedule():
-            out = schedule()
-            now = time.monotonic()
-            self.num_preemptions += len(out.preempted)
-            for item in out.scheduled:
-                entry = self.times.get(item.request.request_id)
-                if entry is not None and entry[1] is None:
-                    entry[1] = now
-            return out
-
-        # NOTE: wraps the instance's method rather than editing the scheduler: timing is a
-        # serving concern, and the scheduler stays free of clocks.
-        self.scheduler.schedule = timed_schedule
-
-    def add_request(self, prompt_ids, params, request_id=None) -> str:
-        request_id = super().add_request(prompt_ids, params, request_id)
-        request: Request = self.scheduler.requests[request_id]
-        self.times[request_id] = [request.arrival_time, None]
-        return request_id
-
-
-def _spec_totals(engine: LLMEngine) -> dict:
-    spec = getattr(engine, "spec_stats", None)
-    if spec is None:
-        return {}
-    return {"spec_num_drafts": spec.num_verify_steps, "spec_num_draft_tokens": spec.num_drafts,
-            "spec_num_accepted_tokens": spec.num_accepted,
-            "spec_accepted_per_pos": tuple(spec.accepted_per_position)}
-
-
-def make_executor(config: EngineConfig):
-    """The engine's executor for `config` (the Ray executor when it spans several GPUs)."""
-    from glm53.raycluster import engine as engine_module
-    from glm53.raycluster.executor import InProcessExecutor
-
-    factory = getattr(engine_module, "make_executor", None)
-    if factory is not None:
-        return factory(config)
-    if config.world_size > 1:
-        raise NotImplementedError("tensor/expert/decode-context parallel sizes > 1 are not "
-                                  "supported yet by this engine build")
-    return InProcessExecutor(config)
 
 
 class LocalEngine:
@@ -134,7 +78,7 @@ class LocalEngine:
             self.constraints = OutputConstraints.from_tokenizer(
                 tokenizer, mc.vocab_size, mc.eos_token_ids,
                 tokenizer.get_added_vocab().get(THINK_END))
-            self.engine = _TrackedEngine(engine_config, executor, self.constraints)
+            self.engine = LLMEngine(engine_config, executor, self.constraints)
         except BaseException:
             executor.shutdown()
             raise
@@ -157,22 +101,11 @@ class LocalEngine:
         await self.async_engine.abort(request_id)
 
     def stats(self) -> EngineStats:
-        scheduler = self.engine.scheduler
-        slots = scheduler.slots
-        return EngineStats(
-            num_running=len(scheduler.running), num_waiting=len(scheduler.waiting),
-            kv_cache_usage=scheduler.blocks.usage,
-            state_slot_usage=slots.num_allocated / slots.num_slots,
-            num_preemptions=self.engine.num_preemptions, **_spec_totals(self.engine))
-
-    def pop_times(self, request_id: str) -> tuple[float | None, float | None]:
-        entry = self.engine.times.pop(request_id, None)
-        return (entry[0], entry[1]) if entry else (None, None)
+        return self.engine.stats()
 
     def check_health(self) -> None:
-        dead = getattr(self.engine, "dead", None)  # set when the workers failed
-        if dead:
-            raise RuntimeError(f"engine is dead: {dead}")
+        if self.engine.dead:  # set when the workers or the step loop failed
+            raise RuntimeError(f"engine is dead: {self.engine.dead}")
 
     def shutdown(self) -> None:
         self.engine.shutdown()

@@ -31,8 +31,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from glm53.actors.step import SamplingParams, StructuredOutput
-from glm53.raycluster.scheduler import RequestRejectedError
+from glm53.raycluster.api import RequestRejectedError, SamplingParams, StructuredOutput
 
 from .caller_watch import Caller, CallerWatch
 from .chat import (
@@ -426,6 +425,9 @@ class LLMServer:
         try:
             async for out in stream:
                 now = time.monotonic()
+                if out.timing is not None:
+                    times.engine_arrival = out.timing.queued
+                    times.scheduled = out.timing.first_scheduled
                 self.metrics.tokens(times, len(out.new_token_ids), out.num_prompt_tokens, now)
                 delta = choice.feed(out)
                 if choice.error is not None:
@@ -446,7 +448,6 @@ class LLMServer:
                 # submission, so the request cannot run on unobserved
                 await self.engine.abort(request_id)
             self._outstanding -= 1
-            times.engine_arrival, times.scheduled = self.engine.pop_times(request_id)
             reason = "error" if choice.error else choice.finish_reason or "abort"
             self.metrics.finished(times, reason, time.monotonic())
             queue.put_nowait(None)  # this choice is over

@@ -7,16 +7,20 @@ Labels stay low-cardinality: model name, finish reason, draft position — never
 
 Engine gauges are read from the engine when scraped; per-request latencies are observed by the
 server from the delta stream (server clock, `time.monotonic`) plus the engine's queue and
-schedule timestamps (same clock, same process).
+schedule timestamps (`RequestOutput.timing`: same clock, same process).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import prometheus_client
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+if TYPE_CHECKING:
+    from glm53.raycluster.api import EngineStats
 
 prometheus_client.disable_created_metrics()  # vLLM exports no `_created` series either
 
@@ -32,23 +36,6 @@ LATENCY_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.
                    60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0]
 TOKEN_BUCKETS = [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000,
                  100000, 200000, 500000]
-
-
-@dataclass(frozen=True)
-class EngineStats:
-    """A snapshot of the engine's scheduler and ledgers."""
-
-    num_running: int = 0
-    num_waiting: int = 0
-    kv_cache_usage: float = 0.0  # fraction of usable KV blocks handed out
-    state_slot_usage: float = 0.0  # fraction of KDA state slots handed out
-    num_preemptions: int = 0  # cumulative
-    # speculative decoding, cumulative (vLLM meanings): verify steps that carried drafts,
-    # draft tokens proposed, draft tokens accepted, accepted tokens by draft position
-    spec_num_drafts: int = 0
-    spec_num_draft_tokens: int = 0
-    spec_num_accepted_tokens: int = 0
-    spec_accepted_per_pos: tuple[int, ...] = ()
 
 
 @dataclass

@@ -17,7 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from glm53.raycluster.engine import RequestOutput, TokenLogprob
+from glm53.raycluster.api import RequestOutput, TokenLogprob
 
 from .chat import THINK_END, THINK_START, ReasoningParser, ToolCall, ToolCallParser
 from .detokenizer import IncrementalDetokenizer, StopStrings

@@ -11,13 +11,13 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from glm53.actors.tiny import (
+from glm53.raycluster.api import (
+    cache_dir,
     exl3_quantization_config,
-    release_config,
+    tiny_release_config,
     tiny_text_config,
     write_tiny_checkpoint,
 )
-from glm53.raycluster import envs
 
 from .provenance import write_manifest
 from .tiny_tokenizer import write_tiny_tokenizer
@@ -45,7 +45,8 @@ def make_tiny(out_dir: str | Path, seed: int = 0, layers: int = 5, mtp: bool = F
     text = tiny_text_config(layers, mtp=mtp, **text_overrides)
     if text["vocab_size"] < ids.vocab_size:
         raise ValueError(f"vocab_size {text['vocab_size']} < tokenizer size {ids.vocab_size}")
-    config = release_config(text, eos_token_ids=ids.eos_token_ids, pad_token_id=ids.pad_token_id)
+    config = tiny_release_config(text, eos_token_ids=ids.eos_token_ids,
+                                 pad_token_id=ids.pad_token_id)
     if exl3:
         config["quantization_config"] = exl3_quantization_config()
     return write_tiny_checkpoint(out, config, seed=seed)
@@ -53,7 +54,7 @@ def make_tiny(out_dir: str | Path, seed: int = 0, layers: int = 5, mtp: bool = F
 
 def embedded_tiny_model() -> Path:
     """Path of the embedded tiny checkpoint, built on first use (atomically)."""
-    target = envs.cache_dir() / f"tiny-v{EMBEDDED_TINY_VERSION}"
+    target = cache_dir() / f"tiny-v{EMBEDDED_TINY_VERSION}"
     if (target / "config.json").exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)

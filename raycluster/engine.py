@@ -1,9 +1,10 @@
 """The engine: requests in, token deltas out.
 
-`LLMEngine` is the synchronous core (add_request / abort / step). `AsyncEngine` runs its step
-loop in a worker thread and streams per-request deltas to asyncio consumers; requests and
-aborts from the event loop are queued and applied between steps, so the core stays
-single-threaded.
+`LLMEngine` is the synchronous core (add_request / abort / step / stats). `AsyncEngine` runs
+its step loop in a worker thread and streams per-request deltas to asyncio consumers; requests
+and aborts from the event loop are queued and applied between steps, so the core stays
+single-threaded. Each delta carries its request's timing (queued, first scheduled, first
+token, finished), stamped by the engine as the step loop reaches each milestone.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import asyncio
 import itertools
 import logging
 import random
+import time
 from collections import deque
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -22,10 +24,11 @@ from .batch import build_step_input
 from .block_pool import BlockPool
 from .config import EngineConfig
 from .constraints import OutputConstraints, RequestConstraint
-from .executor import Executor, InProcessExecutor, RayExecutor
-from .request import FinishReason, Request
+from .executor import Executor, make_executor
+from .request import FinishReason, Request, RequestTiming
 from .scheduler import RequestRejectedError, Scheduler, SchedulerOutput
 from .state_slots import StateSlotPool
+from .stats import EngineStats, SpecStats
 
 logger = logging.getLogger(__name__)
 
@@ -50,10 +53,20 @@ class RequestOutput:
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
     error: str | None = None  # with FinishReason.ERROR
+    timing: RequestTiming | None = None  # the engine's milestones so far (None: unknown)
 
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+
+def _output(request: Request, tokens: list[int] | None = None,
+            logprobs: list[TokenLogprob] | None = None,
+            prompt_logprobs: list[TokenLogprob] | None = None,
+            error: str | None = None) -> RequestOutput:
+    return RequestOutput(request.request_id, tokens or [], request.finish_reason, logprobs,
+                         prompt_logprobs, len(request.prompt_ids), len(request.output_ids),
+                         error, request.timing)
 
 
 def _token_logprobs(lp: Logprobs, row: int, k: int, token: int) -> TokenLogprob:
@@ -62,42 +75,8 @@ def _token_logprobs(lp: Logprobs, row: int, k: int, token: int) -> TokenLogprob:
     return TokenLogprob(token, float(lp.token_logprobs[row]), int(lp.ranks[row]), top)
 
 
-class SpecStats:
-    """Speculative decoding counters: drafts proposed / accepted, per draft position."""
-
-    def __init__(self, num_spec: int) -> None:
-        self.num_drafts = 0
-        self.num_accepted = 0
-        self.num_verify_steps = 0  # request-steps that verified at least one draft
-        self.accepted_per_position = [0] * num_spec
-        self.drafts_per_position = [0] * num_spec
-
-    def record(self, items, accepted: list[int] | None) -> None:
-        if accepted is None:
-            return
-        for item, a in zip(items, accepted, strict=True):
-            if not item.num_drafts or not item.samples:
-                continue
-            self.num_verify_steps += 1
-            self.num_drafts += item.num_drafts
-            self.num_accepted += a
-            for j in range(item.num_drafts):
-                self.drafts_per_position[j] += 1
-                self.accepted_per_position[j] += int(j < a)
-
-    @property
-    def mean_accepted_length(self) -> float:
-        """Tokens emitted per verify step (accepted drafts + the target's own token)."""
-        return 1 + self.num_accepted / self.num_verify_steps if self.num_verify_steps else 0.0
-
-
 class EngineDeadError(RuntimeError):
     """The engine's workers failed; start a new engine."""
-
-
-def make_executor(config: EngineConfig) -> Executor:
-    """One rank runs in-process; parallel layouts get one Ray actor per GPU."""
-    return RayExecutor(config) if config.world_size > 1 else InProcessExecutor(config)
 
 
 class LLMEngine:
@@ -122,6 +101,7 @@ class LLMEngine:
             StateSlotPool(plan.num_slots), config.max_num_batched_tokens, config.max_num_seqs,
             self.max_model_len, config.num_speculative_tokens)
         self.spec_stats = SpecStats(config.num_speculative_tokens)
+        self.num_preemptions = 0
         self.eos_ids = self.model_config.eos_token_ids
         self._rng = random.Random(config.seed)
         self._ids = itertools.count()
@@ -157,18 +137,31 @@ class LLMEngine:
         request = self.scheduler.abort(request_id)
         if request is None:
             return None
-        return RequestOutput(request_id, [], FinishReason.ABORT,
-                             num_prompt_tokens=len(request.prompt_ids),
-                             num_output_tokens=len(request.output_ids))
+        request.mark_finished(time.monotonic())
+        return _output(request)
 
     @property
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished
 
+    def stats(self) -> EngineStats:
+        scheduler, spec = self.scheduler, self.spec_stats
+        return EngineStats(
+            num_running=len(scheduler.running), num_waiting=len(scheduler.waiting),
+            kv_cache_usage=scheduler.blocks.usage,
+            state_slot_usage=scheduler.slots.num_allocated / scheduler.slots.num_slots,
+            num_preemptions=self.num_preemptions, spec_num_drafts=spec.num_verify_steps,
+            spec_num_draft_tokens=spec.num_drafts, spec_num_accepted_tokens=spec.num_accepted,
+            spec_accepted_per_pos=tuple(spec.accepted_per_position))
+
     def step(self) -> list[RequestOutput]:
         scheduled = self.scheduler.schedule()
+        self.num_preemptions += len(scheduled.preempted)
         if not scheduled.scheduled:
             return []
+        now = time.monotonic()
+        for item in scheduled.scheduled:
+            item.request.mark_scheduled(now)
         try:
             step = self._build(next(self._step_ids), scheduled.scheduled)
         except Exception:  # noqa: BLE001 - one request's data; find it, fail it, run the rest
@@ -184,19 +177,21 @@ class LLMEngine:
         self.spec_stats.record(items, accepted)
         progressed = self.scheduler.update(items, result.sampled.tolist(), self.eos_ids,
                                            accepted, drafts)
+        now = time.monotonic()
         outputs: list[RequestOutput] = []
         for p in progressed:
             request, logprobs = p.request, None
+            request.mark_token(now)
+            if request.finished:
+                request.mark_finished(now)
             if result.logprobs is not None and request.params.logprobs is not None:
                 logprobs = [_token_logprobs(result.logprobs, p.first_row + j,
                                             request.params.logprobs, token)
                             for j, token in enumerate(p.tokens)]
-            outputs.append(RequestOutput(
-                request.request_id, p.tokens, request.finish_reason, logprobs,
-                prompt_lps.pop(request.request_id, None), len(request.prompt_ids),
-                len(request.output_ids)))
-        for request_id, lps in prompt_lps.items():  # prompt chunks that sampled nothing yet
-            outputs.append(RequestOutput(request_id, [], None, None, lps))
+            outputs.append(_output(request, p.tokens, logprobs, prompt_lps.pop(request, None)))
+        for request, lps in prompt_lps.items():  # prompt chunks that sampled nothing yet
+            if not request.finished:  # (an abort during the step has had its output)
+                outputs.append(_output(request, prompt_logprobs=lps))
         return outputs
 
     def _build(self, step_id: int, items: list) -> StepInput:
@@ -216,11 +211,9 @@ class LLMEngine:
                 request = item.request
                 logger.exception("request %s cannot be run; failing it", request.request_id)
                 self.scheduler.finish(request, FinishReason.ERROR)
-                failed.append(RequestOutput(
-                    request.request_id, [], FinishReason.ERROR,
-                    num_prompt_tokens=len(request.prompt_ids),
-                    num_output_tokens=len(request.output_ids),
-                    error=f"request cannot be run: {type(exc).__name__}"))
+                request.mark_finished(time.monotonic())
+                failed.append(_output(request,
+                                      error=f"request cannot be run: {type(exc).__name__}"))
         if not failed:
             raise RuntimeError("a step input could not be built, yet each request builds alone")
         return failed
@@ -230,26 +223,23 @@ class LLMEngine:
         logger.error(message)
         self.dead = message
         failed = []
+        now = time.monotonic()
         for request in list(self.scheduler.requests.values()):
             self.scheduler.finish(request, FinishReason.ERROR)
-            failed.append(RequestOutput(request.request_id, [], FinishReason.ERROR,
-                                        num_prompt_tokens=len(request.prompt_ids),
-                                        num_output_tokens=len(request.output_ids),
-                                        error=message))
+            request.mark_finished(now)
+            failed.append(_output(request, error=message))
         return failed
 
-    def _prompt_logprobs(self, step, lp: Logprobs | None, items) -> dict[str, list]:
+    def _prompt_logprobs(self, step, lp: Logprobs | None, items) -> dict[Request, list]:
         if lp is None:
             return {}
-        out: dict[str, list[TokenLogprob]] = {}
+        out: dict[Request, list[TokenLogprob]] = {}
         for row, (seq, target, k) in enumerate(zip(step.prompt_logprob_seqs,
                                                    step.prompt_logprob_targets,
                                                    step.prompt_logprob_k, strict=True)):
             request = items[int(seq)].request
-            out.setdefault(request.request_id, []).append(
-                _token_logprobs(lp, row, int(k), int(target)))
-        for request_id, entries in out.items():
-            request = next(i.request for i in items if i.request.request_id == request_id)
+            out.setdefault(request, []).append(_token_logprobs(lp, row, int(k), int(target)))
+        for request, entries in out.items():
             request.num_prompt_logprobs_done += len(entries)
         return out
 

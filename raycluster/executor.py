@@ -189,3 +189,11 @@ class RayExecutor:
         if self._own_pg:
             ray.util.remove_placement_group(self.pg)
         self.workers = []
+
+
+def make_executor(config: EngineConfig, progress: bool = False) -> Executor:
+    """The executor for `config`: one rank runs in this process; parallel layouts get one Ray
+    actor per GPU. progress: show weight-loading progress."""
+    if config.world_size > 1:
+        return RayExecutor(config, progress=progress)
+    return InProcessExecutor(config, progress=progress)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import enum
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -33,13 +33,24 @@ class FinishReason(enum.StrEnum):
     ERROR = "error"  # the engine failed (e.g. a worker died); the output carries the message
 
 
+@dataclass(frozen=True)
+class RequestTiming:
+    """When the engine reached a request's milestones, in `time.monotonic` seconds (None: not
+    yet). Frozen and replaced at each milestone, so outputs can carry it to other threads."""
+
+    queued: float
+    first_scheduled: float | None = None
+    first_token: float | None = None
+    finished: float | None = None
+
+
 @dataclass(eq=False)
 class Request:
     request_id: str
     prompt_ids: list[int]
     params: SamplingParams
     seed: int  # the request's own seed, or one drawn by the engine
-    arrival_time: float = field(default_factory=time.monotonic)
+    timing: RequestTiming = field(default_factory=lambda: RequestTiming(time.monotonic()))
     output_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     status: RequestStatus = RequestStatus.WAITING
@@ -86,3 +97,16 @@ class Request:
     @property
     def finished(self) -> bool:
         return self.status == RequestStatus.FINISHED
+
+    # milestones keep their first time (a preempted request is scheduled again, recomputed)
+    def mark_scheduled(self, now: float) -> None:
+        if self.timing.first_scheduled is None:
+            self.timing = replace(self.timing, first_scheduled=now)
+
+    def mark_token(self, now: float) -> None:
+        if self.timing.first_token is None:
+            self.timing = replace(self.timing, first_token=now)
+
+    def mark_finished(self, now: float) -> None:
+        if self.timing.finished is None:
+            self.timing = replace(self.timing, finished=now)

@@ -3,6 +3,8 @@
 Static check with `ast` (nothing is imported): a layer may import only itself and the layers
 below it. Relative imports are resolved to absolute names first, so `from ..deployments import x`
 inside actors/ counts, and so do `importlib.import_module("glm53...")` calls with literal names.
+The serving layer (deployments/) sees the engine through one door, `glm53.raycluster.api`: it
+imports public names of that module only, and nothing from actors/ or kernels/ directly.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 LAYERS = ("kernels", "actors", "raycluster", "deployments")  # lowest first
 NAMESPACE = "glm53"
+ENGINE_API = f"{NAMESPACE}.raycluster.api"  # the one module deployments/ imports from below
 
 
 def _source_files() -> list[Path]:
@@ -37,6 +40,7 @@ class Imp:
     lineno: int
     relative: bool
     escapes: bool  # a relative import that climbs above glm53.<layer>
+    names_source: bool = False  # the `M` of `from M import names` (the names come as well)
 
 
 def _imports(path: Path, source: str | None = None) -> Iterator[Imp]:
@@ -60,7 +64,7 @@ def _imports(path: Path, source: str | None = None) -> Iterator[Imp]:
                 escapes = keep < len(own_layer)
                 base_parts = package[:keep] if keep > 0 else ["<above-glm53>"]
                 base = ".".join(base_parts + ([node.module] if node.module else []))
-            yield Imp(base, node.lineno, relative, escapes)
+            yield Imp(base, node.lineno, relative, escapes, names_source=True)
             # `from glm53 import actors` / `from .. import actors` name a module via the alias.
             for alias in node.names:
                 yield Imp(f"{base}.{alias.name}", node.lineno, relative, escapes)
@@ -107,6 +111,51 @@ def test_layer_imports_only_downwards(layer: str) -> None:
         if _layer_of(imp.target) in forbidden
     ]
     assert not bad, f"{layer} may not import {sorted(forbidden)}:\n" + "\n".join(bad)
+
+
+def _engine_door_violation(imp: Imp) -> str | None:
+    """Why a deployments/ import goes around `glm53.raycluster.api`, or None if it does not."""
+    layer = _layer_of(imp.target)
+    if imp.names_source:  # the imported names are checked instead
+        return None
+    if layer in ("kernels", "actors"):
+        return "reaches below raycluster (re-export it from glm53.raycluster.api)"
+    if layer != "raycluster" or imp.target == ENGINE_API:
+        return None
+    name = imp.target.removeprefix(ENGINE_API + ".")
+    if name != imp.target and "." not in name and not name.startswith("_"):
+        return None
+    return f"is not a public name of {ENGINE_API}"
+
+
+def test_serving_layer_imports_only_the_engine_api() -> None:
+    bad = [
+        f"{_where(path, imp)}: {why}"
+        for path in FILES
+        if path.relative_to(REPO).parts[0] == "deployments"
+        for imp in _imports(path)
+        if (why := _engine_door_violation(imp))
+    ]
+    assert not bad, "\n".join(bad)
+
+
+def test_engine_door_checker_sees_violations() -> None:
+    # Guard the rule itself: a would-be deployments/mod.py, one import per line.
+    source = (
+        "from glm53.raycluster.api import LLMEngine, SamplingParams\n"  # 1 fine
+        "from glm53.raycluster import api\n"  # 2 fine
+        "import glm53.raycluster.api\n"  # 3 fine
+        "from glm53.raycluster.engine import LLMEngine\n"  # 4 another raycluster module
+        "from glm53.raycluster import engine\n"  # 5 the same, by alias
+        "from glm53.raycluster.api import _private\n"  # 6 a private name
+        "from glm53.actors.step import SamplingParams\n"  # 7 around the door
+        "import glm53.kernels.ops\n"  # 8 around the door
+        "import glm53.raycluster\n"  # 9 the package, whose modules are then reachable
+        "from .config import ServingConfig\n"  # 10 its own layer
+    )
+    flagged = {imp.lineno for imp in _imports(REPO / "deployments" / "mod.py", source)
+               if _engine_door_violation(imp)}
+    assert flagged == {4, 5, 6, 7, 8, 9}
 
 
 def test_relative_imports_stay_inside_their_layer() -> None:

@@ -3,25 +3,33 @@
 Injected into the LLM-server deployment instead of the real engine (Ray Serve LLM's pattern),
 so the end-to-end tests can force model output (tool calls, reasoning) through the real
 server, parsers and HTTP stack. The last user message must contain `SCRIPT:` followed by the
-text to produce; it comes back one token per step (tiny byte-level tokenizer), then an eos.
+text to produce; it comes back one token per step (tiny byte-level tokenizer), then an eos,
+each delta with the engine-side timing a real engine records (queued, then first scheduled
+QUEUE_S later, first token, finished).
 A script containing `FAIL!` makes the engine raise there (an engine failure mid-request).
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
-from glm53.actors.step import SamplingParams
 from glm53.deployments.config import ServingConfig
-from glm53.deployments.metrics import EngineStats
 from glm53.deployments.tokenizer import load_tokenizer
-from glm53.raycluster.engine import RequestOutput
-from glm53.raycluster.request import FinishReason
+from glm53.raycluster.api import (
+    EngineStats,
+    FinishReason,
+    RequestOutput,
+    RequestTiming,
+    SamplingParams,
+)
 
 MARKER = "SCRIPT:"
 FAIL = "FAIL!"
+QUEUE_S = 0.01  # how long each request waits for the scripted scheduler
 
 
 class ScriptedEngine:
@@ -52,12 +60,19 @@ class ScriptedEngine:
                     yield RequestOutput(request_id, [token], num_prompt_tokens=len(prompt_ids),
                                         num_output_tokens=i + 1)
                 raise RuntimeError("scripted engine failure")
+            timing = RequestTiming(time.monotonic())
+            await asyncio.sleep(QUEUE_S)
+            timing = dataclasses.replace(timing, first_scheduled=time.monotonic())
             for i, token in enumerate(ids):
                 await asyncio.sleep(0.002)
                 last = i == len(ids) - 1
                 reason = (FinishReason.STOP if stop else FinishReason.LENGTH) if last else None
+                now = time.monotonic()
+                timing = dataclasses.replace(timing, first_token=timing.first_token or now,
+                                             finished=now if last else None)
                 yield RequestOutput(request_id, [token], reason,
-                                    num_prompt_tokens=len(prompt_ids), num_output_tokens=i + 1)
+                                    num_prompt_tokens=len(prompt_ids), num_output_tokens=i + 1,
+                                    timing=timing)
         finally:
             self.running -= 1
 
@@ -69,9 +84,6 @@ class ScriptedEngine:
 
     def stats(self) -> EngineStats:
         return EngineStats(num_running=self.running)
-
-    def pop_times(self, request_id: str) -> tuple[float | None, float | None]:
-        return None, None
 
     def check_health(self) -> None:
         pass

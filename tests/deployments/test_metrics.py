@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from glm53.deployments.metrics import EngineStats, RequestTimes, ServingMetrics, merge_expositions
+from glm53.deployments.metrics import RequestTimes, ServingMetrics, merge_expositions
+from glm53.raycluster.api import EngineStats
 
 VLLM_NAMES = {
     "vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",

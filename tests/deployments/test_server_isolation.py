@@ -13,8 +13,8 @@ import pytest
 from glm53.deployments.config import ServingConfig
 from glm53.deployments.llm_server import LLMServer
 from glm53.deployments.openai_schema import APIError, ChatCompletionRequest, CompletionRequest
-from glm53.raycluster.engine import EngineDeadError
-from tests.deployments.scripted_engine import ScriptedEngine
+from glm53.raycluster.api import EngineDeadError
+from tests.deployments.scripted_engine import QUEUE_S, ScriptedEngine
 
 LEAK = "ActorDiedError: actor 5f3ac0ffee at 10.0.0.7:6379, /home/ray/glm53/engine.py line 12"
 
@@ -130,6 +130,17 @@ def test_a_dead_engine_mid_request_is_503_with_retry_after(server, monkeypatch):
     (error,) = items(server.chat(chat("SCRIPT:x"), "req-44"))
     assert error.status == 503 and error.headers == {"Retry-After": "1"}
     assert LEAK not in error.message and "req-44" in error.message
+
+
+def test_queue_and_prefill_times_come_from_the_engines_timing(server):
+    items(server.chat(chat("SCRIPT:abc")))
+
+    def observed(name: str) -> float:
+        return server.metrics.registry.get_sample_value(name, {"model_name": "scripted"})
+
+    assert observed("vllm:request_queue_time_seconds_count") == 1
+    assert QUEUE_S <= observed("vllm:request_queue_time_seconds_sum") < 1
+    assert observed("vllm:request_prefill_time_seconds_count") == 1
 
 
 def test_a_consumer_leaving_mid_stream_aborts_the_engine_request(server, monkeypatch):

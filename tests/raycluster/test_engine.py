@@ -1,5 +1,6 @@
 """The engine end to end on a tiny model (CPU, in-process executor): continuous batching,
-chunked prefill, preemption, aborts, seeded sampling, logprobs and the asyncio stream."""
+chunked prefill, preemption, aborts, seeded sampling, logprobs, the asyncio stream, and what the
+engine reports (per-request timing, stats)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from glm53.raycluster.config import EngineConfig
 from glm53.raycluster.engine import AsyncEngine, LLMEngine
 from glm53.raycluster.request import FinishReason
 from glm53.raycluster.scheduler import RequestRejectedError
+from glm53.raycluster.stats import EngineStats
 from tests.naive_runner import SequenceRunner, generate
 
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
@@ -115,6 +117,7 @@ def test_preemption_happens_under_a_tight_cache(tiny):
         live = engine.scheduler.requests.values()
         preemptions = max(preemptions, sum(r.num_preemptions for r in live))
     assert preemptions > 0
+    assert engine.stats().num_preemptions >= preemptions  # the engine's cumulative count
 
 
 def test_rejections_are_clear(tiny):
@@ -142,6 +145,53 @@ def test_abort_mid_prefill_and_mid_decode_frees_everything(tiny):
     assert engine.abort(short_id).finish_reason == FinishReason.ABORT  # mid-decode
     assert engine.abort(short_id) is None  # already gone
     assert _free_everything(engine)
+
+
+def test_engine_records_each_requests_milestones(tiny):
+    path, model = tiny
+    engine = _engine(path, max_num_batched_tokens=8, max_num_seqs=1)
+    prompt = _prompts(16, model.config.vocab_size)[9]  # 31 tokens: four prefill chunks
+    params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+    first, second = engine.add_request(prompt, params), engine.add_request(prompt, params)
+    outputs: dict[str, list] = {first: [], second: []}
+    while engine.has_unfinished:
+        for out in engine.step():
+            outputs[out.request_id].append(out)
+    for outs in outputs.values():
+        t = outs[-1].timing
+        assert t.queued < t.first_scheduled < t.first_token < t.finished
+        # every output carries the milestones reached so far
+        assert [o.timing.finished is not None for o in outs] == [False] * (len(outs) - 1) + [True]
+        assert {o.timing.first_token for o in outs} == {t.first_token}
+    # one sequence at a time: the second is first scheduled once the first has finished
+    assert outputs[second][-1].timing.first_scheduled >= outputs[first][-1].timing.finished
+
+
+def test_aborted_requests_carry_their_timing(tiny):
+    path, _ = tiny
+    engine = _engine(path, max_num_seqs=1)
+    running = engine.add_request([1, 2, 3], GREEDY)
+    waiting = engine.add_request([4, 5], GREEDY)
+    engine.step()
+    never_ran = engine.abort(waiting).timing
+    assert never_ran.first_scheduled is None and never_ran.finished > never_ran.queued
+    ran = engine.abort(running).timing
+    assert ran.queued < ran.first_scheduled < ran.first_token < ran.finished
+
+
+def test_stats_snapshot_the_scheduler_and_ledgers(tiny):
+    path, model = tiny
+    engine = _engine(path, max_num_seqs=2)
+    for prompt in _prompts(3, model.config.vocab_size):
+        engine.add_request(prompt, GREEDY)
+    assert engine.stats() == EngineStats(num_waiting=3)
+    engine.step()
+    stats = engine.stats()
+    assert (stats.num_running, stats.num_waiting, stats.state_slot_usage) == (2, 1, 1.0)
+    assert 0 < stats.kv_cache_usage < 1
+    while engine.has_unfinished:
+        engine.step()
+    assert engine.stats() == EngineStats()
 
 
 def test_seeded_sampling_is_independent_of_the_batch(tiny):
@@ -192,6 +242,7 @@ def test_async_stream_yields_deltas_and_finish_reasons(tiny):
     first, second = asyncio.run(main())
     assert sum(len(o.new_token_ids) for o in first) == GREEDY.max_tokens
     assert first[-1].finish_reason == FinishReason.LENGTH
+    assert first[-1].timing.finished >= first[-1].timing.first_token > first[0].timing.queued
     assert [o.finish_reason for o in second[:-1]] == [None] * (len(second) - 1)
     assert second[-1].num_output_tokens == 3
     assert _free_everything(engine.engine)
