@@ -183,7 +183,7 @@ class ModelConfig:
             lower_bound = -5.0  # same default rule as the reference implementation
 
         index_topk = int(get("index_topk", 2048))
-        index_kpool = int(get("index_kpool", 4))
+        index_kpool = int(get("index_kpool", 16))  # transformers' default; the release sets 4
         _require(index_kpool >= 1 and index_topk % index_kpool == 0, "index_topk/index_kpool",
                  (index_topk, index_kpool), "index_topk must be a positive multiple of index_kpool")
         n_experts = int(get("n_routed_experts", get("num_local_experts", 288)))

@@ -221,6 +221,27 @@ def test_legacy_layer_type_names_map_as_in_transformers(legacy: str, ours: str) 
     assert ModelConfig.from_hf(raw).layer_types[0] == ours
 
 
+def test_absent_fields_take_transformers_defaults() -> None:
+    """A field a config leaves out means what it means to transformers' Glm5NextTextConfig."""
+    from transformers import Glm5NextTextConfig
+
+    hf, ours = Glm5NextTextConfig(), ModelConfig.from_hf({})
+    renamed = {"linear_conv_kernel": "linear_conv_kernel_dim"}
+    # compared below as kinds / no effect on the logits / the serving dtype (HF: None = fp32)
+    skipped = {"layer_types", "mlp_layer_types", "pad_token_id", "dtype"}
+    checked = 0
+    for f in dataclasses.fields(ModelConfig):
+        name = renamed.get(f.name, f.name)
+        if name in skipped or not hasattr(hf, name):
+            continue
+        assert getattr(ours, f.name) == getattr(hf, name), f.name
+        checked += 1
+    assert checked >= 28
+    kinds = {"linear_attention": KDA, "indexed_attention": DSA, "dense": DENSE, "sparse": MOE}
+    assert ours.layer_types == tuple(kinds[t] for t in hf.layer_types)
+    assert ours.mlp_layer_types == tuple(kinds[t] for t in hf.mlp_layer_types)
+
+
 def test_config_is_frozen() -> None:
     cfg = ModelConfig.from_hf(release_config())
     with pytest.raises(dataclasses.FrozenInstanceError):
