@@ -337,14 +337,18 @@ def _derived_indexer_types(t: dict[str, Any], num_layers: int) -> list[str] | No
     """Glm5NextTextConfig's schedule from `index_topk_pattern` ("FS..." or a list) or
     `index_topk_freq`/`index_skip_topk_offset`; None where none of them is set."""
     pattern = t.get("index_topk_pattern")
+    if isinstance(pattern, str):
+        if set(pattern) - {"F", "S"}:
+            raise UnsupportedConfigError(
+                f"index_topk_pattern={pattern!r}: one letter per layer, F (full) or S (shared)")
+        return ["full" if c == "F" else "shared" for c in pattern]
     if pattern is not None:
-        if isinstance(pattern, str):
-            return [{"F": "full", "S": "shared"}[c] for c in pattern]
         return list(pattern)
-    if t.get("index_topk_freq") is None and t.get("index_skip_topk_offset") is None:
+    freq, offset = t.get("index_topk_freq"), t.get("index_skip_topk_offset")
+    if freq is None and offset is None:
         return None
-    freq = max(int(t.get("index_topk_freq") or 1), 1)
-    offset = int(t.get("index_skip_topk_offset", 2))
+    freq = max(int(freq or 1), 1)
+    offset = 2 if offset is None else int(offset)
     return ["full" if max(i - offset + 1, 0) % freq == 0 else "shared"
             for i in range(num_layers)]
 

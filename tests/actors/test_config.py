@@ -148,6 +148,10 @@ UNSUPPORTED = {
     "topk_method": (_set("text_config.topk_method", "greedy"), "topk_method"),
     "shared_indexer": (_indexer_type(7, "shared"), "indexer_types"),
     "shared_indexer_by_freq": (_set("text_config.index_topk_freq", 4), "indexer_types"),
+    "shared_indexer_by_pattern": (_set("text_config.index_topk_pattern", "FFFS" * 11 + "F"),
+                                  "indexer_types"),
+    "indexer_pattern_letters": (_set("text_config.index_topk_pattern", "FX"),
+                                "index_topk_pattern"),
     "topk_not_pool_multiple": (_set("text_config.index_topk", 2050), "index_topk"),
     # a type transformers accepts in a config but cannot run in Glm5Next
     "unknown_layer_type": (_layer_type(5, "sliding_attention"), "layer_types"),
