@@ -1,4 +1,4 @@
-# Developer entry points: setup, test, serve, lint, clean.
+# Developer entry points: setup, test, serve, lint, k8s-crds, clean.
 # Everything runs from the project venv in .venv; `make setup` is idempotent and re-installs
 # only when pyproject.toml changes (stamp file .venv/.installed).
 
@@ -29,7 +29,14 @@ HOST ?= 127.0.0.1
 PORT ?= 8000
 SERVE_ARGS ?=
 
-.PHONY: setup test test-all serve lint clean distclean
+# The KubeRay release the manifests in k8s/ are written for (README, "Deploying on Kubernetes")
+# and where `make k8s-crds` puts its CRDs for scripts/validate_k8s.py (git-ignored).
+KUBERAY_VERSION := v1.7.0
+KUBERAY_CRDS ?= .k8s-crds
+KUBERAY_CRD_URL ?= https://raw.githubusercontent.com/ray-project/kuberay/$(KUBERAY_VERSION)/helm-chart/kuberay-operator/crds
+KUBERAY_CRD_FILES := ray.io_rayclusters.yaml ray.io_rayjobs.yaml ray.io_rayservices.yaml
+
+.PHONY: setup test test-all serve lint k8s-crds clean distclean
 
 setup: $(STAMP)
 
@@ -61,6 +68,16 @@ serve: setup
 
 lint: setup
 	$(VENV)/bin/ruff check .
+
+# Fetches the pinned KubeRay release's CRDs (all three or none) for scripts/validate_k8s.py,
+# which reads them when ../shared/k8s-crds/ does not exist.
+k8s-crds:
+	rm -rf $(KUBERAY_CRDS).part && mkdir -p $(KUBERAY_CRDS).part
+	for f in $(KUBERAY_CRD_FILES); do \
+		curl -fsSL "$(KUBERAY_CRD_URL)/$$f" -o "$(KUBERAY_CRDS).part/$$f" || exit 1; \
+	done
+	rm -rf $(KUBERAY_CRDS) && mv $(KUBERAY_CRDS).part $(KUBERAY_CRDS)
+	@echo "k8s-crds: KubeRay $(KUBERAY_VERSION) CRDs in $(KUBERAY_CRDS)/"
 
 clean:
 	rm -rf build dist *.egg-info .pytest_cache .ruff_cache .ci/logs

@@ -2,13 +2,18 @@
 
 Accepts the release style (nested `text_config`, `linear_attn_config`, `layer_types` with
 `deepseek_sparse_attention`, `mlp_layer_types`/`first_k_dense_replace`, `hc_*`, MTP fields,
-`quantization_config`) and the flat text-only style. Values the engine does not implement raise
+`quantization_config`), the flat text-only style, and what transformers' `save_pretrained`
+writes. The layer schedules follow the reference (transformers' Glm5Next): `layer_types`,
+`mlp_layer_types` and `indexer_types` decide; legacy fields (`first_k_dense_replace`, the index
+lists of `linear_attn_config`, the indexer pattern/frequency) count only where those lists are
+absent, and a disagreement is logged. Values the engine does not implement raise
 `UnsupportedConfigError` naming the field, instead of silently computing something else.
 Derived values are properties; nothing is written back.
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,13 +22,19 @@ DSA = "dsa"
 DENSE = "dense"
 MOE = "moe"
 
+logger = logging.getLogger(__name__)
+
+# the layer names transformers' Glm5Next builds: its own two, `full_attention` (which it maps to
+# `indexed_attention`) and the legacy names its config remaps to them
 _ATTN_TYPES = {
     "linear_attention": KDA,
-    "deepseek_sparse_attention": DSA,
+    "mamba": KDA,
     "indexed_attention": DSA,
     "full_attention": DSA,
+    "deepseek_sparse_attention": DSA,
+    "qwen_sparse_attention": DSA,
 }
-_MLP_TYPES = {"dense": DENSE, "sparse": MOE, "moe": MOE}
+_MLP_TYPES = {"dense": DENSE, "sparse": MOE}
 
 
 class UnsupportedConfigError(ValueError):
@@ -164,12 +175,7 @@ class ModelConfig:
         num_layers = int(get("num_hidden_layers", 45))
         layer_types = _layer_types(t, num_layers)
         mlp_types = _mlp_layer_types(t, num_layers)
-        indexer_types = t.get("indexer_types")
-        if indexer_types is not None and any(x != "full" for x in indexer_types):
-            raise UnsupportedConfigError(
-                f"indexer_types={indexer_types!r}: only 'full' (every DSA layer runs its indexer)")
-        if t.get("index_topk_freq", 1) not in (None, 1) or t.get("index_topk_pattern") is not None:
-            raise UnsupportedConfigError("shared-indexer schedules (index_topk_freq/pattern)")
+        _check_indexers(t, layer_types)
 
         linear = t.get("linear_attn_config") or {}
         lower_bound = linear.get("gate_lower_bound", t.get("linear_lower_bound", -5.0))
@@ -177,7 +183,7 @@ class ModelConfig:
             lower_bound = -5.0  # same default rule as the reference implementation
 
         index_topk = int(get("index_topk", 2048))
-        index_kpool = int(get("index_kpool", 4))
+        index_kpool = int(get("index_kpool", 16))  # transformers' default; the release sets 4
         _require(index_kpool >= 1 and index_topk % index_kpool == 0, "index_topk/index_kpool",
                  (index_topk, index_kpool), "index_topk must be a positive multiple of index_kpool")
         n_experts = int(get("n_routed_experts", get("num_local_experts", 288)))
@@ -240,36 +246,111 @@ def _require(ok: bool, name: str, value: Any, why: str) -> None:
 
 def _layer_types(t: dict[str, Any], num_layers: int) -> tuple[str, ...]:
     names = t.get("layer_types")
-    if names is None:  # release default: DSA iff i % 4 == 3
-        return tuple(DSA if i % 4 == 3 else KDA for i in range(num_layers))
-    if len(names) != num_layers:
-        raise UnsupportedConfigError(
-            f"layer_types has {len(names)} entries for num_hidden_layers={num_layers}")
-    unknown = sorted({n for n in names if n not in _ATTN_TYPES})
-    if unknown:
-        raise UnsupportedConfigError(f"unknown layer_types {unknown}; known: {sorted(_ATTN_TYPES)}")
-    return tuple(_ATTN_TYPES[n] for n in names)
+    listed = None if names is None else _checked_types(
+        "layer_types", names, _ATTN_TYPES, num_layers)
+    default = tuple(DSA if i % 4 == 3 else KDA for i in range(num_layers))
+    return _schedule("layer_types", listed, "linear_attn_config.kda_layers/full_attn_layers",
+                     _legacy_layer_types(t, num_layers), default)
 
 
 def _mlp_layer_types(t: dict[str, Any], num_layers: int) -> tuple[str, ...]:
     names = t.get("mlp_layer_types")
-    if names is None:
-        first_dense = t.get("first_k_dense_replace")
-        first_dense = min(3, num_layers) if first_dense is None else int(first_dense)
-        return tuple(DENSE if i < first_dense else MOE for i in range(num_layers))
+    listed = None if names is None else _checked_types(
+        "mlp_layer_types", names, _MLP_TYPES, num_layers)
+    first_dense = t.get("first_k_dense_replace")
+    legacy = None if first_dense is None else _first_dense(int(first_dense), num_layers)
+    return _schedule("mlp_layer_types", listed, "first_k_dense_replace", legacy,
+                     _first_dense(3, num_layers))
+
+
+def _first_dense(n: int, num_layers: int) -> tuple[str, ...]:
+    return tuple(DENSE if i < n else MOE for i in range(num_layers))
+
+
+def _checked_types(name: str, names: list[str], known: dict[str, str],
+                   num_layers: int) -> tuple[str, ...]:
+    """The per-layer list mapped to our kinds; refused where transformers cannot build it."""
     if len(names) != num_layers:
         raise UnsupportedConfigError(
-            f"mlp_layer_types has {len(names)} entries for num_hidden_layers={num_layers}")
-    unknown = sorted({n for n in names if n not in _MLP_TYPES})
+            f"{name} has {len(names)} entries for num_hidden_layers={num_layers}")
+    unknown = sorted({n for n in names if n not in known})
     if unknown:
-        raise UnsupportedConfigError(f"unknown mlp_layer_types {unknown}; known: dense, sparse")
-    first_dense = t.get("first_k_dense_replace")
-    if first_dense is not None:
-        expected = tuple(DENSE if i < first_dense else MOE for i in range(num_layers))
-        if tuple(_MLP_TYPES[n] for n in names) != expected:
+        raise UnsupportedConfigError(f"unknown {name} {unknown}; known: {sorted(known)}")
+    return tuple(known[n] for n in names)
+
+
+def _schedule(name: str, listed: tuple[str, ...] | None, legacy_name: str,
+              legacy: tuple[str, ...] | None, default: tuple[str, ...]) -> tuple[str, ...]:
+    """transformers' precedence: the per-layer list decides; a legacy field only stands in for
+    a missing list (the reference then builds `default` instead, so that is said too)."""
+    if listed is not None:
+        if legacy is not None and legacy != listed:
+            logger.warning("%s disagrees with %s; using %s, as transformers does",
+                           name, legacy_name, name)
+        return listed
+    if legacy is not None:
+        if legacy != default:
+            logger.warning("no %s: the layers follow %s, where transformers would build its "
+                           "default schedule", name, legacy_name)
+        return legacy
+    return default
+
+
+def _legacy_layer_types(t: dict[str, Any], num_layers: int) -> tuple[str, ...] | None:
+    """The schedule of `linear_attn_config`'s 0-based `kda_layers`/`full_attn_layers`; None
+    where they are absent or do not split the layers in two (e.g. 1-based lists)."""
+    linear = t.get("linear_attn_config") or {}
+    kda, full = linear.get("kda_layers"), linear.get("full_attn_layers")
+    if kda is None and full is None:
+        return None
+    every = set(range(num_layers))
+    kda = every - set(full) if kda is None else set(kda)
+    full = every - kda if full is None else set(full)
+    if kda & full or kda | full != every:
+        logger.warning("linear_attn_config.kda_layers/full_attn_layers ignored: they are not a "
+                       "0-based split of the %d layers", num_layers)
+        return None
+    return tuple(DSA if i in full else KDA for i in range(num_layers))
+
+
+def _check_indexers(t: dict[str, Any], layer_types: tuple[str, ...]) -> None:
+    """Every DSA layer must run its own indexer: the engine has no shared-indexer path.
+    `indexer_types` decides, as in the reference; the pattern/frequency fields only without it."""
+    derived = _derived_indexer_types(t, len(layer_types))
+    listed = t.get("indexer_types")
+    if listed is None:
+        listed = derived or ["full"] * len(layer_types)
+    elif derived is not None and list(derived) != list(listed):
+        logger.warning("indexer_types disagrees with index_topk_pattern/index_topk_freq; using "
+                       "indexer_types, as transformers does")
+    if len(listed) < len(layer_types):
+        raise UnsupportedConfigError(
+            f"indexer_types has {len(listed)} entries for {len(layer_types)} layers")
+    shared = [i for i, kind in enumerate(layer_types) if kind == DSA and listed[i] == "shared"]
+    if shared:
+        raise UnsupportedConfigError(
+            f"indexer_types: DSA layers {shared} reuse a previous layer's selection ('shared'); "
+            "only 'full' (every DSA layer runs its indexer) is implemented")
+
+
+def _derived_indexer_types(t: dict[str, Any], num_layers: int) -> list[str] | None:
+    """Glm5NextTextConfig's schedule from `index_topk_pattern` ("FS..." or a list) or
+    `index_topk_freq`/`index_skip_topk_offset`; None where none of them is set."""
+    pattern = t.get("index_topk_pattern")
+    if isinstance(pattern, str):
+        if set(pattern) - {"F", "S"}:
             raise UnsupportedConfigError(
-                f"mlp_layer_types disagrees with first_k_dense_replace={first_dense}")
-    return tuple(_MLP_TYPES[n] for n in names)
+                f"index_topk_pattern={pattern!r}: one letter per layer, F (full) or S (shared)")
+        return ["full" if c == "F" else "shared" for c in pattern]
+    if pattern is not None:
+        return list(pattern)
+    freq, offset = t.get("index_topk_freq"), t.get("index_skip_topk_offset")
+    if freq is None and offset is None:
+        return None
+    freq = max(int(freq or 1), 1)
+    offset = 2 if offset is None else int(offset)
+    return ["full" if max(i - offset + 1, 0) % freq == 0 else "shared"
+            for i in range(num_layers)]
 
 
 EXPERT_FORMATS = ("dense", "exl3", "int4")

@@ -1,11 +1,17 @@
 #!/usr/bin/env python3
-"""Offline validation of k8s/ (no cluster): run by CI through tests/k8s/test_validate_k8s.py,
-or by hand: `.venv/bin/python scripts/validate_k8s.py` (exit 1 on any error).
+"""Offline validation of Kubernetes manifests (no cluster): run by CI through
+tests/k8s/test_validate_k8s.py, or by hand (exit 1 on any error, 2 on a usage error):
+
+    .venv/bin/python scripts/validate_k8s.py [PATH ...] [--crds DIR]
+
+PATHs are files or folders (default: k8s/). DIR holds the KubeRay CRDs; by default the project's
+shared copy ../shared/k8s-crds/ when it exists, else .k8s-crds/, which `make k8s-crds` fills
+with those of the pinned KubeRay release.
 
 1. YAML lint (yamllint) of every YAML file and of every embedded serveConfigV2.
 2. Schemas, strict (an unknown field is an error, as in kubeconform -strict):
-   - KubeRay kinds against the v1.7.0 CRDs in ../shared/k8s-crds/ (each CRD's
-     openAPIV3Schema converted to JSON Schema; never copied into the repository);
+   - KubeRay kinds against the KubeRay CRDs (each CRD's openAPIV3Schema converted to JSON
+     Schema; never copied into the repository);
    - built-in and Prometheus Operator kinds against JSON Schema generated from cloudcoil's
      models, which are generated from the upstream OpenAPI specs and CRDs.
    Plain files and each `kubectl kustomize` rendering (when kubectl exists) are checked.
@@ -28,6 +34,7 @@ or by hand: `.venv/bin/python scripts/validate_k8s.py` (exit 1 on any error).
 
 from __future__ import annotations
 
+import argparse
 import copy
 import functools
 import re
@@ -35,6 +42,7 @@ import shutil
 import subprocess
 import sys
 import tomllib
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -47,7 +55,9 @@ import monitoring  # noqa: E402  (scripts/ is not a package)
 
 REPO = Path(__file__).resolve().parents[1]
 K8S = REPO / "k8s"
-CRD_DIR = REPO.parent / "shared" / "k8s-crds"
+# where the KubeRay CRDs are looked for without --crds: the project's shared copy, then the
+# git-ignored folder `make k8s-crds` fills
+CRD_DIRS = (REPO.parent / "shared" / "k8s-crds", REPO / ".k8s-crds")
 YAMLLINT_CONFIG = """
 extends: default
 rules:
@@ -64,6 +74,10 @@ APP_IMPORT_PATH = "glm53.deployments.app:build_app"
 RAY_DRAIN_ENV, RAY_DRAIN_DEFAULT_S = "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S", 30.0
 K8S_GRACE_DEFAULT_S = 30  # terminationGracePeriodSeconds when not set
 DELETION_DELAY_DEFAULT_S = 60  # KubeRay's rayClusterDeletionDelaySeconds when not set
+
+
+class CrdsNotFound(Exception):
+    """No KubeRay CRDs where they were looked for."""
 
 
 @dataclass
@@ -104,8 +118,19 @@ def _pin(schema: dict, api_version: str, kind: str) -> dict:
     return schema
 
 
-def crd_schemas(crd_dir: Path = CRD_DIR) -> dict[tuple[str, str], dict]:
+def default_crd_dir() -> Path:
+    found = next((d for d in CRD_DIRS if d.is_dir()), None)
+    if found is None:
+        raise CrdsNotFound(
+            f"no KubeRay CRDs in {' or '.join(map(str, CRD_DIRS))}: run `make k8s-crds` to fetch "
+            "those of the pinned KubeRay release, or pass --crds DIR")
+    return found
+
+
+def crd_schemas(crd_dir: Path) -> dict[tuple[str, str], dict]:
     """(apiVersion, kind) -> strict JSON Schema, for every served version of every CRD file."""
+    if not crd_dir.is_dir():
+        raise CrdsNotFound(f"--crds {crd_dir}: no such folder")
     schemas = {}
     for path in sorted(crd_dir.glob("*.yaml")):
         # libyaml's loader: the pure-Python one takes ~20 s for the 3 MB of CRDs
@@ -117,6 +142,9 @@ def crd_schemas(crd_dir: Path = CRD_DIR) -> dict[tuple[str, str], dict]:
                 api_version = f"{group}/{version['name']}"
                 schema = strict(version["schema"]["openAPIV3Schema"])
                 schemas[(api_version, kind)] = _pin(schema, api_version, kind)
+    if not any(api_version.startswith("ray.io/") for api_version, _ in schemas):
+        raise CrdsNotFound(f"no KubeRay CRDs (ray.io CustomResourceDefinitions) in {crd_dir}: "
+                           "run `make k8s-crds` and pass --crds .k8s-crds")
     return schemas
 
 
@@ -139,8 +167,9 @@ def model_schemas() -> dict[tuple[str, str], dict]:
 
 
 @functools.cache
-def all_schemas() -> dict[tuple[str, str], dict]:
-    return {**model_schemas(), **crd_schemas()}
+def all_schemas(crd_dir: Path | None = None) -> dict[tuple[str, str], dict]:
+    """Every kind's schema; the KubeRay ones from `crd_dir` (default: `default_crd_dir()`)."""
+    return {**model_schemas(), **crd_schemas(crd_dir or default_crd_dir())}
 
 
 def _path(error: jsonschema.ValidationError) -> str:
@@ -440,8 +469,9 @@ def check_serve_against_cluster(apps: dict[str, Any], cluster: dict, where: str)
 # ----- documents and files ------------------------------------------------------------------
 
 
-def check_document(doc: dict, source: str, image: str | None = None) -> Report:
-    report = Report(errors=validate_document(doc, source))
+def check_document(doc: dict, source: str, image: str | None = None,
+                   schemas: dict[tuple[str, str], dict] | None = None) -> Report:
+    report = Report(errors=validate_document(doc, source, schemas))
     kind, spec = doc.get("kind"), doc.get("spec") or {}
     where = f"{source}: {kind} {doc.get('metadata', {}).get('name')}"
     if kind == "RayService":
@@ -469,12 +499,6 @@ def check_document(doc: dict, source: str, image: str | None = None) -> Report:
     return report
 
 
-def manifest_files(root: Path = K8S) -> list[Path]:
-    return sorted(p for p in root.rglob("*.yaml")
-                  if p.name != "kustomization.yaml" and not p.name.startswith("serve-config.")
-                  and not p.name.endswith(".promtool-test.yaml"))
-
-
 def kustomize(directory: Path) -> str | None:
     kubectl = shutil.which("kubectl")
     if kubectl is None:
@@ -486,48 +510,86 @@ def kustomize(directory: Path) -> str | None:
     return proc.stdout
 
 
-def validate_repo(root: Path = K8S) -> Report:
-    report = Report(errors=check_versions())
-    for path in sorted(root.rglob("*.yaml")):
-        report.errors += lint_yaml(path.read_text(), str(path.relative_to(REPO)))
-    for path in manifest_files(root):
-        for i, doc in enumerate(load_documents(path.read_text())):
-            report.extend(check_document(doc, f"{path.relative_to(REPO)}#{i}"))
-    for path in sorted(root.rglob("serve-config.*.yaml")):
-        serve_report, _ = check_serve_config(yaml.safe_load(path.read_text()),
-                                             str(path.relative_to(REPO)))
-        report.extend(serve_report)
-    for path in sorted(root.rglob("*.json")):
-        report.errors += monitoring.check_dashboard_text(path.read_text(),
-                                                         str(path.relative_to(REPO)))
-    for kustomization in sorted(root.rglob("kustomization.yaml")):
-        directory = kustomization.parent
-        try:
-            rendered = kustomize(directory)
-        except RuntimeError as exc:
-            report.errors.append(str(exc))
-            continue
-        if rendered is None:
-            report.notes.append(f"kubectl not found: {directory.relative_to(REPO)} not rendered")
-            continue
-        where = f"kustomize {directory.relative_to(REPO)}"
-        images = {d["newName"] + ":" + d["newTag"] for d in
-                  yaml.safe_load(kustomization.read_text()).get("images", [])}
-        for i, doc in enumerate(load_documents(rendered)):
-            if doc.get("kind") in ("RayService", "RayCluster"):
-                # serveConfigV2 etc. were checked on the plain file; only the rendering is new
-                doc_report = Report(errors=validate_document(doc, f"{where}#{i}"))
-                spec = doc["spec"].get("rayClusterConfig", doc["spec"])
-                doc_report.errors += check_cluster_spec(spec, f"{where}#{i}",
-                                                        next(iter(images), None))
-            else:
-                doc_report = Report(errors=validate_document(doc, f"{where}#{i}"))
-            report.extend(doc_report)
+def _shown(path: Path) -> str:
+    """How a file is named in messages: relative to the repository when inside it."""
+    try:
+        return str(path.resolve().relative_to(REPO))
+    except ValueError:
+        return str(path)
+
+
+def expand(paths: Iterable[Path]) -> list[Path]:
+    """The named files and the YAML and JSON files under the named folders, each once."""
+    files = set()
+    for path in paths:
+        if path.is_dir():
+            files |= {p for p in path.rglob("*") if p.suffix in (".yaml", ".json")}
+        elif path.is_file():
+            files.add(path)
+        else:
+            raise FileNotFoundError(f"{path}: no such file or folder")
+    return sorted(files)
+
+
+def check_file(path: Path, schemas: dict[tuple[str, str], dict]) -> Report:
+    shown, text = _shown(path), path.read_text()
+    if path.suffix == ".json":
+        return Report(errors=monitoring.check_dashboard_text(text, shown))
+    if path.suffix != ".yaml":
+        return Report(errors=[f"{shown}: neither a .yaml nor a .json file"])
+    report = Report(errors=lint_yaml(text, shown))
+    if path.name == "kustomization.yaml":
+        report.extend(check_kustomization(path, schemas))
+    elif path.name.startswith("serve-config."):
+        report.extend(check_serve_config(yaml.safe_load(text), shown)[0])
+    elif not path.name.endswith(".promtool-test.yaml"):  # read by the PrometheusRule's check
+        for i, doc in enumerate(load_documents(text)):
+            report.extend(check_document(doc, f"{shown}#{i}", schemas=schemas))
     return report
 
 
-def main() -> int:
-    report = validate_repo()
+def check_kustomization(kustomization: Path, schemas: dict[tuple[str, str], dict]) -> Report:
+    """The `kubectl kustomize` rendering of the folder (a note when kubectl is missing)."""
+    directory = kustomization.parent
+    try:
+        rendered = kustomize(directory)
+    except RuntimeError as exc:
+        return Report(errors=[str(exc)])
+    if rendered is None:
+        return Report(notes=[f"kubectl not found: {_shown(directory)} not rendered"])
+    report, where = Report(), f"kustomize {_shown(directory)}"
+    images = {d["newName"] + ":" + d["newTag"] for d in
+              yaml.safe_load(kustomization.read_text()).get("images", [])}
+    for i, doc in enumerate(load_documents(rendered)):
+        report.errors += validate_document(doc, f"{where}#{i}", schemas)
+        if doc.get("kind") in ("RayService", "RayCluster"):
+            # serveConfigV2 etc. were checked on the plain file; only the rendering is new
+            spec = doc["spec"].get("rayClusterConfig", doc["spec"])
+            report.errors += check_cluster_spec(spec, f"{where}#{i}", next(iter(images), None))
+    return report
+
+
+def validate_paths(paths: Iterable[Path] = (K8S,), crd_dir: Path | None = None) -> Report:
+    """Every file named in `paths` or under its folders, and the repository's version pins."""
+    schemas = all_schemas(crd_dir or default_crd_dir())
+    report = Report(errors=check_versions())
+    for path in expand(paths):
+        report.extend(check_file(path, schemas))
+    return report
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="Validate Kubernetes manifests offline.")
+    parser.add_argument("paths", nargs="*", type=Path, default=[K8S], metavar="PATH",
+                        help="files or folders to validate (default: k8s/)")
+    parser.add_argument("--crds", type=Path, metavar="DIR",
+                        help="folder of the KubeRay CRDs (default: ../shared/k8s-crds/ when it "
+                             "exists, else .k8s-crds/ as filled by `make k8s-crds`)")
+    args = parser.parse_args(argv)
+    try:
+        report = validate_paths(args.paths, args.crds and args.crds.resolve())
+    except (CrdsNotFound, FileNotFoundError) as exc:
+        parser.error(str(exc))
     for note in report.notes:
         print(f"note: {note}")
     for error in report.errors:

@@ -23,6 +23,42 @@ def load_hf(model_dir: Path):
     return model.eval()
 
 
+# toy vision tower: transformers always builds one, text-only inputs never run it
+TINY_VISION = dict(depth=1, hidden_size=32, num_heads=2, intermediate_size=64,
+                   projection_intermediate_size=64)
+
+
+@torch.no_grad()
+def save_hf_checkpoint(text: dict, out: Path, seed: int):
+    """transformers' own tiny checkpoint: `Glm5NextConfig(text_config=text)`, its model with
+    seeded random weights (non-degenerate where its initialiser uses constants), written by
+    its `save_pretrained`. Returns the fp32 model."""
+    from transformers import Glm5NextConfig, Glm5NextForConditionalGeneration
+
+    vocab = text["vocab_size"]
+    # placeholder ids must lie inside the vocabulary
+    ids = dict(image_token_id=vocab - 1, video_token_id=vocab - 2, image_start_token_id=vocab - 3,
+               image_end_token_id=vocab - 4, video_start_token_id=vocab - 5,
+               video_end_token_id=vocab - 6)
+    config = Glm5NextConfig(text_config=text,
+                            vision_config={**TINY_VISION, "out_hidden_size": text["hidden_size"]},
+                            **ids)
+    model = Glm5NextForConditionalGeneration(config).float().eval()
+    gen = torch.Generator().manual_seed(seed)
+    for name, p in [*model.named_parameters(), *model.named_buffers()]:
+        noise = torch.randn(p.shape, generator=gen)
+        if name.endswith("embed_tokens.weight"):
+            p.copy_(noise)
+        elif p.ndim >= 2:  # matrices, stacked experts, conv taps: activations stay O(1)
+            p.copy_(noise / p.shape[-1] ** 0.5)
+        elif name.endswith(("weight", "scale")):  # norms and hc scales: around 1
+            p.copy_(1.0 + 0.1 * noise)
+        elif p.is_floating_point():  # biases, hc base, gate dt_bias and A_log
+            p.copy_(0.3 * noise)
+    model.save_pretrained(out)
+    return model
+
+
 @torch.no_grad()
 def hf_logits(hf, ids: list[int]) -> torch.Tensor:
     """Full-prompt logits [L, V] of one sequence."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import logging
 from typing import Any
 
 import pytest
@@ -132,18 +133,30 @@ def _mlp_type(i: int, value: str):
     return apply
 
 
+def _indexer_type(i: int, value: str):
+    def apply(raw: dict[str, Any]) -> None:
+        raw["text_config"]["indexer_types"] = ["full"] * NUM_LAYERS
+        raw["text_config"]["indexer_types"][i] = value
+    return apply
+
+
 UNSUPPORTED = {
     "rope": (_set("text_config.qk_rope_head_dim", 64), "qk_rope_head_dim"),
     "gqa": (_set("text_config.num_key_value_heads", 8), "num_key_value_heads"),
     "softmax_routing": (_set("text_config.scoring_func", "softmax"), "scoring_func"),
     "grouped_routing": (_set("text_config.n_group", 8), "n_group"),
     "topk_method": (_set("text_config.topk_method", "greedy"), "topk_method"),
-    "shared_indexer": (_set("text_config.indexer_types", ["full", "shared"] * 5 + ["full"]),
-                       "indexer_types"),
+    "shared_indexer": (_indexer_type(7, "shared"), "indexer_types"),
+    "shared_indexer_by_freq": (_set("text_config.index_topk_freq", 4), "indexer_types"),
+    "shared_indexer_by_pattern": (_set("text_config.index_topk_pattern", "FFFS" * 11 + "F"),
+                                  "indexer_types"),
+    "indexer_pattern_letters": (_set("text_config.index_topk_pattern", "FX"),
+                                "index_topk_pattern"),
     "topk_not_pool_multiple": (_set("text_config.index_topk", 2050), "index_topk"),
-    "unknown_layer_type": (_layer_type(5, "mamba"), "layer_types"),
+    # a type transformers accepts in a config but cannot run in Glm5Next
+    "unknown_layer_type": (_layer_type(5, "sliding_attention"), "layer_types"),
     "layer_types_length": (_drop_last_layer_type, "layer_types"),
-    "mlp_vs_first_k_dense": (_mlp_type(3, "dense"), "first_k_dense_replace"),
+    "moe_mlp_type": (_mlp_type(3, "moe"), "mlp_layer_types"),  # transformers refuses it too
     "awq": (_set("quantization_config.quant_method", "awq"), "quant_method"),
     "fp8_e5m2": (_set("quantization_config.fmt", "e5m2"), "fmt"),
     "no_tail_pool": (_set("text_config.index_kpool_always_select_tail", False),
@@ -161,6 +174,76 @@ def test_unsupported_value_raises_naming_the_field(case: str) -> None:
     mutate(raw)
     with pytest.raises(UnsupportedConfigError, match=field):
         ModelConfig.from_hf(raw)
+
+
+def test_listed_schedules_win_over_disagreeing_legacy_fields(caplog) -> None:
+    """transformers builds from the lists and ignores the legacy fields: so do we, and say so."""
+    raw = release_config()
+    text = raw["text_config"]
+    text["first_k_dense_replace"] = 1
+    text["linear_attn_config"]["full_attn_layers"] = [0]
+    text["linear_attn_config"]["kda_layers"] = list(range(1, NUM_LAYERS))
+    text["indexer_types"] = ["full"] * NUM_LAYERS
+    text["index_topk_freq"] = 4  # would make layer 3 share layer 1's selection
+    with caplog.at_level(logging.WARNING, logger="glm53.actors.config"):
+        cfg = ModelConfig.from_hf(raw)
+    assert cfg == ModelConfig.from_hf(release_config())
+    for legacy in ("first_k_dense_replace", "kda_layers", "index_topk_freq"):
+        assert legacy in caplog.text
+
+
+def test_legacy_layer_lists_stand_in_for_missing_layer_types(caplog) -> None:
+    text = release_text_config()
+    del text["layer_types"], text["mlp_layer_types"]
+    text["num_hidden_layers"] = 6
+    text["linear_attn_config"]["kda_layers"] = [0, 2, 3, 4]
+    text["linear_attn_config"]["full_attn_layers"] = [1, 5]
+    with caplog.at_level(logging.WARNING, logger="glm53.actors.config"):
+        cfg = ModelConfig.from_hf({"text_config": text})
+    assert cfg.dsa_layers == (1, 5)
+    assert "default schedule" in caplog.text  # transformers would put DSA at layer 3
+
+
+def test_one_based_layer_lists_are_ignored(caplog) -> None:
+    text = release_text_config()
+    del text["layer_types"], text["mlp_layer_types"]
+    text["num_hidden_layers"] = 8
+    text["linear_attn_config"]["kda_layers"] = [1, 2, 3, 5, 6, 7]
+    text["linear_attn_config"]["full_attn_layers"] = [4, 8]
+    with caplog.at_level(logging.WARNING, logger="glm53.actors.config"):
+        cfg = ModelConfig.from_hf({"text_config": text})
+    assert cfg.dsa_layers == (3, 7)  # transformers' default
+    assert "ignored" in caplog.text
+
+
+@pytest.mark.parametrize(("legacy", "ours"), [("mamba", KDA), ("deepseek_sparse_attention", DSA),
+                                              ("qwen_sparse_attention", DSA),
+                                              ("full_attention", DSA)])
+def test_legacy_layer_type_names_map_as_in_transformers(legacy: str, ours: str) -> None:
+    raw = release_config()
+    raw["text_config"]["layer_types"][0] = legacy
+    assert ModelConfig.from_hf(raw).layer_types[0] == ours
+
+
+def test_absent_fields_take_transformers_defaults() -> None:
+    """A field a config leaves out means what it means to transformers' Glm5NextTextConfig."""
+    from transformers import Glm5NextTextConfig
+
+    hf, ours = Glm5NextTextConfig(), ModelConfig.from_hf({})
+    renamed = {"linear_conv_kernel": "linear_conv_kernel_dim"}
+    # compared below as kinds / no effect on the logits / the serving dtype (HF: None = fp32)
+    skipped = {"layer_types", "mlp_layer_types", "pad_token_id", "dtype"}
+    checked = 0
+    for f in dataclasses.fields(ModelConfig):
+        name = renamed.get(f.name, f.name)
+        if name in skipped or not hasattr(hf, name):
+            continue
+        assert getattr(ours, f.name) == getattr(hf, name), f.name
+        checked += 1
+    assert checked >= 28
+    kinds = {"linear_attention": KDA, "indexed_attention": DSA, "dense": DENSE, "sparse": MOE}
+    assert ours.layer_types == tuple(kinds[t] for t in hf.layer_types)
+    assert ours.mlp_layer_types == tuple(kinds[t] for t in hf.mlp_layer_types)
 
 
 def test_config_is_frozen() -> None:

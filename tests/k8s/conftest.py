@@ -13,6 +13,10 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPTS = REPO / "scripts"
+K8S = REPO / "k8s"
+# the project's shared copy of the KubeRay CRDs (users fetch theirs with `make k8s-crds`)
+CRDS = REPO.parent / "shared" / "k8s-crds"
+needs_crds = pytest.mark.skipif(not CRDS.is_dir(), reason=f"KubeRay CRDs not at {CRDS}")
 
 
 def load_script(name: str) -> ModuleType:

@@ -12,11 +12,8 @@ import json
 import pytest
 import yaml
 
-from tests.k8s.conftest import REPO, needs_prometheus
+from tests.k8s.conftest import K8S, REPO, needs_crds, needs_prometheus
 
-K8S = REPO / "k8s"
-CRDS = REPO.parent / "shared" / "k8s-crds"
-needs_crds = pytest.mark.skipif(not CRDS.is_dir(), reason=f"KubeRay CRDs not at {CRDS}")
 needs_promtool = needs_prometheus("promtool")
 
 
@@ -36,7 +33,7 @@ def _with_serve(doc: dict, serve: dict) -> dict:
 
 @pytest.fixture(scope="module")
 def repo_report(vk):
-    return vk.validate_repo()
+    return vk.validate_paths()
 
 
 @needs_crds
