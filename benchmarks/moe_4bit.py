@@ -103,8 +103,8 @@ def _exl3_format(n_local, d, inter, rnd, dtype):
 FORMATS = {"bf16": _bf16, "exl3": _exl3_format, "int4": _int4}
 # kernels/int4.py constants swept by --int4-sweep: each entry is one setting (the product of
 # these lists, on top of the module's defaults)
-INT4_SWEEP = {"PAIRS_MAX_TOKENS": [0, 16], "GEMV_BN13": [32, 64, 128], "GEMV_BN2": [64, 128, 256],
-              "GEMV_WARPS": [4, 8], "GEMV_PROGRAMS_PER_SM": [4, 8]}
+INT4_SWEEP = {"GEMV_BN13": [32, 64, 128], "GEMV_BN2": [64, 128, 256], "GEMV_WARPS": [4, 8],
+              "GEMV_PROGRAMS_PER_SM": [4, 8], "GEMV_AHEAD": [1, 2]}
 
 
 def int4_sweep(op, routes, replays: int, repeats: int) -> list[dict]:
