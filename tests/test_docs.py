@@ -7,6 +7,7 @@ every result file the docs or the code name must exist.
 
 from __future__ import annotations
 
+import ast
 import json
 import re
 from collections.abc import Iterator
@@ -64,3 +65,55 @@ def test_result_files_named_in_docs_and_code_exist() -> None:
     missing = [f"{where}: {name}" for where, name in sorted(named)
                if not (RESULTS / name).is_file()]
     assert not missing, "\n".join(missing)
+
+
+# --- README: one decode step, hop by hop ------------------------------------------------------
+
+STEP_TABLE_HEADING = "### One decode step, from HTTP to kernel and back"
+HOP = re.compile(r"`([\w/]+\.py):([\w.]+)`")
+
+
+def _step_table_hops() -> list[tuple[str, str]]:
+    """(file, dotted name) of every `file:function` cell in the README's decode-step table."""
+    text = (REPO / "README.md").read_text(encoding="utf-8")
+    assert STEP_TABLE_HEADING in text, "the README lost its decode-step table"
+    section = text.split(STEP_TABLE_HEADING, 1)[1].split("\n#", 1)[0]
+    rows = [line for line in section.splitlines() if line.startswith("| ")]
+    return [hop for row in rows for hop in HOP.findall(row)]
+
+
+def _defines(path: Path, dotted: str) -> bool:
+    """Whether `path` defines `dotted` (a top-level function or class, or Class.method)."""
+    body = ast.parse(path.read_text(encoding="utf-8")).body
+    for part in dotted.split("."):
+        found = next((node for node in body if isinstance(
+            node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef) and node.name == part),
+            None)
+        if found is None:
+            return False
+        body = found.body if isinstance(found, ast.ClassDef) else []
+    return True
+
+
+def test_step_table_names_hops_from_ingress_to_kernel() -> None:
+    files = {file for file, _ in _step_table_hops()}
+    assert len(files) >= 15  # the whole way: deployments, raycluster, actors, kernels
+    assert {"deployments/ingress.py", "raycluster/scheduler.py", "actors/worker.py",
+            "kernels/ops.py"} <= files
+
+
+@pytest.mark.parametrize("file, name", _step_table_hops(), ids=lambda v: v)
+def test_step_table_hop_exists(file: str, name: str) -> None:
+    path = REPO / file
+    assert path.is_file(), f"README step table: {file} does not exist"
+    assert _defines(path, name), f"README step table: {file} defines no {name}"
+
+
+def test_defines_sees_missing_names(tmp_path: Path) -> None:
+    # Guard the checker itself.
+    mod = tmp_path / "mod.py"
+    mod.write_text("class A:\n    def run(self):\n        def inner(): ...\n"
+                   "async def go(): ...\n")
+    assert _defines(mod, "A") and _defines(mod, "A.run") and _defines(mod, "go")
+    assert not _defines(mod, "A.stop") and not _defines(mod, "run")
+    assert not _defines(mod, "A.run.inner") and not _defines(mod, "B")
