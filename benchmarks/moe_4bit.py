@@ -19,7 +19,7 @@ call (torch.profiler); --int4-sweep times int4 at each token count under every s
 INT4_SWEEP (the dot-free variant's tiles, warps, K splits and the unsorted-pairs bound), the
 defaults row included, so the module's constants are chosen on measurements.
 
-    python benchmarks/moe_4bit.py [--ep2] [--json benchmarks/results/moe_4bit_h200.json]
+    python benchmarks/moe_4bit.py [--ep2] [--json benchmarks/results/moe_4bit_h200_<commit>.json]
     TRITON_INTERPRET=1 python benchmarks/moe_4bit.py --smoke   # CPU: tiny shapes, no timing
 """
 

@@ -6,7 +6,7 @@ the target's sample: that *is* rejection sampling with q = one-hot (the draft su
 probability p(d); on rejection the emitted token is the target's sample conditioned on
 differing from d, i.e. the normalised residual), and it keeps speculative output
 token-identical to plain decoding. A draft drawn from a distribution q (probabilistic MTP)
-goes through the min(1, p/q) rule of kernels/ref/rejection.py with request-seeded uniforms.
+goes through the min(1, p/q) rule of `ops.rejection_sample` with request-seeded uniforms.
 """
 
 from __future__ import annotations
@@ -14,8 +14,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from glm53.kernels.ref.rejection import rejection_sample
-from glm53.kernels.ref.sampling import random_uniform
+from glm53.kernels import ops
 
 # seed streams of the acceptance tests and the residual draw, distinct from the sampler's
 ACCEPT_SALT, RESIDUAL_SALT, DRAFT_SALT = 0x5EED_ACCE, 0x5EED_2E51, 0x5EED_D2AF
@@ -59,11 +58,11 @@ def _rejection(sampled, probs, q, drafts, seeds, positions, row, k) -> tuple[int
     device = probs.device
     seed = torch.tensor([int(seeds[row])], device=device)
     keys = torch.tensor(positions[row:row + k], device=device)
-    uniform = random_uniform(seed.expand(k) ^ ACCEPT_SALT, keys, 1)[:, 0]
-    residual_u = random_uniform(seed ^ RESIDUAL_SALT, keys[:1], probs.shape[-1])
-    a, out = rejection_sample(probs[row:row + k + 1].unsqueeze(0), q.unsqueeze(0).to(probs),
-                              torch.as_tensor(drafts, device=device).unsqueeze(0),
-                              uniform.unsqueeze(0), residual_u,
-                              torch.tensor([int(sampled[row + k])], device=device))
+    uniform = ops.random_uniform(seed.expand(k) ^ ACCEPT_SALT, keys, 1)[:, 0]
+    residual_u = ops.random_uniform(seed ^ RESIDUAL_SALT, keys[:1], probs.shape[-1])
+    a, out = ops.rejection_sample(probs[row:row + k + 1].unsqueeze(0), q.unsqueeze(0).to(probs),
+                                  torch.as_tensor(drafts, device=device).unsqueeze(0),
+                                  uniform.unsqueeze(0), residual_u,
+                                  torch.tensor([int(sampled[row + k])], device=device))
     a = int(a[0])
     return a, [int(t) for t in out[0, : a + 1]]

@@ -17,7 +17,6 @@ import pytest
 
 from glm53.deployments.app import ingress_app, server_app
 from glm53.deployments.config import ServingConfig
-from glm53.deployments.tiny_model import make_tiny
 
 # the full tier (make test-all, CI): kills parts of a served app, waits for Serve to heal it
 pytestmark = pytest.mark.slow
@@ -34,10 +33,10 @@ def _free_port() -> int:
 
 
 @pytest.fixture(scope="module")
-def base_url(ray_session, tmp_path_factory):
+def base_url(ray_session, tiny_checkpoints):
     from ray import serve
 
-    path = make_tiny(tmp_path_factory.mktemp("chaos") / "tiny", seed=4)
+    path = tiny_checkpoints(seed=4)
     port = _free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     common = dict(model=str(path), device="cpu", max_model_len=512, max_num_seqs=32,

@@ -205,11 +205,10 @@ def test_probabilistic_mtp_drafts_are_selectable():
         serving_config(_parser().parse_args(["serve", "--draft-sampling", "greedy"]))
 
 
-def test_probabilistic_mtp_reaches_the_served_engine(tmp_path):
+def test_probabilistic_mtp_reaches_the_served_engine(tiny_checkpoint):
     from glm53.deployments.engine_client import LocalEngine
-    from glm53.deployments.tiny_model import make_tiny
 
-    path = make_tiny(tmp_path / "tiny", seed=0, layers=4, mtp=True)
+    path = tiny_checkpoint
     config = ServingConfig(model=str(path), device="cpu", num_blocks=64, max_model_len=128,
                            speculative="mtp:2:probabilistic")
     engine = LocalEngine(config, path, "cpu")
