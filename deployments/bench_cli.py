@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import importlib.util
 import json
 import sys
 from pathlib import Path
@@ -204,6 +205,10 @@ def bench_serve(args: argparse.Namespace) -> int:
 
     if args.output_len < 2:
         raise SystemExit("error: --output-len must be >= 2 (an inter-token latency to time)")
+    for module in ("httpx", *(("matplotlib",) if args.plot else ())):
+        if importlib.util.find_spec(module) is None:
+            raise SystemExit(f"error: glm53 bench serve needs {module}: "
+                             "pip install 'glm53[bench]'")
     api_key = args.api_key or os.environ.get("GLM53_API_KEY")
 
     def progress(row: dict) -> None:

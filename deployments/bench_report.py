@@ -63,8 +63,10 @@ def plot_serve(record: dict, path: str | Path) -> None:
                           for r in rows if r["prompt_len"] == prompt_len and r[key] is not None)
             if line:
                 ax.plot(*zip(*line, strict=True), marker="o", label=f"prompt {prompt_len}")
-        ax.set(title=title, xlabel="concurrency", xscale="log")
-        ax.xaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
+        ax.set_xscale("log", base=2)
+        levels = sorted({r["concurrency"] for r in rows})
+        ax.set(title=title, xlabel="concurrency", xticks=levels, xticklabels=levels)
+        ax.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())
         ax.grid(True, alpha=0.3)
     axes[0].legend()
     fig.suptitle(f"glm53 bench serve: {record['model']}, {record['output_len']} output tokens")
