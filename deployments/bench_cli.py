@@ -108,7 +108,8 @@ def _spec_name(spec: tuple[str | None, int, str | None], synthetic: bool = False
 LATENCY_COLUMNS = [("spec", "speculative"), ("batch", "batch"), ("context", "context"),
                    ("prefill ms", "prefill_ms"), ("step ms", "step_ms_median"),
                    ("p90 ms", "step_ms_p90"), ("tok/s/user", "tok_s_per_user"),
-                   ("tok/s", "tok_s_total"), ("accept len", "mean_accepted_length"),
+                   ("tok/s", "tok_s_total"), ("drafts", "mean_draft_length"),
+                   ("accept len", "mean_accepted_length"),
                    ("accepted by position", "accepted_per_position")]
 
 

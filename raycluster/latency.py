@@ -5,9 +5,10 @@ case.
 A case puts `batch` requests of exactly `context` random prompt tokens into the engine at once
 (greedy, eos ignored, `output_len` tokens each) and runs it to the end. Prefill time runs from
 the arrival of the batch to the first token of its last request. Decode steps are the steps that
-start with every request of the batch past its prefill and none finished: their wall time is
-the whole engine step (scheduling, step input, forward, sampling, verification, drafting), and
-their tokens give tokens per second per user and in total. Speculative counters are taken over
+start with every request of the batch running past its prefill (a preempted one must have
+recomputed) and none finished: their wall time is the whole engine step (scheduling, step
+input, forward, sampling, verification, drafting), and their tokens give tokens per second per
+user and in total. Speculative counters are taken over
 the same steps: per draft position j, the fraction of verify steps whose drafts 1..j were all
 accepted (vLLM's per-position acceptance rate).
 
@@ -30,6 +31,7 @@ from glm53.actors.step import SamplingParams
 from .config import EngineConfig
 from .engine import LLMEngine
 from .executor import InProcessExecutor, make_executor
+from .request import Request, RequestStatus
 
 
 @dataclass(frozen=True)
@@ -53,6 +55,7 @@ class LatencyResult:
     tokens_per_step: float  # per request, mean over the decode steps (1 without drafts)
     tok_s_per_user: float
     tok_s_total: float
+    preemptions: int  # during the case: nonzero means the cache could not hold the batch
     # speculative decoding (None without): tokens a verify step emits (accepted drafts + 1),
     # drafts verified per step, and per draft position the fraction accepted
     mean_accepted_length: float | None = None
@@ -73,6 +76,12 @@ def random_prompts(batch: int, context: int, vocab_size: int, seed: int) -> list
     """`batch` prompts of exactly `context` random token ids (distinct: nothing is shared)."""
     rng = np.random.default_rng(seed)
     return rng.integers(0, vocab_size, (batch, context)).tolist()
+
+
+def _decoding(request: Request) -> bool:
+    """Running, past its prefill (and any recompute after a preemption), not finished."""
+    return (request.status is RequestStatus.RUNNING and bool(request.output_ids)
+            and request.num_computed_tokens >= request.num_tokens - 1)
 
 
 def _spec_counters(spec) -> tuple[np.ndarray, np.ndarray, int]:
@@ -122,15 +131,15 @@ class LatencyRunner:
         arrival = time.perf_counter()
         ids = [engine.add_request(p, params) for p in prompts]
         requests = [engine.scheduler.requests[i] for i in ids]
-        prefill_s = None
+        prefill_s, preempted = None, engine.num_preemptions
         step_times: list[float] = []
         tokens = 0
         k = self.config.num_speculative_tokens
         accepted, drafted, verify_steps = np.zeros(k, np.int64), np.zeros(k, np.int64), 0
         while engine.has_unfinished:
-            steady = all(r.output_ids and not r.finished for r in requests)
+            steady = all(_decoding(r) for r in requests)
             if steady:
-                before = _spec_counters(spec)
+                before, preemptions = _spec_counters(spec), engine.num_preemptions
             start = time.perf_counter()
             outputs = engine.step()
             elapsed = time.perf_counter() - start
@@ -138,7 +147,7 @@ class LatencyRunner:
                 raise RuntimeError(next(out.error for out in outputs if out.error))
             if prefill_s is None and all(r.output_ids for r in requests):
                 prefill_s = time.perf_counter() - arrival
-            if steady:
+            if steady and engine.num_preemptions == preemptions:  # none preempted in it
                 step_times.append(elapsed)
                 tokens += sum(len(out.new_token_ids) for out in outputs)
                 after = _spec_counters(spec)
@@ -146,8 +155,10 @@ class LatencyRunner:
                 drafted += after[1] - before[1]
                 verify_steps += after[2] - before[2]
         if not step_times:
-            raise ValueError(f"no decode step to time: output_len {case.output_len} is too "
-                             f"short (give at least {k + 2} tokens)")
+            raise ValueError(
+                f"no step ran the full batch of {case.batch} after its prefill: output_len "
+                f"{case.output_len} is too short (give at least {k + 2} tokens), or the cache "
+                "cannot hold the batch (see the capacity line)")
         times = np.array(step_times)
         tokens_per_step = tokens / case.batch / len(times)
         result = dict(
@@ -157,7 +168,8 @@ class LatencyRunner:
             step_ms_median=float(np.median(times) * 1e3), step_ms_mean=float(times.mean() * 1e3),
             step_ms_p90=float(np.percentile(times, 90) * 1e3), tokens_per_step=tokens_per_step,
             tok_s_per_user=tokens / case.batch / float(times.sum()),
-            tok_s_total=tokens / float(times.sum()))
+            tok_s_total=tokens / float(times.sum()),
+            preemptions=engine.num_preemptions - preempted)
         if k and verify_steps:
             result.update(
                 mean_accepted_length=1 + float(accepted.sum()) / verify_steps,

@@ -33,6 +33,7 @@ def test_plain_decoding_times_every_step_after_the_prefill(model_dir: str) -> No
     assert result.tokens_per_step == 1.0
     assert result.prefill_ms > 0 and 0 < result.step_ms_median <= result.step_ms_p90
     assert result.tok_s_total == pytest.approx(3 * result.tok_s_per_user)
+    assert result.preemptions == 0
     assert result.accepted_per_position is None and result.mean_accepted_length is None
     assert result.acceptance == "none"
 
@@ -87,3 +88,18 @@ def test_random_prompts_have_the_exact_length_and_differ() -> None:
     assert [len(p) for p in prompts] == [50, 50, 50]
     assert len({tuple(p) for p in prompts}) == 3
     assert all(0 <= t < 272 for p in prompts for t in p)
+
+
+def test_steps_with_a_preempted_request_are_not_timed(model_dir: str) -> None:
+    # 3 requests of 30 prompt tokens grow to 40: two blocks of 16 each at first, then a third
+    # that the 7 usable blocks do not have for all of them; one is preempted (recompute) and
+    # waits while the others decode as a batch of 2, which must not count as a batch of 3
+    bench = LatencyRunner(EngineConfig(model=model_dir, max_num_seqs=4, num_blocks=8,
+                                       max_num_batched_tokens=512))
+    try:
+        result = bench.measure(LatencyCase(batch=3, context=30, output_len=10))
+    finally:
+        bench.shutdown()
+    assert result.preemptions >= 1
+    assert result.tokens_per_step == 1.0  # every timed step advanced all three requests
+    assert result.decode_steps < 9
