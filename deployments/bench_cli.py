@@ -133,6 +133,9 @@ def bench_latency(args: argparse.Namespace) -> int:
     if cache_bytes is None and args.num_blocks is None and not args.device.startswith("cuda"):
         cache_bytes = CPU_CACHE_BYTES
     synthetic = args.synthetic_acceptance is not None
+    if synthetic and all(method is None for method, _, _ in args.speculative):
+        raise SystemExit("error: --synthetic-acceptance needs a --speculative setting with "
+                         "drafts (mtp:K or dflash:PATH:K)")
     if synthetic:
         print(f"SYNTHETIC acceptance {args.synthetic_acceptance}: drafts are accepted by "
               "chance, not by the model; these numbers measure the speculative mechanism "
@@ -140,16 +143,16 @@ def bench_latency(args: argparse.Namespace) -> int:
     rows = []
     for spec in args.speculative:
         method, k, draft = spec
-        config = EngineConfig(
-            model=str(model_dir), dtype=args.dtype, device=args.device,
-            max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=max(args.batch),
-            max_model_len=args.max_model_len, block_size=args.block_size,
-            num_blocks=args.num_blocks, cache_bytes=cache_bytes,
-            gpu_memory_utilization=args.gpu_memory_utilization,
-            quantize_experts=args.quantize_experts, speculative_method=method,
-            num_speculative_tokens=k, draft_model=draft, enforce_eager=args.enforce_eager,
-            seed=args.seed)
         try:
+            config = EngineConfig(
+                model=str(model_dir), dtype=args.dtype, device=args.device,
+                max_num_batched_tokens=args.max_num_batched_tokens,
+                max_num_seqs=max(args.batch), max_model_len=args.max_model_len,
+                block_size=args.block_size, num_blocks=args.num_blocks, cache_bytes=cache_bytes,
+                gpu_memory_utilization=args.gpu_memory_utilization,
+                quantize_experts=args.quantize_experts, speculative_method=method,
+                num_speculative_tokens=k, draft_model=draft, enforce_eager=args.enforce_eager,
+                seed=args.seed)
             runner = LatencyRunner(config, seed=args.seed, synthetic_acceptance=(
                 args.synthetic_acceptance if method is not None else None))
         except (FileNotFoundError, CheckpointError, UnsupportedConfigError, ValueError) as exc:

@@ -77,6 +77,8 @@ def test_bench_latency_synthetic_acceptance_is_labelled(tmp_path: Path, capsys) 
 @pytest.mark.parametrize(("args", "message"), [
     (["--output-len", "1"], "--output-len must be >= 2"),
     (["--synthetic-acceptance", "0.5,0.9", "--speculative", "mtp:2"], "must not increase"),
+    (["--synthetic-acceptance", "0.5"], "needs a --speculative setting with drafts"),
+    (["--speculative", "mtp:9"], "num_speculative_tokens must be in 0..8"),
 ])
 def test_bench_latency_argument_errors(args: list[str], message: str) -> None:
     with pytest.raises(SystemExit, match=message):
