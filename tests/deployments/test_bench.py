@@ -25,24 +25,20 @@ from tests.deployments.local_ingress import local_ingress, served_over_http
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
-@pytest.fixture(autouse=True)
-def _cache_dir(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch):
-    """The embedded tiny model, built once for this module, out of the real cache."""
-    monkeypatch.setenv("GLM53_CACHE_DIR", str(tmp_path_factory.getbasetemp() / "bench-cache"))
-
-
-def test_bench_latency_writes_a_record_with_sane_values(tmp_path: Path, capsys) -> None:
+def test_bench_latency_writes_a_record_with_sane_values(tiny_checkpoint: Path, tmp_path: Path,
+                                                        capsys) -> None:
     out = tmp_path / "latency.json"
-    assert main(["bench", "latency", "--batch", "1,2", "--context", "16,40", "--speculative",
-                 "none,mtp:2", "--output-len", "8", "--json", str(out)]) == 0
+    assert main(["bench", "latency", "--model", str(tiny_checkpoint), "--batch", "1,2",
+                 "--context", "8,16", "--speculative", "none,mtp:2", "--output-len", "6",
+                 "--json", str(out)]) == 0
     record = json.loads(out.read_text())
     assert record["benchmark"] == "latency" and record["device"].startswith("cpu")
-    assert record["date"] and "commit" in record
+    assert record["date"] and "commit" in record and record["model"] == str(tiny_checkpoint)
     assert record["speculative"] == ["none", "mtp:2"] and record["synthetic_acceptance"] is None
-    assert record["config"]["output_len"] == 8
+    assert record["config"]["output_len"] == 6
     rows = record["results"]
     assert [(r["speculative"], r["context"], r["batch"]) for r in rows] == [
-        (spec, context, batch) for spec in ("none", "mtp:2") for context in (16, 40)
+        (spec, context, batch) for spec in ("none", "mtp:2") for context in (8, 16)
         for batch in (1, 2)]
     for r in rows:
         assert r["prefill_ms"] > 0 and r["decode_steps"] >= 1
@@ -60,11 +56,12 @@ def test_bench_latency_writes_a_record_with_sane_values(tmp_path: Path, capsys) 
     assert "accepted by position" in table and "mtp:2" in table
 
 
-def test_bench_latency_synthetic_acceptance_is_labelled(tmp_path: Path, capsys) -> None:
+def test_bench_latency_synthetic_acceptance_is_labelled(tiny_checkpoint: Path, tmp_path: Path,
+                                                         capsys) -> None:
     out = tmp_path / "latency.json"
-    assert main(["bench", "latency", "--batch", "2", "--context", "16", "--speculative",
-                 "mtp:2", "--output-len", "10", "--synthetic-acceptance", "1,1",
-                 "--no-warmup", "--json", str(out)]) == 0
+    assert main(["bench", "latency", "--model", str(tiny_checkpoint), "--batch", "2",
+                 "--context", "16", "--speculative", "mtp:2", "--output-len", "7",
+                 "--synthetic-acceptance", "1,1", "--no-warmup", "--json", str(out)]) == 0
     record = json.loads(out.read_text())
     assert record["synthetic_acceptance"] == [1.0, 1.0]
     (row,) = record["results"]
@@ -80,13 +77,17 @@ def test_bench_latency_synthetic_acceptance_is_labelled(tmp_path: Path, capsys) 
     (["--synthetic-acceptance", "0.5"], "needs a --speculative setting with drafts"),
     (["--speculative", "mtp:9"], "num_speculative_tokens must be in 0..8"),
 ])
-def test_bench_latency_argument_errors(args: list[str], message: str) -> None:
+def test_bench_latency_argument_errors(tiny_checkpoint: Path, args: list[str],
+                                      message: str) -> None:
     with pytest.raises(SystemExit, match=message):
-        main(["bench", "latency", "--batch", "1", "--context", "8", *args])
+        main(["bench", "latency", "--model", str(tiny_checkpoint), "--batch", "1",
+              "--context", "8", *args])
 
 
-def test_bench_serve_against_the_real_server_in_process(tmp_path: Path, monkeypatch) -> None:
-    config = ServingConfig(speculative="mtp:2", device="cpu", max_num_seqs=4)
+def test_bench_serve_against_the_real_server_in_process(tiny_checkpoint: Path, tmp_path: Path,
+                                                        monkeypatch) -> None:
+    config = ServingConfig(model=str(tiny_checkpoint), speculative="mtp:2", device="cpu",
+                           max_num_seqs=4)
     app = local_ingress(monkeypatch, config=config, engine_factory=None)
     out, plot = tmp_path / "serve.json", tmp_path / "serve.png"
     with served_over_http(app) as url:
@@ -146,19 +147,21 @@ def test_bench_serve_reports_an_unreachable_server_in_one_line() -> None:
 
 
 @pytest.mark.slow
-def test_both_commands_against_glm53_serve(tmp_path: Path) -> None:
+def test_both_commands_against_glm53_serve(tiny_checkpoint: Path, tmp_path: Path) -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     env = {**os.environ, "GLM53_CACHE_DIR": str(tmp_path / "cache")}
     cli = [sys.executable, "-m", "glm53.deployments.cli"]
+    model = ["--model", str(tiny_checkpoint)]
     latency = subprocess.run(
-        [*cli, "bench", "latency", "--batch", "1", "--context", "16", "--speculative", "mtp:2",
-         "--output-len", "6", "--json", str(tmp_path / "latency.json")],
+        [*cli, "bench", "latency", *model, "--batch", "1", "--context", "16", "--speculative",
+         "mtp:2", "--output-len", "6", "--json", str(tmp_path / "latency.json")],
         env=env, capture_output=True, text=True, timeout=300)
     assert latency.returncode == 0, latency.stderr
     assert json.loads((tmp_path / "latency.json").read_text())["results"][0]["decode_steps"] > 0
-    server = subprocess.Popen([*cli, "serve", "--port", str(port), "--speculative", "none"],
+    server = subprocess.Popen([*cli, "serve", *model, "--port", str(port), "--speculative",
+                               "none"],
                               env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                               text=True)
     try:

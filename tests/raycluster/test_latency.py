@@ -3,16 +3,17 @@ counts (decode steps, tokens, acceptance) agrees with what the engine did."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
-from glm53.deployments.tiny_model import make_tiny
 from glm53.raycluster.api import EngineConfig, LatencyCase, LatencyRunner
 from glm53.raycluster.latency import random_prompts
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
-    return str(make_tiny(tmp_path_factory.mktemp("latency"), seed=1, layers=4, mtp=True))
+def model_dir(tiny_checkpoint: Path) -> str:
+    return str(tiny_checkpoint)
 
 
 def runner(model_dir: str, k: int = 0, **kw) -> LatencyRunner:
