@@ -1,5 +1,5 @@
-"""The `glm53` command line: build tiny checkpoints, generate text through the engine, and
-serve the OpenAI-compatible API on Ray Serve."""
+"""The `glm53` command line: build tiny checkpoints, generate text through the engine, serve
+the OpenAI-compatible API on Ray Serve, and benchmark both (`glm53 bench`)."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import re
 import sys
 from pathlib import Path
 
+from .bench_cli import add_bench_parser, run_bench
 from .config import CPU_CACHE_BYTES  # default KV/state budget on CPU when no size is given
 
 
@@ -128,6 +129,7 @@ def _parser() -> argparse.ArgumentParser:
     _serve_parser(sub)
     _plan_parser(sub)
     _verify_parser(sub)
+    add_bench_parser(sub, _parse_speculative, _parse_bytes, QUANTIZE_HELP)
     return parser
 
 
@@ -586,6 +588,8 @@ def main(argv: list[str] | None = None) -> int:
         return _plan_memory(args)
     if args.command == "verify":
         return _verify(args)
+    if args.command == "bench":
+        return run_bench(args)
     return _generate(args)
 
 
