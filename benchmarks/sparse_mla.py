@@ -32,6 +32,7 @@ from bench_common import git_commit, graph_ms
 
 from glm53.kernels import sparse_mla
 from glm53.kernels.ref import sparse_mla as ref_sparse_mla
+from glm53.kernels.utils import is_sm120
 
 DEV = "cuda"
 BW = 4.3e12  # measured device-to-device copy bandwidth of an H200, B/s
@@ -114,7 +115,8 @@ def bench_case(batch, ctx, heads_list, gen, rows):
             tok = sparse_mla.indexer_topk(q_idx, w, pools, table, qs, pos, BUDGET, KPOOL)
             sparse_mla.sparse_mla_attention(q, latent, table, qs, tok, 1 / 16)
         t_total = _us(step)
-        plan = sparse_mla._attention_plan(batch, heads, tokens.shape[1], LATENT, False)
+        plan = sparse_mla._attention_plan(batch, heads, tokens.shape[1], LATENT, False,
+                                         is_sm120(q.device))
         row = dict(kernel="sparse_mla_decode", heads=heads, batch=batch, context=ctx,
                    pools_addressed=n_pools, rows_selected=sel_rows,
                    score_us=t_score, select_us=t_select, topk_torch_us=t_topk,

@@ -121,7 +121,7 @@ def causal_conv1d(
     if n_tok:
         grid = (triton.cdiv(n_tok, bt), triton.cdiv(chans, bc))
         # 8 warps: on 4 the [16, 256] tile's fp32 sums and 64-bit row pointers spill (~300-460 B
-        # a thread on sm_90, scripts/sm90_build.py)
+        # a thread on sm_90, scripts/kernel_build.py)
         causal_conv1d_fwd_kernel[grid](x, weight, conv_state, y, cu_seqlens, state_ids,
                                        has_initial_state, n_tok, n_seq, chans, chans // planes,
                                        x.stride(0), LOG_N=log2_ceil(n_seq), W=width, BT=bt,

@@ -35,7 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .utils import INTERPRET, next_pow2
+from .utils import INTERPRET, is_sm120, next_pow2
 
 __all__ = ["CHUNK", "kda_chunk_attention", "supports"]
 
@@ -44,6 +44,8 @@ SUB = 16  # sub-chunk: the exponent reference granularity and the diagonal inver
 # The state pass loads chunk i+1's factors while chunk i's products run (Triton does not
 # pipeline these loads itself; costs ~136 B of spills per thread at BV 32, ptxas sm_90).
 # No gain measured yet (H200, 4K tokens: 1.97 vs 1.98 ms at 32 heads, 3.71 vs 3.57 ms at 64).
+# Not on SM120 (mma.sync holds the factors in registers): there it spills 1432 B a thread at BV 64
+# (344 at BV 32) against 304 (none) without (scripts/kernel_build.py).
 STATE_PREFETCH = True
 LOG2E = tl.constexpr(1.4426950408889634)  # the kernels work in log2 units (exp2)
 
@@ -352,8 +354,8 @@ def kda_chunk_attention(
         bv = min(dv, 16)
     kda_chunk_state_kernel[(triton.cdiv(dv, bv), heads, n_seq)](
         w, qw, kg, u, mu, decay, state, o, cu_seqlens, state_ids, has_initial_state, n_seq,
-        H=heads, K=dk, V=dv, C=CHUNK, BV=bv, BN=bn, PREFETCH=STATE_PREFETCH, num_warps=8,
-        num_stages=1)
+        H=heads, K=dk, V=dv, C=CHUNK, BV=bv, BN=bn,
+        PREFETCH=STATE_PREFETCH and not is_sm120(dev), num_warps=8, num_stages=1)
     return o
 
 

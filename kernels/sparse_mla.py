@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .utils import INTERPRET, log2_ceil, next_pow2, seq_of_token
+from .utils import INTERPRET, is_sm120, log2_ceil, next_pow2, seq_of_token
 
 __all__ = ["indexer_topk", "indexer_update", "merge_attention_states", "sparse_mla_attention"]
 
@@ -44,6 +44,12 @@ ATTENTION_ROWS = 32
 # warps per bf16 attention program: 4 (one warpgroup, what Hopper's wgmma wants for a 64-row
 # tile) measured faster than 8 with the pipelined chain
 ATTENTION_WARPS = 4
+# the SM120 tiling (RTX PRO 6000 Blackwell: 99 KB of shared memory a block, and mma.sync, whose
+# operands sit in registers): the Hopper one needs 103 KB there and spills 72-80 B a thread;
+# 16 rows a step on 8 warps needs 84 KB, 184 registers, no spills (scripts/kernel_build.py;
+# chosen by fit, not yet timed on an SM120 GPU)
+SM120_ATTENTION_ROWS = 16
+SM120_ATTENTION_WARPS = 8
 # pools per radix-select program (8 warps: 8 keys a thread); small in the interpreter so CPU
 # tests cover several chunks
 SELECT_CHUNK = 64 if INTERPRET else 2048
@@ -517,8 +523,10 @@ def merge_attention_states(outs: torch.Tensor, lses: torch.Tensor) -> torch.Tens
     return out
 
 
-def _attention_plan(n_tok: int, heads: int, width: int, lc: int, f32: bool) -> dict:
-    """Tiles and splits of `sparse_mla_fwd_kernel` for T queries of H heads over W rows.
+def _attention_plan(n_tok: int, heads: int, width: int, lc: int, f32: bool,
+                    sm120: bool = False) -> dict:
+    """Tiles, warps and splits of `sparse_mla_fwd_kernel` for T queries of H heads over W rows
+    (the SM120 tiling where `sm120`).
 
     All heads of a query share one program (a 64-row tensor-core tile; more heads tile the
     grid), so each selected row is read once per query. A latent of at least 2 * COL_TILE
@@ -528,13 +536,14 @@ def _attention_plan(n_tok: int, heads: int, width: int, lc: int, f32: bool) -> d
     every split writes a [H, Lc] fp32 partial (2x its row reads at 128 rows)."""
     bh = min(64, max(16, next_pow2(heads)))
     bc = next_pow2(lc)
-    bw = 16 if f32 else ATTENTION_ROWS
+    bw = 16 if f32 else SM120_ATTENTION_ROWS if sm120 else ATTENTION_ROWS
+    warps = 4 if f32 else SM120_ATTENTION_WARPS if sm120 else ATTENTION_WARPS
     halves = bc >= 2 * COL_TILE
     base = n_tok * triton.cdiv(heads, bh) * (2 if halves else 1)
     splits = max(1, min(triton.cdiv(TARGET_PROGRAMS, base), triton.cdiv(width, MIN_SPLIT_ROWS)))
     ws = triton.cdiv(triton.cdiv(width, splits), bw) * bw if width else bw
     return dict(BH=bh, BW=bw, BO=bc // 2 if halves else bc, HALVES=halves,
-                splits=triton.cdiv(width, ws) or 1, ws=ws, grid_c=2 if halves else 1)
+                splits=triton.cdiv(width, ws) or 1, ws=ws, grid_c=2 if halves else 1, warps=warps)
 
 
 def sparse_mla_attention(
@@ -563,7 +572,7 @@ def sparse_mla_attention(
     if n_tok == 0:
         return out, lse
     f32 = INTERPRET or q_latent.dtype == torch.float32
-    plan = _attention_plan(n_tok, heads, width, lc, f32)
+    plan = _attention_plan(n_tok, heads, width, lc, f32, is_sm120(q_latent.device))
     splits = plan["splits"]
     if splits == 1:
         o_part, lse_part = out, lse
@@ -578,7 +587,7 @@ def sparse_mla_attention(
                                 block_tables.stride(0), dcp_rank, LBS=latent_cache.shape[1],
                                 DCP=dcp_size, C=lc, BH=plan["BH"], BW=plan["BW"],
                                 BO=plan["BO"], HALVES=plan["HALVES"], F32=f32,
-                                num_warps=4 if f32 else ATTENTION_WARPS,
+                                num_warps=plan["warps"],
                                 num_stages=ATTENTION_STAGES)
     if splits > 1:
         _merge(o_part, lse_part, out, lse)

@@ -8,12 +8,29 @@ set (on the GPU they keep bf16 operands for tl.dot).
 
 from __future__ import annotations
 
+import functools
 import os
 
+import torch
 import triton
 import triton.language as tl
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+@functools.cache
+def device_capability(device: torch.device) -> tuple[int, int]:
+    """(major, minor) compute capability of `device`, asked once per device (wrappers that key a
+    tiling on it run on every step)."""
+    return torch.cuda.get_device_capability(device)
+
+
+def is_sm120(device: torch.device) -> bool:
+    """Whether kernels for `device` compile for consumer/workstation Blackwell (compute capability
+    12.x: RTX PRO 6000, RTX 50xx): 99 KB of shared memory per block (Hopper 227 KB) and mma.sync,
+    whose operands sit in registers (no wgmma), so a Hopper tiling of a tensor-core kernel may
+    not fit. Never in the interpreter, whose tilings are its own."""
+    return not INTERPRET and device_capability(device)[0] == 12
 
 
 def next_pow2(n: int) -> int:

@@ -1,14 +1,17 @@
-"""Build every Triton kernel for an H100/H200 (sm_90) on a machine without a GPU.
+"""Build every Triton kernel for the project's GPUs on a machine without a GPU.
 
-Each op's own wrapper is called on CPU tensors of the model's real shapes with the launch
-replaced by a compile (Triton's warmup path, against a stand-in driver that reports an sm_90
-target), so the configurations are exactly the ones a GPU run would launch. Per kernel build
-it prints registers, spilled bytes (local memory), shared memory, and whether the tensor-core
-loops use wgmma. It fails on a kernel that does not compile (the interpreter accepts things
-the compiler rejects: a constexpr reassigned in a loop, one variable typed differently in the
-two branches of an `if`) and, with --no-spills, on a kernel that spills.
+Targets: sm_90 (H100/H200) and sm_120 (RTX PRO 6000 Blackwell, the design's named GPU). Each op's
+own wrapper is called on CPU tensors of the model's real shapes with the launch replaced by a
+compile (Triton's warmup path, against a stand-in driver that reports the target, and with
+`torch.cuda.get_device_capability` reporting it too, so a wrapper that keys its tiling on the
+capability picks what that GPU would launch). Per kernel build it prints registers, spilled bytes
+(local memory), shared memory, and the tensor-core instructions used (Hopper's wgmma, or mma.sync).
+It fails on a kernel that does not compile (the interpreter accepts things the compiler rejects: a
+constexpr reassigned in a loop, one variable typed differently in the two branches of an `if`), on
+shared memory past the target's per-block limit, on an instruction the target lacks, and, with
+--no-spills, on a kernel that spills.
 
-    python scripts/sm90_build.py [--json FILE] [--no-spills]
+    python scripts/kernel_build.py [--arch 90,120] [--json FILE] [--no-spills]
 
 Run it with TRITON_INTERPRET unset (the interpreter replaces the compiler). It leans on Triton
 3.6 internals (JITFunction.run's warmup path, the driver registry's `_active` slot), which is
@@ -18,6 +21,7 @@ the version the project pins for the interpreter and the GPU image has.
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import os
 import re
@@ -26,6 +30,7 @@ import sys
 import tempfile
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from unittest import mock
 
 import torch
@@ -36,19 +41,37 @@ from triton.runtime.jit import JITFunction
 
 CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin",
                          "cuobjdump")
+ROOT = Path(__file__).resolve().parents[1]
+
+# Opt-in shared memory per block: the SM's capacity less the 1 KB the driver reserves per block
+# (228 KB on sm_90, 100 KB on sm_120; CCCL's cuda/__device/arch_traits.h)
+SHARED_PER_BLOCK = {90: 227 * 1024, 120: 99 * 1024}
+# PTX that a target cannot run, by target (CCCL's cuda::ptx tables, PTX ISA): wgmma is sm_90a
+# only; tcgen05 (tensor memory MMA) and TMA multicast are sm_90a / datacenter Blackwell
+# (sm_100/103/110), not sm_120. Clusters, plain TMA and setmaxnreg do exist on sm_120a.
+FOREIGN_PTX = {90: (), 120: ("wgmma.", "tcgen05.", ".multicast::cluster")}
 
 
-class _Sm90Driver:
+# cases that override the attention's Hopper tiling constants (sweeps of sparse_mla.py)
+HOPPER_SWEEPS = ("attention decode, 64 rows a step", "attention decode, unhalved latent 8 warps")
+
+
+class _StandInDriver:
     """What JITFunction asks the active driver for while binding and compiling."""
 
+    def __init__(self, arch: int) -> None:
+        self.arch = arch
+
     def get_current_device(self) -> int:
-        return 0
+        # JITFunction keeps its compiled kernels (and the target they were built for) per
+        # device: one device per target, so a second target in the process compiles afresh
+        return self.arch
 
     def get_current_stream(self, device: int | None = None) -> int:
         return 0
 
     def get_current_target(self) -> GPUTarget:
-        return GPUTarget("cuda", 90, 32)
+        return GPUTarget("cuda", self.arch, 32)
 
     def get_active_torch_device(self) -> torch.device:
         return torch.device("cpu")
@@ -56,6 +79,7 @@ class _Sm90Driver:
 
 @dataclass(frozen=True)
 class Build:
+    arch: int
     case: str
     kernel: str
     registers: int
@@ -63,6 +87,8 @@ class Build:
     shared_bytes: int
     num_warps: int
     wgmma: int
+    mma_sync: int
+    foreign: tuple[str, ...]  # instructions of FOREIGN_PTX[arch] in the PTX
 
 
 def _resources(cubin: bytes) -> dict[str, int]:
@@ -75,38 +101,52 @@ def _resources(cubin: bytes) -> dict[str, int]:
 
 
 class _Recorder:
-    """JITFunction.run replaced by a compile-only run that records each build."""
+    """JITFunction.run replaced by a compile-only run that records each build for `arch`."""
 
-    def __init__(self) -> None:
+    def __init__(self, arch: int) -> None:
+        self.arch = arch
         self.case = ""
         self.builds: list[Build] = []
         self._run = JITFunction.run
         self._driver = None
+        self._capability = mock.patch("torch.cuda.get_device_capability",
+                                      return_value=divmod(arch, 10))
 
     def __enter__(self) -> _Recorder:
+        from glm53.kernels.utils import device_capability
+
         recorder = self
 
         def compile_only(fn, *args, grid, warmup, **kwargs):
             kernel = recorder._run(fn, *args, grid=grid, warmup=True, **kwargs)
             res = _resources(kernel.asm["cubin"])
+            ptx = kernel.asm["ptx"]
             recorder.builds.append(Build(
-                recorder.case, fn.fn.__name__, res.get("REG", 0),
+                recorder.arch, recorder.case, fn.fn.__name__, res.get("REG", 0),
                 max(res.get("LOCAL", 0), res.get("STACK", 0)), kernel.metadata.shared,
-                kernel.metadata.num_warps, kernel.asm["ptx"].count("wgmma.mma_async")))
+                kernel.metadata.num_warps, ptx.count("wgmma.mma_async"), ptx.count("mma.sync"),
+                tuple(i for i in FOREIGN_PTX[recorder.arch] if i in ptx)))
             return kernel
 
         self._driver = driver._active  # None here: no default driver exists without a GPU
-        driver.set_active(_Sm90Driver())
+        driver.set_active(_StandInDriver(self.arch))
+        self._capability.start()
+        device_capability.cache_clear()  # a capability cached for another target
         JITFunction.run = compile_only
         return self
 
     def __exit__(self, *exc) -> None:
+        from glm53.kernels.utils import device_capability
+
         JITFunction.run = self._run
         driver._active = self._driver
+        self._capability.stop()
+        device_capability.cache_clear()
 
 
-def _cases() -> dict[str, Callable[[], object]]:
-    """One call per op and regime (decode, verify, prefill) at the model's real widths."""
+def _cases(arch: int) -> dict[str, Callable[[], object]]:
+    """One call per op and regime (decode, verify, prefill) at the model's real widths; the
+    swept Hopper tilings of the attention only for sm_90 (their constants are Hopper's)."""
     from glm53.kernels import exl3, int4, kda, kda_mixer, mhc, moe, norm, sparse_mla
 
     bf, f32, i64 = torch.bfloat16, torch.float32, torch.long
@@ -206,7 +246,7 @@ def _cases() -> dict[str, Callable[[], object]]:
             z(tokens, 8, dtype=f32), ids, 10.0, 0, g, path=path)
 
     streams = z(16, 4, 4096)
-    return {
+    cases = {
         "kda decode 64x1": kda_call([1] * 64),
         "kda prefill 4 seqs": kda_call([700, 1, 2048, 77]),
         "kda verify 16x4 deferred": kda_call([4] * 16, defer=True),
@@ -249,36 +289,66 @@ def _cases() -> dict[str, Callable[[], object]]:
         "mhc post": lambda: mhc.hc_post(streams, z(16, 4096), z(16, 4, dtype=f32),
                                         z(16, 4, 4, dtype=f32)),
     }
+    if arch != 90:
+        for case in HOPPER_SWEEPS:
+            del cases[case]
+    return cases
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--json", help="write the builds here")
-    ap.add_argument("--no-spills", action="store_true", help="fail on a kernel that spills")
-    args = ap.parse_args()
-    if os.environ.get("TRITON_INTERPRET") == "1":
-        sys.exit("sm90_build: unset TRITON_INTERPRET (the interpreter replaces the compiler)")
-    failed: list[str] = []
-    with _Recorder() as rec:
-        for case, call in _cases().items():
+def _build(arch: int, failed: list[str]) -> list[Build]:
+    """Every case built for `arch`; a case that raises is listed in `failed`."""
+    with _Recorder(arch) as rec:
+        for case, call in _cases(arch).items():
             rec.case = case
             try:
                 call()
             except Exception as exc:  # every case is tried; the failures are listed at the end
-                failed.append(f"{case}: {type(exc).__name__}: {str(exc)[:2000]}")
-    print(f"{'case':44} {'kernel':28} {'regs':>5} {'spill':>6} {'smem':>7} {'warps':>5} "
-          f"{'wgmma':>5}")
-    for b in rec.builds:
-        print(f"{b.case:44} {b.kernel:28} {b.registers:5d} {b.spill_bytes:6d} "
-              f"{b.shared_bytes:7d} {b.num_warps:5d} {b.wgmma:5d}")
+                failed.append(f"sm_{arch} {case}: {type(exc).__name__}: {str(exc)[:2000]}")
+    return rec.builds
+
+
+def _commit() -> str:
+    return subprocess.run(["git", "rev-parse", "--short=7", "HEAD"], cwd=ROOT, text=True,
+                          capture_output=True).stdout.strip()
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--arch", default="90,120",
+                    help="comma-separated targets, of " + ", ".join(map(str, SHARED_PER_BLOCK)))
+    ap.add_argument("--json", help="write the builds here (with commit, date and Triton version)")
+    ap.add_argument("--no-spills", action="store_true", help="fail on a kernel that spills")
+    args = ap.parse_args()
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        sys.exit("kernel_build: unset TRITON_INTERPRET (the interpreter replaces the compiler)")
+    archs = [int(a) for a in args.arch.split(",")]
+    if unknown := set(archs) - set(SHARED_PER_BLOCK):
+        sys.exit(f"kernel_build: no limits known for sm_{sorted(unknown)}")
+    failed: list[str] = []
+    builds = [b for arch in archs for b in _build(arch, failed)]
+    print(f"{'arch':>6} {'case':44} {'kernel':28} {'regs':>5} {'spill':>6} {'smem':>7} "
+          f"{'warps':>5} {'wgmma':>5} {'mma':>5}")
+    for b in builds:
+        print(f"sm_{b.arch:<3} {b.case:44} {b.kernel:28} {b.registers:5d} {b.spill_bytes:6d} "
+              f"{b.shared_bytes:7d} {b.num_warps:5d} {b.wgmma:5d} {b.mma_sync:5d}")
     if args.json:
+        record = dict(commit=_commit(), date=datetime.date.today().isoformat(),
+                      triton=triton.__version__, archs=archs,
+                      shared_per_block={a: SHARED_PER_BLOCK[a] for a in archs},
+                      builds=[asdict(b) for b in builds])
         with open(args.json, "w") as f:
-            json.dump([asdict(b) for b in rec.builds], f, indent=1)
-    spills = [f"{b.case}: {b.kernel} spills {b.spill_bytes} B" for b in rec.builds
+            json.dump(record, f, indent=1)
+    over = [f"sm_{b.arch} {b.case}: {b.kernel} needs {b.shared_bytes} B of shared memory, "
+            f"{SHARED_PER_BLOCK[b.arch]} B a block" for b in builds
+            if b.shared_bytes > SHARED_PER_BLOCK[b.arch]]
+    foreign = [f"sm_{b.arch} {b.case}: {b.kernel} uses {', '.join(b.foreign)}" for b in builds
+               if b.foreign]
+    spills = [f"sm_{b.arch} {b.case}: {b.kernel} spills {b.spill_bytes} B" for b in builds
               if b.spill_bytes]
-    for line in failed + (spills if args.no_spills else []):
+    errors = failed + over + foreign + (spills if args.no_spills else [])
+    for line in errors:
         print("FAIL", line, file=sys.stderr)
-    return 1 if failed or (args.no_spills and spills) else 0
+    return 1 if errors else 0
 
 
 if __name__ == "__main__":
