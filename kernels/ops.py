@@ -35,6 +35,7 @@ from .ref.sparse_mla import (
     indexer_update,
     merge_attention_states,
     sparse_mla_attention,
+    store_latent,
     store_rows,
 )
 
@@ -64,6 +65,7 @@ __all__ = [
     "route_topk",
     "sample",
     "sparse_mla_attention",
+    "store_latent",
     "store_rows",
     "swiglu",
 ]

@@ -7,7 +7,9 @@
   sequence through its block table (sum_h w_h relu(q_h . K_p / sqrt(d)));
   an exact radix select (4 histogram passes of 8 bits over chunks of the visible scores, then
   a write pass) expands the top pools to token positions and appends the open-pool tail.
-- `sparse_mla_attention`: absorbed MLA over the selected latent rows. One program covers all
+- `store_latent`: writes latent rows, quantised to fp8 / nvfp4 rows (`latent_quant.py`).
+- `sparse_mla_attention`: absorbed MLA over the selected latent rows (plain, or fp8 / nvfp4
+  rows dequantised as they are loaded). One program covers all
   heads of a query (up to 64, a tensor-core tile), so every selected row is read once per
   query; the output columns are halved across two programs, and the selection is split when
   there are few queries, the partial results merged by log-sum-exp (flash-decoding);
@@ -21,9 +23,11 @@ import torch
 import triton
 import triton.language as tl
 
+from .latent_quant import latent_kernel_args, latent_tile, store_latent
 from .utils import INTERPRET, log2_ceil, next_pow2, seq_of_token
 
-__all__ = ["indexer_topk", "indexer_update", "merge_attention_states", "sparse_mla_attention"]
+__all__ = ["indexer_topk", "indexer_update", "merge_attention_states", "sparse_mla_attention",
+           "store_latent"]
 
 # programs wanted in flight for the split heuristic (2 per SM on an H100/H200)
 TARGET_PROGRAMS = 264
@@ -395,15 +399,17 @@ def _cache_rows(token_indices, block_tables, seq, i_t, o_w, w_hi, W, stride_bt, 
 
 
 @triton.jit
-def sparse_mla_fwd_kernel(q, kv, block_tables, query_seq, token_indices, o, lse, scale, T, H, W,
-                          WS, stride_bt, dcp_rank, LBS: tl.constexpr, DCP: tl.constexpr,
-                          C: tl.constexpr, BH: tl.constexpr, BW: tl.constexpr, BO: tl.constexpr,
-                          HALVES: tl.constexpr, F32: tl.constexpr):
+def sparse_mla_fwd_kernel(q, kv, kv32, block_tables, query_seq, token_indices, o, lse, scale, T,
+                          H, W, WS, stride_bt, dcp_rank, LBS: tl.constexpr, DCP: tl.constexpr,
+                          C: tl.constexpr, RB: tl.constexpr, OUTER: tl.constexpr,
+                          FMT: tl.constexpr, BH: tl.constexpr, BW: tl.constexpr,
+                          BO: tl.constexpr, HALVES: tl.constexpr, F32: tl.constexpr):
     """Program (i_c, i_s, i_t * n_ht + i_h): heads i_h*BH.. of query i_t over selected rows
     i_s*WS.. (a split), accumulating output columns i_c*BO.. . With HALVES the row is read as
     this program's column half (scores and values) and the other half (scores only), so each
     row byte is loaded once. The index -> block table -> row chain (three dependent loads) sits
-    in the step, where Triton's pipeliner issues it stages ahead as cp.async."""
+    in the step, where Triton's pipeliner issues it stages ahead as cp.async. Quantised rows
+    (FMT 1 fp8, 2 nvfp4; RB bytes each) are dequantised in registers (`latent_tile`)."""
     i_c, i_s, i_th = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     n_ht = tl.cdiv(H, BH)
     i_t, i_h = (i_th // n_ht).to(tl.int64), i_th % n_ht
@@ -428,12 +434,15 @@ def sparse_mla_fwd_kernel(q, kv, block_tables, query_seq, token_indices, o, lse,
     for w0 in range(w_lo, w_hi, BW):
         i_row, ok = _cache_rows(token_indices, block_tables, seq, i_t, w0 + tl.arange(0, BW), w_hi,
                                 W, stride_bt, dcp_rank, LBS, DCP)
-        o_row = i_row * C
-        b_kv = tl.load(kv + o_row[:, None] + o_own[None, :], mask=ok[:, None] & m_own[None, :],
-                       other=0.0)
+        b_kv = latent_tile(kv, kv32, i_row, o_own, ok[:, None] & m_own[None, :], C, RB, OUTER,
+                           FMT)
         if HALVES:
-            b_kv2 = tl.load(kv + o_row[:, None] + o_oth[None, :],
-                            mask=ok[:, None] & m_oth[None, :], other=0.0)
+            b_kv2 = latent_tile(kv, kv32, i_row, o_oth, ok[:, None] & m_oth[None, :], C, RB,
+                                OUTER, FMT)
+        if FMT != 0 and not F32:  # dequantised values are exact in bf16 (<= 6 bits)
+            b_kv = b_kv.to(q.dtype.element_ty)
+            if HALVES:
+                b_kv2 = b_kv2.to(q.dtype.element_ty)
         if F32:
             b_kv = b_kv.to(tl.float32)
             b_s = tl.dot(b_q, tl.trans(b_kv), input_precision="ieee")
@@ -546,8 +555,10 @@ def sparse_mla_attention(
     scale: float,
     dcp_rank: int = 0,
     dcp_size: int = 1,
+    latent_format: str = "plain",
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """q_latent: [T, H, Lc]; latent_cache: [B, bs / dcp_size, Lc]; block_tables: [N, M];
+    """q_latent: [T, H, Lc]; latent_cache: [B, bs / dcp_size, Lc] (or uint8 rows of
+    `latent_format` fp8 / nvfp4); block_tables: [N, M];
     query_seq: [T]; token_indices: [T, W] (-1 = unused). Returns out [T, H, Lc] in q's dtype and
     lse [T, H] fp32 (-inf where a query has no row on this rank). One launch, plus the
     log-sum-exp merge when the selection is split (few queries)."""
@@ -573,10 +584,13 @@ def sparse_mla_attention(
         lse_part = torch.empty((splits, n_tok, heads), dtype=torch.float32,
                                device=q_latent.device)
     grid = (plan["grid_c"], splits, n_tok * triton.cdiv(heads, plan["BH"]))
-    sparse_mla_fwd_kernel[grid](q_latent, latent_cache, block_tables, query_seq, token_indices,
-                                o_part, lse_part, scale, n_tok, heads, width, plan["ws"],
-                                block_tables.stride(0), dcp_rank, LBS=latent_cache.shape[1],
-                                DCP=dcp_size, C=lc, BH=plan["BH"], BW=plan["BW"],
+    sparse_mla_fwd_kernel[grid](q_latent, latent_cache, block_tables=block_tables,
+                                query_seq=query_seq, token_indices=token_indices, o=o_part,
+                                lse=lse_part, scale=scale, T=n_tok, H=heads, W=width,
+                                WS=plan["ws"], stride_bt=block_tables.stride(0),
+                                dcp_rank=dcp_rank, LBS=latent_cache.shape[1], DCP=dcp_size,
+                                C=lc, **latent_kernel_args(latent_cache, lc, latent_format),
+                                BH=plan["BH"], BW=plan["BW"],
                                 BO=plan["BO"], HALVES=plan["HALVES"], F32=f32,
                                 num_warps=4 if f32 else ATTENTION_WARPS,
                                 num_stages=ATTENTION_STAGES)

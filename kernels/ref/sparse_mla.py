@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import torch
 
+from .latent_quant import pack_latent, unpack_latent
+
 
 def store_rows(rows: torch.Tensor, cache: torch.Tensor, slot_mapping: torch.Tensor,
                dcp_rank: int = 0, dcp_size: int = 1) -> None:
@@ -37,6 +39,17 @@ def store_rows(rows: torch.Tensor, cache: torch.Tensor, slot_mapping: torch.Tens
         mine = offset % dcp_size == dcp_rank
         slots = torch.where(mine, block * local_bs + offset // dcp_size, 0)
     cache.view(-1, cache.shape[-1])[slots] = rows.to(cache.dtype)
+
+
+def store_latent(latent: torch.Tensor, cache: torch.Tensor, slot_mapping: torch.Tensor,
+                 dcp_rank: int = 0, dcp_size: int = 1, latent_format: str = "plain",
+                 outer_scale: float = 1.0) -> None:
+    """`store_rows` of MLA latent rows [T, Lc] into a cache of `latent_format` rows: "plain"
+    (the values in the cache's dtype) or packed uint8 rows ("fp8", "nvfp4" with the layer's
+    outer scale; latent_quant.py)."""
+    if latent_format != "plain":
+        latent = pack_latent(latent, latent_format, outer_scale)
+    store_rows(latent, cache, slot_mapping, dcp_rank, dcp_size)
 
 
 def pool_compress(keys: torch.Tensor, gates: torch.Tensor, ape: torch.Tensor) -> torch.Tensor:
@@ -152,10 +165,13 @@ def sparse_mla_attention(
     scale: float,
     dcp_rank: int = 0,
     dcp_size: int = 1,
+    latent_format: str = "plain",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Absorbed MLA over selected latent rows: every head attends the same 512-wide key=value.
 
-    q_latent: [T, H, Lc] (W_UK-absorbed queries); latent_cache: [B, bs / dcp_size, Lc];
+    q_latent: [T, H, Lc] (W_UK-absorbed queries); latent_cache: [B, bs / dcp_size, Lc], or
+    [B, bs / dcp_size, row bytes] uint8 rows of `latent_format` "fp8" / "nvfp4" (dequantised
+    on read);
     token_indices: [T, W] positions in the query's sequence, -1 = unused. Under DCP only the
     positions this rank stores (p % dcp_size == dcp_rank) take part. Returns the softmax-weighted
     latents [T, H, Lc] in q_latent's dtype and the log-sum-exp of the scores [T, H] fp32
@@ -168,7 +184,8 @@ def sparse_mla_attention(
     unused = token_indices < 0
     if dcp_size > 1:
         unused = unused | (idx % dcp_size != dcp_rank)
-    rows = latent_cache[blocks, (idx % block_size) // dcp_size].float()  # [T, W, Lc]
+    rows = unpack_latent(latent_cache[blocks, (idx % block_size) // dcp_size],
+                         q_latent.shape[-1], latent_format)  # [T, W, Lc] fp32
     scores = torch.einsum("thc,twc->thw", q_latent.float(), rows) * scale
     scores = scores.masked_fill(unused.unsqueeze(1), float("-inf"))
     lse = torch.logsumexp(scores, dim=-1)
