@@ -20,6 +20,7 @@ from .ref.latent_quant import (
     nvfp4_outer_offset,
     row_bytes,
 )
+from .ref.sparse_mla import store_rows
 from .utils import next_pow2
 
 __all__ = ["store_latent"]
@@ -163,8 +164,6 @@ def store_latent(latent: torch.Tensor, cache: torch.Tensor, slot_mapping: torch.
                  outer_scale: float = 1.0) -> None:
     """latent: [T, Lc]; cache: [B, bs / dcp_size, row] (uint8 rows of `latent_format` "fp8"
     / "nvfp4", or plain values); slot_mapping: [T]. One program per token."""
-    from .ref.sparse_mla import store_rows
-
     if latent_format == "plain":  # an indexed copy: torch's own kernel
         store_rows(latent, cache, slot_mapping, dcp_rank, dcp_size)
         return

@@ -26,6 +26,7 @@ from .ref.kda import (
     kda_gated_attention,
 )
 from .ref.kda_mixer import kda_mixer
+from .ref.latent_quant import store_latent
 from .ref.mhc import hc_post, hc_pre
 from .ref.moe import fused_moe, route_topk, swiglu
 from .ref.norm import rms_norm
@@ -35,7 +36,6 @@ from .ref.sparse_mla import (
     indexer_update,
     merge_attention_states,
     sparse_mla_attention,
-    store_latent,
     store_rows,
 )
 
@@ -74,7 +74,8 @@ __all__ = [
 # --- backend switch ---------------------------------------------------------------------------
 
 # kernel modules: kernels/<name>.py holds the Triton twins of kernels/ref/<name>.py
-KERNEL_MODULES = ("exl3", "int4", "kda", "kda_mixer", "mhc", "moe", "norm", "sparse_mla")
+KERNEL_MODULES = ("exl3", "int4", "kda", "kda_mixer", "latent_quant", "mhc", "moe", "norm",
+                  "sparse_mla")
 BACKENDS = ("auto", "triton", "ref")
 _backend = "auto"
 _triton: dict[str, Callable] | None = None

@@ -7,7 +7,6 @@
   sequence through its block table (sum_h w_h relu(q_h . K_p / sqrt(d)));
   an exact radix select (4 histogram passes of 8 bits over chunks of the visible scores, then
   a write pass) expands the top pools to token positions and appends the open-pool tail.
-- `store_latent`: writes latent rows, quantised to fp8 / nvfp4 rows (`latent_quant.py`).
 - `sparse_mla_attention`: absorbed MLA over the selected latent rows (plain, or fp8 / nvfp4
   rows dequantised as they are loaded). One program covers all
   heads of a query (up to 64, a tensor-core tile), so every selected row is read once per
@@ -23,11 +22,10 @@ import torch
 import triton
 import triton.language as tl
 
-from .latent_quant import latent_kernel_args, latent_tile, store_latent
+from .latent_quant import latent_kernel_args, latent_tile
 from .utils import INTERPRET, log2_ceil, next_pow2, seq_of_token
 
-__all__ = ["indexer_topk", "indexer_update", "merge_attention_states", "sparse_mla_attention",
-           "store_latent"]
+__all__ = ["indexer_topk", "indexer_update", "merge_attention_states", "sparse_mla_attention"]
 
 # programs wanted in flight for the split heuristic (2 per SM on an H100/H200)
 TARGET_PROGRAMS = 264

@@ -188,3 +188,16 @@ def unpack_latent(rows: torch.Tensor, lc: int, latent_format: str) -> torch.Tens
     if latent_format == "nvfp4":
         return unpack_nvfp4(rows, lc)
     raise ValueError(f"unknown latent format {latent_format!r}; one of {LATENT_FORMATS}")
+
+
+def store_latent(latent: torch.Tensor, cache: torch.Tensor, slot_mapping: torch.Tensor,
+                 dcp_rank: int = 0, dcp_size: int = 1, latent_format: str = "plain",
+                 outer_scale: float = 1.0) -> None:
+    """`sparse_mla.store_rows` of MLA latent rows [T, Lc] into a cache of `latent_format`
+    rows: "plain" (the values in the cache's dtype) or packed uint8 rows ("fp8", "nvfp4" with
+    the layer's outer scale)."""
+    from .sparse_mla import store_rows  # imported here: sparse_mla reads rows via this module
+
+    if latent_format != "plain":
+        latent = pack_latent(latent, latent_format, outer_scale)
+    store_rows(latent, cache, slot_mapping, dcp_rank, dcp_size)

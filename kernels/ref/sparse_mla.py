@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from .latent_quant import pack_latent, unpack_latent
+from .latent_quant import unpack_latent
 
 
 def store_rows(rows: torch.Tensor, cache: torch.Tensor, slot_mapping: torch.Tensor,
@@ -39,17 +39,6 @@ def store_rows(rows: torch.Tensor, cache: torch.Tensor, slot_mapping: torch.Tens
         mine = offset % dcp_size == dcp_rank
         slots = torch.where(mine, block * local_bs + offset // dcp_size, 0)
     cache.view(-1, cache.shape[-1])[slots] = rows.to(cache.dtype)
-
-
-def store_latent(latent: torch.Tensor, cache: torch.Tensor, slot_mapping: torch.Tensor,
-                 dcp_rank: int = 0, dcp_size: int = 1, latent_format: str = "plain",
-                 outer_scale: float = 1.0) -> None:
-    """`store_rows` of MLA latent rows [T, Lc] into a cache of `latent_format` rows: "plain"
-    (the values in the cache's dtype) or packed uint8 rows ("fp8", "nvfp4" with the layer's
-    outer scale; latent_quant.py)."""
-    if latent_format != "plain":
-        latent = pack_latent(latent, latent_format, outer_scale)
-    store_rows(latent, cache, slot_mapping, dcp_rank, dcp_size)
 
 
 def pool_compress(keys: torch.Tensor, gates: torch.Tensor, ape: torch.Tensor) -> torch.Tensor:

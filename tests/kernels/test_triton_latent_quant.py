@@ -30,7 +30,7 @@ def _awkward_rows(n: int, lc: int, gen: torch.Generator) -> torch.Tensor:
 @pytest.mark.parametrize("lc", [16, 48, 160])
 @pytest.mark.parametrize("dcp", [(0, 1), (1, 2)])
 def test_store_latent_bytes_equal_ref(latent_format, lc, dcp):
-    from glm53.kernels import sparse_mla
+    from glm53.kernels import latent_quant
 
     rank, size = dcp
     g = torch.Generator().manual_seed(lc)
@@ -39,15 +39,15 @@ def test_store_latent_bytes_equal_ref(latent_format, lc, dcp):
     slots = torch.randperm(5 * 8, generator=g)[:9] + 8  # blocks 1..5 of 8 tokens
     cache_ref = torch.randint(0, 256, (6, 8 // size, rb), generator=g, dtype=torch.uint8)
     cache = cache_ref.clone().to(DEVICE)
-    ref.store_latent(rows, cache_ref, slots, rank, size, latent_format, 0.25)
-    sparse_mla.store_latent(rows.to(DEVICE), cache, slots.to(DEVICE), rank, size,
+    lq.store_latent(rows, cache_ref, slots, rank, size, latent_format, 0.25)
+    latent_quant.store_latent(rows.to(DEVICE), cache, slots.to(DEVICE), rank, size,
                             latent_format, 0.25)
     # row 0 of the null block takes the other rank's tokens (any of them): not compared
     assert torch.equal(cache.cpu()[1:], cache_ref[1:])
 
 
 def test_e4m3_encoding_matches_torch_at_every_code_and_midpoint():
-    from glm53.kernels import sparse_mla
+    from glm53.kernels import latent_quant
 
     # every finite e4m3 value and every midpoint between neighbours (the ties), both signs;
     # a 448 in each 128-wide tile pins its scale to 1, so the codes are the casts of x itself
@@ -58,7 +58,7 @@ def test_e4m3_encoding_matches_torch_at_every_code_and_midpoint():
     x = torch.cat([x, torch.zeros(pad)]).view(-1, 127)
     x = torch.cat([torch.full((x.shape[0], 1), 448.0), x], dim=1)
     cache = torch.zeros(1, x.shape[0], lq.fp8_row_bytes(128), dtype=torch.uint8).to(DEVICE)
-    sparse_mla.store_latent(x.to(DEVICE), cache, torch.arange(x.shape[0]).to(DEVICE),
+    latent_quant.store_latent(x.to(DEVICE), cache, torch.arange(x.shape[0]).to(DEVICE),
                             latent_format="fp8")
     assert torch.equal(cache.cpu()[0, :, :128], x.to(torch.float8_e4m3fn).view(torch.uint8))
 

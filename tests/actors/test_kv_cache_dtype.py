@@ -1,0 +1,147 @@
+"""Quantised latent cache (fp8 / nvfp4) in the model and the engine, on CPU with tiny models.
+
+KLD bounds (mean over every prompt position, float64, teacher = the model-dtype fp32 cache):
+fp8 < 0.03 and nvfp4 < 0.08, measured 0.004-0.008 and 0.018-0.024 on tiny random checkpoints
+(whose near-flat next-token distributions exaggerate any error); nvfp4 must also cost more
+than fp8 and fp8 more than a bf16 cache, or the formats are not what they claim.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from glm53.actors import kv_scale_bank
+from glm53.actors.caches import ModelCaches, cache_bytes, plan_cache
+from glm53.actors.config import ModelConfig
+from glm53.actors.forward_batch import ForwardBatch
+from glm53.actors.loader import load_model
+from glm53.actors.step import SamplingParams
+from glm53.actors.tiny import tiny_text_config
+from glm53.deployments.tiny_model import make_tiny
+from glm53.raycluster.config import EngineConfig
+from glm53.raycluster.engine import LLMEngine
+
+BLOCK = 16
+FP8_KLD_BOUND = 0.03
+NVFP4_KLD_BOUND = 0.08
+GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return make_tiny(tmp_path_factory.mktemp("kvq"), seed=0, layers=5, mtp=True, index_topk=8)
+
+
+@pytest.fixture(scope="module")
+def model(tiny):
+    return load_model(tiny, progress=False, with_mtp=True)
+
+
+def _prompts(n: int, length: int, seed: int) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, 256, length).tolist() for _ in range(n)]
+
+
+@pytest.fixture(scope="module")
+def bank(tiny, model):
+    """The tiny checkpoint's scale bank, written next to it (where engines look for it)."""
+    data = kv_scale_bank.calibrate(model, _prompts(2, 48, seed=1))
+    kv_scale_bank.write_bank(data, tiny / kv_scale_bank.BANK_FILE)
+    return data
+
+
+def test_latent_row_bytes_follow_the_cache_dtype():
+    cfg = ModelConfig.from_hf(tiny_text_config(5, kv_lora_rank=512))
+    per_token = {}
+    for dtype in ("auto", "fp8", "nvfp4"):
+        per_block, _ = cache_bytes(cfg, 16, torch.bfloat16, False, kv_cache_dtype=dtype)
+        pools = len(cfg.dsa_layers) * 16 // cfg.index_kpool * cfg.index_head_dim * 2
+        per_token[dtype] = (per_block - pools) // (16 * len(cfg.dsa_layers))
+    assert per_token == {"auto": 1024, "fp8": 528, "nvfp4": 304}
+    plans = {d: plan_cache(cfg, 16, 1, torch.bfloat16, False, budget_bytes=2**30,
+                           kv_cache_dtype=d) for d in ("auto", "fp8", "nvfp4")}
+    assert plans["auto"].tokens_per_gib < plans["fp8"].tokens_per_gib
+    assert plans["fp8"].tokens_per_gib < plans["nvfp4"].tokens_per_gib
+    assert "latent cache nvfp4" in plans["nvfp4"].describe(4096)
+
+
+def test_caches_hold_packed_rows_and_nvfp4_needs_every_layer_scale(model):
+    cfg = model.config
+    caches = ModelCaches.allocate(cfg, 3, BLOCK, 1, torch.float32, with_mtp=True,
+                                  kv_cache_dtype="fp8")
+    assert caches.layers[3].latent.dtype == torch.uint8
+    assert caches.layers[3].latent.shape[-1] == cfg.kv_lora_rank + 4
+    assert caches.mtp.latent_format == "fp8"
+    with pytest.raises(ValueError, match="outer scale for layer mtp.*calibrate-kv"):
+        ModelCaches.allocate(cfg, 3, BLOCK, 1, torch.float32, with_mtp=True,
+                             kv_cache_dtype="nvfp4", kv_scales={"3": 1.0})
+
+
+def test_calibration_is_deterministic_and_covers_every_dsa_layer(model, tiny, tmp_path):
+    prompts = _prompts(1, 24, seed=2)
+    first = kv_scale_bank.write_bank(kv_scale_bank.calibrate(model, prompts), tmp_path / "a")
+    again = kv_scale_bank.write_bank(kv_scale_bank.calibrate(model, prompts), tmp_path / "b")
+    assert first.read_bytes() == again.read_bytes()
+    bank = json.loads(first.read_text())
+    assert set(bank["scales"]) == {"3", "mtp"}
+    for key, scale in bank["scales"].items():
+        amax = bank["amax"][key]
+        # the smallest power of two that covers amax with the headroom
+        assert amax <= 6 * 448 * scale * kv_scale_bank.HEADROOM < 2 * amax
+    assert kv_scale_bank.load_scale_bank(first) == bank["scales"]
+    other = kv_scale_bank.calibrate(model, _prompts(1, 24, seed=3))
+    assert other["prompts_sha256"] != bank["prompts_sha256"]
+
+
+def test_a_missing_or_malformed_bank_is_a_clear_error(tmp_path):
+    with pytest.raises(FileNotFoundError, match="glm53 calibrate-kv"):
+        kv_scale_bank.load_scale_bank(tmp_path / "none.json")
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"format": kv_scale_bank.BANK_FORMAT, "scales": {"3": 0.3}}))
+    with pytest.raises(ValueError, match="layer 3.*power of two"):
+        kv_scale_bank.load_scale_bank(bad)
+
+
+def _logits(model, ids: list[int], kv_cache_dtype: str, scales=None) -> torch.Tensor:
+    n = len(ids)
+    caches = ModelCaches.allocate(model.config, 1 + -(-n // BLOCK), BLOCK, 1, torch.float32,
+                                  kv_cache_dtype=kv_cache_dtype, kv_scales=scales)
+    batch = ForwardBatch.build([0], [n], [0], [list(range(1, 1 + -(-n // BLOCK)))], BLOCK)
+    return model.compute_logits(model(torch.tensor(ids), batch, caches)).double()
+
+
+def test_quantised_cache_kld_vs_full_precision_cache_is_bounded(model, bank):
+    kld = {}
+    prompts = _prompts(2, 64, seed=4)
+    teacher = [_logits(model, ids, "auto").log_softmax(-1) for ids in prompts]
+    for dtype in ("bf16", "fp8", "nvfp4"):
+        kls = []
+        for ids, p in zip(prompts, teacher, strict=True):
+            q = _logits(model, ids, dtype, bank["scales"]).log_softmax(-1)
+            kls.append((p.exp() * (p - q)).sum(-1))
+        kld[dtype] = float(torch.cat(kls).mean())
+    assert kld["fp8"] < FP8_KLD_BOUND and kld["nvfp4"] < NVFP4_KLD_BOUND, kld
+    assert kld["bf16"] < kld["fp8"] < kld["nvfp4"], kld
+
+
+@pytest.mark.parametrize("dtype", ["fp8", "nvfp4"])
+def test_mtp3_with_quantised_cache_equals_plain_decoding(tiny, bank, dtype):
+    prompts = _prompts(2, 37, seed=5) + [[7, 8, 9]]
+
+    def run(k: int) -> list[list[int]]:
+        spec = {"speculative_method": "mtp", "num_speculative_tokens": k} if k else {}
+        engine = LLMEngine(EngineConfig(model=str(tiny), num_blocks=64, block_size=8,
+                                        max_num_batched_tokens=24, kv_cache_dtype=dtype, **spec))
+        assert engine.executor.cache_plan.kv_cache_dtype == dtype
+        return engine.generate(prompts, GREEDY)
+
+    assert run(3) == run(0)
+
+
+def test_engine_refuses_a_scale_bank_without_nvfp4(tiny):
+    with pytest.raises(ValueError, match="kv_scale_bank.*nvfp4"):
+        EngineConfig(model=str(tiny), kv_cache_dtype="fp8", kv_scale_bank="x.json")
