@@ -26,6 +26,7 @@ from glm53.kernels.ref.latent_quant import E4M3_MAX, check_outer_scale
 
 from .caches import MTP_LAYER, ModelCaches
 from .forward_batch import ForwardBatch
+from .loader import DTYPES, load_model, read_config
 from .models.glm5_next import Glm5NextForCausalLM
 
 BANK_FILE = "kv_scales_nvfp4.json"
@@ -110,6 +111,14 @@ def calibrate(model: Glm5NextForCausalLM, prompts: list[list[int]]) -> dict:
             "prompts_sha256": digest,
             "scales": {k: outer_scale(v) for k, v in amax.items()},
             "amax": {k: float(v) for k, v in amax.items()}}
+
+
+def calibrate_checkpoint(model_dir: str | Path, prompts: list[list[int]],
+                         dtype: str | None = None, device: str = "cpu") -> dict:
+    """`calibrate` of the checkpoint in `model_dir` (with its MTP layer when it has one)."""
+    model = load_model(model_dir, with_mtp=read_config(model_dir).has_mtp,
+                       dtype=DTYPES[dtype] if dtype else None, device=device, progress=False)
+    return calibrate(model, prompts)
 
 
 def write_bank(bank: dict, path: str | Path) -> Path:

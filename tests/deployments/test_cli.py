@@ -290,3 +290,23 @@ def test_serve_starts_a_private_ray_on_loopback():
                          timeout=300, check=True).stdout.split()
     node_ip, gcs = out[-2:]
     assert node_ip == "127.0.0.1" and gcs.startswith("127.0.0.1:"), out
+
+
+# ----- calibrate-kv -----
+
+def test_calibrate_kv_is_deterministic_and_feeds_the_nvfp4_cache(
+        ckpt: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("the quick brown fox\n\njumps over the lazy dog twice\n")
+    with pytest.raises(SystemExit, match="no nvfp4 KV scale bank.*calibrate-kv"):
+        generate(capsys, "--model", str(ckpt), "--prompt-ids", "1,2,3", "--max-tokens", "2",
+                 "--kv-cache-dtype", "nvfp4")
+    first, second = tmp_path / "a.json", tmp_path / "b.json"
+    for out in (first, second):
+        assert main(["calibrate-kv", "--model", str(ckpt), "--prompts", str(prompts),
+                     "--output", str(out)]) == 0
+    assert first.read_bytes() == second.read_bytes()
+    assert set(json.loads(first.read_text())["scales"]) == {"3", "mtp"}
+    check_output(generate(capsys, "--model", str(ckpt), "--prompt-ids", "1,2,3",
+                          "--max-tokens", "5", "--kv-cache-dtype", "nvfp4",
+                          "--kv-scale-bank", str(first)), ckpt, 5)
