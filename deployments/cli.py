@@ -190,6 +190,8 @@ def _plan_parser(sub) -> None:
     pm.add_argument("--max-num-batched-tokens", type=int, default=2048)
     pm.add_argument("--max-model-len", type=int, default=None)
     pm.add_argument("--block-size", type=int, default=16)
+    pm.add_argument("--kv-cache-dtype", choices=["auto", "bf16", "fp8", "nvfp4"], default="auto",
+                    help="latent cache rows (fp8 528 B, nvfp4 304 B per token and layer)")
 
 
 def _plan_memory(args) -> int:
@@ -223,7 +225,7 @@ def _plan_memory(args) -> int:
             rank=args.rank, quantize_experts=args.quantize_experts, dtype=args.dtype,
             with_mtp=method == "mtp", num_spec=k, block_size=args.block_size,
             max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-            max_model_len=args.max_model_len)
+            max_model_len=args.max_model_len, kv_cache_dtype=args.kv_cache_dtype)
     except ValueError as exc:
         raise SystemExit(f"error: {exc}") from None
     print(plan.describe())

@@ -275,6 +275,18 @@ def test_plan_memory_of_the_release(capsys: pytest.CaptureFixture[str]) -> None:
         main(["plan-memory", "--release", "exl3", "--speculative", "dflash:/nowhere"])
 
 
+def test_plan_memory_follows_the_kv_cache_dtype(capsys: pytest.CaptureFixture[str]) -> None:
+    tokens = {}
+    for dtype in ("auto", "fp8", "nvfp4"):
+        assert main(["plan-memory", "--release", "exl3", "--tp", "2", "--ep", "2", "--dcp", "2",
+                     "--kv-cache-dtype", dtype]) == 0
+        line = next(x for x in capsys.readouterr().out.splitlines() if "capacity" in x)
+        tokens[dtype] = int(line.split()[1].replace(",", ""))
+    # bf16 latents 1,024 B, fp8 528 B, nvfp4 304 B per token and layer (+ 33 B of pool keys)
+    assert 1.6 < tokens["fp8"] / tokens["auto"] < 2.0
+    assert 1.5 < tokens["nvfp4"] / tokens["fp8"] < 1.8
+
+
 @pytest.mark.slow  # starts a private Ray in a subprocess
 def test_serve_starts_a_private_ray_on_loopback():
     """Without RAY_ADDRESS, `glm53 serve` starts its own Ray whose listeners (GCS, raylet,
