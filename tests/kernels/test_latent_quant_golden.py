@@ -60,14 +60,16 @@ def test_fp8_golden_zero_tile_and_power_of_two_scale():
     assert torch.equal(lq.unpack_fp8(rows, 256), x)
 
 
-def test_fp8_golden_denormal_inputs():
+def test_fp8_golden_denormal_inputs_and_negative_nan():
     # a tile of fp32 denormals takes the floor scale 2^-126: 2^-130 -> 2^-4 = code 0x18,
-    # 2^-140 -> 2^-14, below half the smallest e4m3 subnormal -> 0
-    x = torch.tensor([[2.0**-130, -(2.0**-130), 2.0**-140] + [0.0] * 13])
+    # 2^-140 -> 2^-14, below half the smallest e4m3 subnormal -> 0; a NaN with its sign bit
+    # set is stored as the canonical 0x7F
+    x = torch.tensor([[2.0**-130, -(2.0**-130), 2.0**-140, -NAN] + [0.0] * 12])
+    assert torch.signbit(x[0, 3])
     rows = lq.pack_fp8(x)
-    assert _bytes(rows) == [0x18, 0x98, 0x00] + [0] * 13 + [0x00, 0x00, 0x80, 0x00]
-    assert torch.equal(lq.unpack_fp8(rows, 16), torch.tensor([[2.0**-130, -(2.0**-130)]
-                                                              + [0.0] * 14]))
+    assert _bytes(rows) == [0x18, 0x98, 0x00, 0x7F] + [0] * 12 + [0x00, 0x00, 0x80, 0x00]
+    assert _same(lq.unpack_fp8(rows, 16)[0],
+                 torch.tensor([2.0**-130, -(2.0**-130), 0.0, NAN] + [0.0] * 12))
 
 
 def test_fp8_all_zero_row_is_zero_bytes():
