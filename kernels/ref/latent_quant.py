@@ -89,6 +89,7 @@ def _finite_amax(x: torch.Tensor) -> torch.Tensor:
 
 def e4m3_codes(y: torch.Tensor) -> torch.Tensor:
     """fp32 -> e4m3 bit patterns (uint8): nearest-even, saturating at +-448, NaN -> 0x7F."""
+    # the clamp makes saturation explicit: older torch casts turned overflow and inf into NaN
     codes = y.clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn).view(torch.uint8)
     return torch.where(torch.isnan(y), E4M3_NAN, codes).to(torch.uint8)
 
