@@ -11,8 +11,9 @@ tokens keeps block_size / dcp latent rows per rank (pooled keys stay replicated)
 The latent rows follow `kv_cache_dtype` (KV_CACHE_DTYPES): "auto" keeps the model dtype,
 "bf16" stores bfloat16, "fp8" and "nvfp4" store packed uint8 rows (528 / 304 bytes at
 kv_lora_rank 512; kernels/ref/latent_quant.py). nvfp4 rows carry an outer scale per layer
-from the calibrated scale bank (kv_scale_bank.py). Pooled indexer keys and the open-pool ring
-stay in the model dtype.
+from the calibrated scale bank (kv_scale_bank.py). With fp8 or nvfp4 the pooled indexer keys
+are stored as vLLM stores them: Hadamard-rotated fp8 rows (132 bytes at index_head_dim 128);
+the open-pool ring stays in the model dtype.
 """
 
 from __future__ import annotations
@@ -39,10 +40,11 @@ class KDAState:
 @dataclass(frozen=True)
 class DSAState:
     latent: torch.Tensor  # [blocks, block_size, kv_lora_rank]
-    pool_keys: torch.Tensor  # [blocks, block_size // kpool, index_head_dim]
+    pool_keys: torch.Tensor  # [blocks, block_size // kpool, index_head_dim] (or fp8 rows)
     open_rows: torch.Tensor  # [slots, ring, 2 * index_head_dim] raw key | pooling logit
     latent_format: str = "plain"  # "plain" (values) or packed "fp8" / "nvfp4" rows
     outer_scale: float = 1.0  # nvfp4: this layer's entry of the scale bank
+    pool_format: str = "plain"  # "plain" or "fp8" (rotated fp8 rows) pooled indexer keys
 
 
 def latent_row(cfg: ModelConfig, kv_cache_dtype: str,
@@ -56,6 +58,14 @@ def latent_row(cfg: ModelConfig, kv_cache_dtype: str,
     if kv_cache_dtype in ("fp8", "nvfp4"):
         return kv_cache_dtype, torch.uint8, row_bytes(kv_cache_dtype, cfg.kv_lora_rank)
     raise ValueError(f"kv_cache_dtype {kv_cache_dtype!r}: one of {', '.join(KV_CACHE_DTYPES)}")
+
+
+def pool_row(cfg: ModelConfig, kv_cache_dtype: str,
+             dtype: torch.dtype) -> tuple[str, torch.dtype, int]:
+    """(pool key format, element dtype, elements per row) of the pooled indexer keys."""
+    if kv_cache_dtype in ("fp8", "nvfp4"):
+        return "fp8", torch.uint8, row_bytes("fp8", cfg.index_head_dim)
+    return "plain", dtype, cfg.index_head_dim
 
 
 def latent_bytes_per_token(cfg: ModelConfig, kv_cache_dtype: str, dtype: torch.dtype) -> int:
@@ -81,15 +91,16 @@ def _dsa_state(cfg: ModelConfig, num_blocks: int, block_size: int, num_slots: in
                dtype: torch.dtype, device: torch.device | str, dcp: int,
                num_spec: int, kv_cache_dtype: str, outer_scale: float) -> DSAState:
     latent_format, latent_dtype, width = latent_row(cfg, kv_cache_dtype, dtype)
+    pool_format, pool_dtype, pool_width = pool_row(cfg, kv_cache_dtype, dtype)
     return DSAState(
         # zero rows are valid zero latents in every format
         latent=torch.zeros(num_blocks, block_size // dcp, width, dtype=latent_dtype,
                            device=device),
-        pool_keys=torch.zeros(num_blocks, block_size // cfg.index_kpool, cfg.index_head_dim,
-                              dtype=dtype, device=device),
+        pool_keys=torch.zeros(num_blocks, block_size // cfg.index_kpool, pool_width,
+                              dtype=pool_dtype, device=device),
         open_rows=torch.zeros(num_slots, open_ring_size(cfg, num_spec), 2 * cfg.index_head_dim,
                               dtype=dtype, device=device),
-        latent_format=latent_format, outer_scale=outer_scale,
+        latent_format=latent_format, outer_scale=outer_scale, pool_format=pool_format,
     )
 
 
@@ -179,7 +190,7 @@ class CachePlan:
         text = (f"KV cache: {self.num_blocks - 1} blocks x {self.block_size} tokens = "
                 f"{self.num_tokens} tokens ({self.num_tokens // max_model_len} sequences of "
                 f"max_model_len {max_model_len}); {self.num_slots} KDA state slots; "
-                f"{self.total_bytes / 2**20:.1f} MiB; latent cache {self.kv_cache_dtype}: "
+                f"{self.total_bytes / 2**20:.1f} MiB; kv_cache_dtype {self.kv_cache_dtype}: "
                 f"{self.tokens_per_gib:,.0f} tokens per GiB")
         return f"{text}\n{self.memory_plan}" if self.memory_plan else text
 
@@ -192,8 +203,9 @@ def cache_bytes(cfg: ModelConfig, block_size: int, dtype: torch.dtype, with_mtp:
     item = torch.empty(0, dtype=dtype).element_size()
     n_dsa = len(cfg.dsa_layers) + int(with_mtp)
     latent = latent_bytes_per_token(cfg, kv_cache_dtype, dtype)
-    per_block = n_dsa * (block_size // ps.dcp_size * latent
-                         + block_size // cfg.index_kpool * cfg.index_head_dim * item)
+    _, pool_dtype, pool_width = pool_row(cfg, kv_cache_dtype, dtype)
+    pool = pool_width * torch.empty(0, dtype=pool_dtype).element_size()
+    per_block = n_dsa * (block_size // ps.dcp_size * latent + block_size // cfg.index_kpool * pool)
     heads = cfg.linear_num_heads // ps.tp_size
     kda_slot = (3 * heads * cfg.linear_head_dim * (cfg.linear_conv_kernel - 1) * item
                 + heads * cfg.linear_head_dim**2 * 4)

@@ -51,9 +51,9 @@ class KPoolIndexer(nn.Module):
         w = F.linear(x.float(), self.weights_proj.weight.float()) * self.n_heads**-0.5
         ops.indexer_update(k, pool_logits, self.index_kpool_compress_ape, state.open_rows,
                            state.pool_keys, batch.positions, batch.slot_mapping, batch.cu_seqlens,
-                           batch.state_ids)
+                           batch.state_ids, state.pool_format)
         return ops.indexer_topk(q, w, state.pool_keys, batch.block_tables, batch.query_seq,
-                                batch.positions, self.pool_budget, self.kpool)
+                                batch.positions, self.pool_budget, self.kpool, state.pool_format)
 
 
 class DSAttention(nn.Module):

@@ -25,6 +25,11 @@ Rounding and special values (one rule set for the reference and the kernels):
 - NaN: fp8 stores the canonical e4m3 NaN 0x7F (unpacks to NaN); e2m1 has no NaN, so a NaN
   makes its whole nvfp4 group scale 0x7F (the 16 values unpack to NaN);
 - -0.0 keeps its sign bit.
+
+Pooled indexer keys of a quantised cache ("fp8" pool format, as vLLM stores them): each
+pooled key is rotated by the orthonormal Hadamard matrix (Sylvester order, 1/sqrt(d)) and
+packed as an fp8 row (132 B at index_head_dim 128); queries are rotated the same way before
+scoring, so scores change only by rounding.
 """
 
 from __future__ import annotations
@@ -170,6 +175,21 @@ def unpack_nvfp4(rows: torch.Tensor, lc: int) -> torch.Tensor:
     at = nvfp4_outer_offset(lc)
     outer = rows[..., at:at + 4].contiguous().view(torch.float32)
     return e2m1_values(codes) * (group.repeat_interleave(NVFP4_GROUP, dim=-1) * outer)
+
+
+def hadamard(d: int, device: torch.device | str | None = None) -> torch.Tensor:
+    """Orthonormal Hadamard matrix [d, d] fp32 (d a power of two), Sylvester order."""
+    if d < 1 or d & (d - 1):
+        raise ValueError(f"a Hadamard rotation needs a power-of-two width, not {d}")
+    h = torch.ones(1, 1)
+    while h.shape[0] < d:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+    return (h * d**-0.5).to(device)
+
+
+def pack_pool_keys(keys: torch.Tensor) -> torch.Tensor:
+    """Pooled keys [P, d] -> fp8 rows of the rotated keys [P, fp8_row_bytes(d)] uint8."""
+    return pack_fp8(keys.float() @ hadamard(keys.shape[-1], keys.device))
 
 
 def pack_latent(x: torch.Tensor, latent_format: str, outer: float = 1.0) -> torch.Tensor:

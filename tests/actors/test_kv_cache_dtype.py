@@ -19,8 +19,8 @@ from glm53.actors.caches import ModelCaches, cache_bytes, plan_cache
 from glm53.actors.config import ModelConfig
 from glm53.actors.forward_batch import ForwardBatch
 from glm53.actors.loader import load_model
+from glm53.actors.release import release_config
 from glm53.actors.step import SamplingParams
-from glm53.actors.tiny import tiny_text_config
 from glm53.deployments.tiny_model import make_tiny
 from glm53.raycluster.config import EngineConfig
 from glm53.raycluster.engine import LLMEngine
@@ -54,19 +54,18 @@ def bank(tiny, model):
     return data
 
 
-def test_latent_row_bytes_follow_the_cache_dtype():
-    cfg = ModelConfig.from_hf(tiny_text_config(5, kv_lora_rank=512))
-    per_token = {}
-    for dtype in ("auto", "fp8", "nvfp4"):
-        per_block, _ = cache_bytes(cfg, 16, torch.bfloat16, False, kv_cache_dtype=dtype)
-        pools = len(cfg.dsa_layers) * 16 // cfg.index_kpool * cfg.index_head_dim * 2
-        per_token[dtype] = (per_block - pools) // (16 * len(cfg.dsa_layers))
-    assert per_token == {"auto": 1024, "fp8": 528, "nvfp4": 304}
+def test_cache_bytes_per_token_match_the_design_for_glm53():
+    """glm53-model.md 4.2, 11 DSA layers: fp8-528 latents + fp8 pool keys (132 B a pool of 4)
+    = 6,171 B per token, nvfp4 + pool keys = 3,707; bf16 keeps bf16 latents and pool keys."""
+    cfg = ModelConfig.from_hf(release_config())
+    per_token = {d: cache_bytes(cfg, 16, torch.bfloat16, False, kv_cache_dtype=d)[0] / 16
+                 for d in ("auto", "fp8", "nvfp4")}
+    assert per_token == {"auto": 11 * (1024 + 64), "fp8": 6171, "nvfp4": 3707}
     plans = {d: plan_cache(cfg, 16, 1, torch.bfloat16, False, budget_bytes=2**30,
                            kv_cache_dtype=d) for d in ("auto", "fp8", "nvfp4")}
+    assert plans["nvfp4"].tokens_per_gib == 2**30 / 3707
     assert plans["auto"].tokens_per_gib < plans["fp8"].tokens_per_gib
-    assert plans["fp8"].tokens_per_gib < plans["nvfp4"].tokens_per_gib
-    assert "latent cache nvfp4" in plans["nvfp4"].describe(4096)
+    assert "kv_cache_dtype nvfp4: 289,653 tokens per GiB" in plans["nvfp4"].describe(4096)
 
 
 def test_caches_hold_packed_rows_and_nvfp4_needs_every_layer_scale(model):
@@ -75,6 +74,7 @@ def test_caches_hold_packed_rows_and_nvfp4_needs_every_layer_scale(model):
                                   kv_cache_dtype="fp8")
     assert caches.layers[3].latent.dtype == torch.uint8
     assert caches.layers[3].latent.shape[-1] == cfg.kv_lora_rank + 4
+    assert caches.layers[3].pool_keys.shape[-1] == cfg.index_head_dim + 4  # fp8 rows
     assert caches.mtp.latent_format == "fp8"
     with pytest.raises(ValueError, match="outer scale for layer mtp.*calibrate-kv"):
         ModelCaches.allocate(cfg, 3, BLOCK, 1, torch.float32, with_mtp=True,
