@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 
 from .latent_quant import latent_kernel_args, latent_tile, store_latent
-from .ref.latent_quant import hadamard
+from .ref.latent_quant import hadamard_rotate
 from .utils import INTERPRET, log2_ceil, next_pow2, seq_of_token
 
 __all__ = ["indexer_topk", "indexer_update", "merge_attention_states", "sparse_mla_attention"]
@@ -129,7 +129,8 @@ def indexer_update(
     """keys, gates: [T, d]; ape: [kpool, d]; open_rows: [S, R, 2d] ring of recent rows;
     pool_cache: [B, bs/kpool, d] (or fp8 rows of rotated keys, `pool_format` "fp8");
     positions, slot_mapping: [T]; cu_seqlens: [N+1]; state_ids: [N]. With fp8 pool keys the
-    pooled rows land in a [T, d] buffer, are rotated (one GEMM) and packed by `store_latent`;
+    pooled rows land in a [T, d] buffer, are rotated (`hadamard_rotate`, the reference's own
+    torch code, so bit-identical) and packed by `store_latent`;
     tokens that close no pool write row 0 of the null block, which holds nothing.
     """
     n_tok, d = keys.shape
@@ -149,7 +150,7 @@ def indexer_update(
     if fp8:
         closing = (positions + 1) % kpool == 0
         slots = torch.where(closing, slot_mapping.long() // kpool, 0)
-        store_latent(pooled @ hadamard(d, keys.device), pool_cache, slots, latent_format="fp8")
+        store_latent(hadamard_rotate(pooled), pool_cache, slots, latent_format="fp8")
     indexer_ring_kernel[(n_tok,)](keys, gates, open_rows, positions, cu_seqlens, state_ids, n_seq,
                                   keys.stride(0), gates.stride(0), R=ring, **args)
 
@@ -396,7 +397,7 @@ def indexer_topk(
         return torch.empty((0, pool_budget * kpool + kpool - 1), dtype=torch.long,
                            device=q.device)
     if pool_format == "fp8":  # rotated keys: rotate the queries alike
-        q = (q.float() @ hadamard(q.shape[-1], q.device)).to(q.dtype)
+        q = hadamard_rotate(q).to(q.dtype)
     q, head_weights = q.contiguous(), head_weights.contiguous()
     assert pool_cache.is_contiguous()
     scores = _score_pools(q, head_weights, pool_cache, block_tables, query_seq, positions, kpool,

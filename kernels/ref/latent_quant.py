@@ -27,9 +27,10 @@ Rounding and special values (one rule set for the reference and the kernels):
 - -0.0 keeps its sign bit.
 
 Pooled indexer keys of a quantised cache ("fp8" pool format, as vLLM stores them): each
-pooled key is rotated by the orthonormal Hadamard matrix (Sylvester order, 1/sqrt(d)) and
-packed as an fp8 row (132 B at index_head_dim 128); queries are rotated the same way before
-scoring, so scores change only by rounding.
+pooled key is rotated by the orthonormal Hadamard matrix (Sylvester order, 1/sqrt(d); a fast
+Walsh-Hadamard transform, no constant tensor, so CUDA graphs capture it) and packed as an fp8
+row (132 B at index_head_dim 128); queries are rotated the same way before scoring, so scores
+change only by rounding. H is symmetric and orthonormal: rotating twice gives the input back.
 """
 
 from __future__ import annotations
@@ -177,19 +178,24 @@ def unpack_nvfp4(rows: torch.Tensor, lc: int) -> torch.Tensor:
     return e2m1_values(codes) * (group.repeat_interleave(NVFP4_GROUP, dim=-1) * outer)
 
 
-def hadamard(d: int, device: torch.device | str | None = None) -> torch.Tensor:
-    """Orthonormal Hadamard matrix [d, d] fp32 (d a power of two), Sylvester order."""
+def hadamard_rotate(x: torch.Tensor) -> torch.Tensor:
+    """x [..., d] -> x @ H in fp32, H the orthonormal Sylvester Hadamard matrix (d a power of
+    two): log2(d) butterfly stages (a + b, a - b), then one scale by 1/sqrt(d)."""
+    d = x.shape[-1]
     if d < 1 or d & (d - 1):
         raise ValueError(f"a Hadamard rotation needs a power-of-two width, not {d}")
-    h = torch.ones(1, 1)
-    while h.shape[0] < d:
-        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
-    return (h * d**-0.5).to(device)
+    y, h = x.float().reshape(-1, d), 1
+    while h < d:
+        pairs = y.view(-1, d // (2 * h), 2, h)
+        y = torch.stack([pairs[:, :, 0] + pairs[:, :, 1], pairs[:, :, 0] - pairs[:, :, 1]],
+                        dim=2).view(-1, d)
+        h *= 2
+    return (y * d**-0.5).view(x.shape)
 
 
 def pack_pool_keys(keys: torch.Tensor) -> torch.Tensor:
     """Pooled keys [P, d] -> fp8 rows of the rotated keys [P, fp8_row_bytes(d)] uint8."""
-    return pack_fp8(keys.float() @ hadamard(keys.shape[-1], keys.device))
+    return pack_fp8(hadamard_rotate(keys))
 
 
 def pack_latent(x: torch.Tensor, latent_format: str, outer: float = 1.0) -> torch.Tensor:

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from .latent_quant import hadamard, pack_pool_keys, unpack_fp8, unpack_latent
+from .latent_quant import hadamard_rotate, pack_pool_keys, unpack_fp8, unpack_latent
 
 
 def store_rows(rows: torch.Tensor, cache: torch.Tensor, slot_mapping: torch.Tensor,
@@ -131,7 +131,7 @@ def indexer_topk(
     scale = q.shape[-1] ** -0.5
     offsets = torch.arange(kpool)
     if pool_format == "fp8":
-        q = q.float() @ hadamard(q.shape[-1], q.device)
+        q = hadamard_rotate(q)
     for seq in query_seq.unique().tolist():
         rows = (query_seq == seq).nonzero().squeeze(1)
         pos = positions[rows].long()

@@ -137,9 +137,15 @@ def test_fp8_pool_keys_topk_matches_ref_and_rotation_keeps_scores():
     table = _tables(lens, bs, 12, g)
     keys = torch.randn(12 * (bs // kpool), d, generator=g)
     pools = lq.pack_pool_keys(keys).view(12, bs // kpool, -1)
-    # the stored rows are the rotated keys to fp8 precision (H is orthonormal: H^T undoes it)
-    back = lq.unpack_fp8(pools, d).view(-1, d) @ lq.hadamard(d).T
+    # the stored rows are the rotated keys to fp8 precision (H is its own inverse), and the
+    # butterflies compute x @ H for the Sylvester matrix H
+    back = lq.hadamard_rotate(lq.unpack_fp8(pools, d).view(-1, d))
     assert rel_err(back, keys) < 2**-4
+    sylvester = torch.tensor([[1.0]])
+    while sylvester.shape[0] < d:
+        sylvester = torch.cat([torch.cat([sylvester, sylvester], 1),
+                               torch.cat([sylvester, -sylvester], 1)])
+    assert torch.allclose(lq.hadamard_rotate(keys), keys @ sylvester / d**0.5, atol=1e-5)
     rows = [(0, p) for p in (0, 3, 7, 15, 41)] + [(1, 2), (2, 11), (2, 16)]
     query_seq = torch.tensor([s for s, _ in rows])
     pos = torch.tensor([p for _, p in rows])
