@@ -114,7 +114,7 @@ def e2m1_codes(y: torch.Tensor) -> torch.Tensor:
 
 
 def e2m1_values(codes: torch.Tensor) -> torch.Tensor:
-    table = torch.tensor(_E2M1_VALUES + tuple(-v for v in _E2M1_VALUES))
+    table = torch.tensor(_E2M1_VALUES + tuple(-v for v in _E2M1_VALUES), device=codes.device)
     return table[codes.long()]
 
 
@@ -154,13 +154,13 @@ def pack_nvfp4(x: torch.Tensor, outer: float) -> torch.Tensor:
     check_outer_scale(outer)
     n, lc = x.shape
     groups = x.float().view(n, lc // NVFP4_GROUP, NVFP4_GROUP)
-    outer_t = torch.tensor(outer, dtype=torch.float32)
+    outer_t = torch.tensor(outer, dtype=torch.float32, device=x.device)
     group_codes = e4m3_codes(_finite_amax(groups) / (6.0 * outer_t))
     group_codes = torch.where(torch.isnan(groups).any(-1), E4M3_NAN, group_codes).to(torch.uint8)
     divisor = e4m3_values(group_codes) * outer_t
     divisor = torch.where((divisor == 0) | torch.isnan(divisor), 1.0, divisor)
     codes = e2m1_codes(groups / divisor.unsqueeze(-1)).view(n, lc // 2, 2)
-    out = torch.zeros(n, nvfp4_row_bytes(lc), dtype=torch.uint8)
+    out = torch.zeros(n, nvfp4_row_bytes(lc), dtype=torch.uint8, device=x.device)
     out[:, : lc // 2] = codes[..., 0] | (codes[..., 1] << 4)
     out[:, lc // 2: lc // 2 + lc // NVFP4_GROUP] = group_codes
     at = nvfp4_outer_offset(lc)
