@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from glm53.kernels.ref.latent_quant import row_bytes
+from glm53.kernels.ops import row_bytes
 
 from .config import KDA, ModelConfig
 from .parallel import ParallelState, split

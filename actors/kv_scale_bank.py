@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from glm53.kernels.ref.latent_quant import E4M3_MAX, check_outer_scale
+from glm53.kernels.ops import E4M3_MAX, check_outer_scale
 
 from .caches import MTP_LAYER, ModelCaches
 from .forward_batch import ForwardBatch

@@ -27,7 +27,10 @@ from .ref.kda import (
     kda_gated_attention,
 )
 from .ref.kda_mixer import kda_mixer
-from .ref.latent_quant import store_latent
+
+# E4M3_MAX, check_outer_scale, row_bytes: the byte layouts of quantised KV-cache rows, for the
+# code that sizes caches and checks scale banks (facts, not ops: no backend switch)
+from .ref.latent_quant import E4M3_MAX, check_outer_scale, row_bytes, store_latent  # noqa: F401
 from .ref.mhc import hc_post, hc_pre
 from .ref.moe import fused_moe, route_topk, swiglu
 from .ref.norm import rms_norm

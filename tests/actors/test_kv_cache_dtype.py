@@ -1,14 +1,18 @@
 """Quantised latent cache (fp8 / nvfp4) in the model and the engine, on CPU with tiny models.
 
-KLD bounds (mean over every prompt position, float64, teacher = the model-dtype fp32 cache):
-fp8 < 0.03 and nvfp4 < 0.08, measured 0.004-0.008 and 0.018-0.024 on tiny random checkpoints
-(whose near-flat next-token distributions exaggerate any error); nvfp4 must also cost more
-than fp8 and fp8 more than a bf16 cache, or the formats are not what they claim.
+KLD bounds (mean over every prompt position, float64, teacher = the model-dtype fp32 cache;
+the quantised caches also hold fp8 pool keys): fp8 < 0.015 and nvfp4 < 0.03; measured on the
+session checkpoint 0.0057 and 0.0083 (other seeds of the same spec: 0.0005-0.0028 and
+0.0039-0.0085), bf16 latents ~2e-7. Tiny random checkpoints have near-flat next-token
+distributions, which exaggerate any error. nvfp4 must also cost more than fp8 and fp8 more
+than a bf16 cache, or the formats are not what they claim.
 """
 
 from __future__ import annotations
 
 import json
+import shutil
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -21,19 +25,19 @@ from glm53.actors.forward_batch import ForwardBatch
 from glm53.actors.loader import load_model
 from glm53.actors.release import release_config
 from glm53.actors.step import SamplingParams
-from glm53.deployments.tiny_model import make_tiny
 from glm53.raycluster.config import EngineConfig
 from glm53.raycluster.engine import LLMEngine
 
 BLOCK = 16
-FP8_KLD_BOUND = 0.03
-NVFP4_KLD_BOUND = 0.08
+FP8_KLD_BOUND = 0.015
+NVFP4_KLD_BOUND = 0.03
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    return make_tiny(tmp_path_factory.mktemp("kvq"), seed=0, layers=5, mtp=True, index_topk=8)
+def tiny(tiny_checkpoint, tmp_path_factory):
+    """A copy of the session checkpoint: the scale bank is written into it."""
+    return Path(shutil.copytree(tiny_checkpoint, tmp_path_factory.mktemp("kvq") / "tiny"))
 
 
 @pytest.fixture(scope="module")

@@ -5,12 +5,14 @@ way (the latent is replicated under TP; DCP splits rows, not their values)."""
 
 from __future__ import annotations
 
+import shutil
+from pathlib import Path
+
 import numpy as np
 import pytest
 
 from glm53.actors import kv_scale_bank
 from glm53.actors.loader import load_model
-from glm53.deployments.tiny_model import make_tiny
 from glm53.raycluster.engine import LLMEngine
 
 from .test_parallel import _config, _prompts, _run
@@ -23,9 +25,10 @@ LAYOUTS = {"tp2": ((2, 1, 1), {}), "dcp2": ((1, 1, 2), {}), "tp2-dcp2-mtp3": ((2
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    path = make_tiny(tmp_path_factory.mktemp("kvq-parallel"), seed=4, layers=5, index_topk=8,
-                     mtp=True)
+def tiny(tiny_checkpoints, tmp_path_factory):
+    # a copy: the scale bank is written into it
+    path = Path(shutil.copytree(tiny_checkpoints(seed=4, layers=5, index_topk=8, mtp=True),
+                                tmp_path_factory.mktemp("kvq-parallel") / "tiny"))
     model = load_model(path, progress=False, with_mtp=True)
     rng = np.random.default_rng(2)
     bank = kv_scale_bank.calibrate(model, [rng.integers(0, 256, 48).tolist()])
