@@ -22,9 +22,10 @@ from glm53.actors import kv_scale_bank
 from glm53.actors.caches import ModelCaches, cache_bytes, plan_cache
 from glm53.actors.config import ModelConfig
 from glm53.actors.forward_batch import ForwardBatch
-from glm53.actors.loader import load_model
+from glm53.actors.loader import load_model, read_config
 from glm53.actors.release import release_config
 from glm53.actors.step import SamplingParams
+from glm53.actors.tiny import write_tiny_draft
 from glm53.raycluster.config import EngineConfig
 from glm53.raycluster.engine import LLMEngine
 
@@ -144,6 +145,21 @@ def test_mtp3_with_quantised_cache_equals_plain_decoding(tiny, bank, dtype):
         return engine.generate(prompts, GREEDY)
 
     assert run(3) == run(0)
+
+
+def test_dflash_with_a_quantised_cache_equals_plain_decoding(tiny, tmp_path):
+    """The DFlash2 drafter keeps its own model-dtype cache (as the reference's did); the
+    target's fp8 cache serves its verify steps."""
+    draft = str(write_tiny_draft(tmp_path / "draft", read_config(tiny), seed=2))
+    prompts = _prompts(2, 29, seed=6)
+
+    def engine(**spec) -> LLMEngine:
+        return LLMEngine(EngineConfig(model=str(tiny), num_blocks=64, block_size=8,
+                                      max_num_batched_tokens=24, kv_cache_dtype="fp8", **spec))
+
+    drafting = engine(speculative_method="dflash", num_speculative_tokens=7, draft_model=draft)
+    assert drafting.generate(prompts, GREEDY) == engine().generate(prompts, GREEDY)
+    assert drafting.spec_stats.num_drafts > 0
 
 
 def test_engine_refuses_a_scale_bank_without_nvfp4(tiny):
