@@ -64,7 +64,11 @@ def pool_row(cfg: ModelConfig, kv_cache_dtype: str,
              dtype: torch.dtype) -> tuple[str, torch.dtype, int]:
     """(pool key format, element dtype, elements per row) of the pooled indexer keys."""
     if kv_cache_dtype in ("fp8", "nvfp4"):
-        return "fp8", torch.uint8, row_bytes("fp8", cfg.index_head_dim)
+        d = cfg.index_head_dim
+        if d & (d - 1):  # the Hadamard rotation of the keys
+            raise ValueError(f"kv_cache_dtype {kv_cache_dtype} stores Hadamard-rotated fp8 pool "
+                             f"keys, which need a power-of-two index_head_dim, not {d}")
+        return "fp8", torch.uint8, row_bytes("fp8", d)
     return "plain", dtype, cfg.index_head_dim
 
 

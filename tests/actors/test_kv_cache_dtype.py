@@ -25,7 +25,7 @@ from glm53.actors.forward_batch import ForwardBatch
 from glm53.actors.loader import load_model, read_config
 from glm53.actors.release import release_config
 from glm53.actors.step import SamplingParams
-from glm53.actors.tiny import write_tiny_draft
+from glm53.actors.tiny import tiny_text_config, write_tiny_draft
 from glm53.raycluster.config import EngineConfig
 from glm53.raycluster.engine import LLMEngine
 
@@ -71,6 +71,16 @@ def test_cache_bytes_per_token_match_the_design_for_glm53():
     assert plans["nvfp4"].tokens_per_gib == 2**30 / 3707
     assert plans["auto"].tokens_per_gib < plans["fp8"].tokens_per_gib
     assert "kv_cache_dtype nvfp4: 289,653 tokens per GiB" in plans["nvfp4"].describe(4096)
+
+
+def test_widths_a_quantised_cache_cannot_pack_are_refused():
+    odd_latent = ModelConfig.from_hf(tiny_text_config(5, kv_lora_rank=40))
+    with pytest.raises(ValueError, match="multiple of 16, not 40"):
+        cache_bytes(odd_latent, 16, torch.float32, False, kv_cache_dtype="fp8")
+    odd_keys = ModelConfig.from_hf(tiny_text_config(5, index_head_dim=48))
+    with pytest.raises(ValueError, match="power-of-two index_head_dim, not 48"):
+        cache_bytes(odd_keys, 16, torch.float32, False, kv_cache_dtype="nvfp4")
+    cache_bytes(odd_keys, 16, torch.float32, False, kv_cache_dtype="bf16")  # unpacked: fine
 
 
 def test_caches_hold_packed_rows_and_nvfp4_needs_every_layer_scale(model):
