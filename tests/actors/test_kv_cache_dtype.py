@@ -170,6 +170,7 @@ def test_dflash_with_a_quantised_cache_equals_plain_decoding(tiny, tmp_path):
     drafting = engine(speculative_method="dflash", num_speculative_tokens=7, draft_model=draft)
     assert drafting.generate(prompts, GREEDY) == engine().generate(prompts, GREEDY)
     assert drafting.spec_stats.num_drafts > 0
+    assert drafting.executor.runner.caches.layers[3].latent.dtype == torch.uint8
 
 
 def test_engine_refuses_a_scale_bank_without_nvfp4(tiny):
