@@ -211,17 +211,18 @@ def plan_memory(model: Glm5NextForCausalLM, device_bytes: int, utilization: floa
                 block_size: int, num_slots: int, cache_dtype: torch.dtype | None = None,
                 num_spec: int = 0, max_model_len: int | None = None,
                 max_num_batched_tokens: int = 2048, reserve_bytes: int | None = None,
-                ) -> MemoryPlan:
+                kv_cache_dtype: str = "auto") -> MemoryPlan:
     """Plan this rank (`model`: its meta-built shard; whether it has the MTP layer is read off
     it, so the cache plan cannot disagree with the weights). `block_size`: the runner's logical
-    tokens per block; `num_slots`: max_num_seqs; `cache_dtype` defaults to the model's;
+    tokens per block; `num_slots`: max_num_seqs; `cache_dtype` defaults to the model's (the
+    latent rows follow `kv_cache_dtype`, caches.KV_CACHE_DTYPES);
     `max_model_len` to the model's context. `reserve_bytes` replaces the reserve estimate
     (all of it counted as allocated after the caches)."""
     cfg, ps = model.config, model.parallel
     cache_dtype = cache_dtype or model.embed_tokens.weight.dtype
     max_model_len = max_model_len or cfg.max_position_embeddings
     per_block, per_slot = cache_bytes(cfg, block_size, cache_dtype, model.mtp is not None, ps,
-                                      num_spec)
+                                      num_spec, kv_cache_dtype)
     if reserve_bytes is None:
         overhead, workspace = OVERHEAD_BYTES, workspace_estimate(
             cfg, max_num_batched_tokens=max_num_batched_tokens, num_slots=num_slots,
@@ -243,7 +244,8 @@ def plan_for_config(config: dict, *, device_bytes: int, utilization: float = 0.9
                     quantize_experts: str | None = None, dtype: str | None = None,
                     with_mtp: bool = False, num_spec: int = 0, block_size: int = 16,
                     max_num_seqs: int = 16, max_num_batched_tokens: int = 2048,
-                    max_model_len: int | None = None) -> MemoryPlan:
+                    max_model_len: int | None = None,
+                    kv_cache_dtype: str = "auto") -> MemoryPlan:
     """The plan of `rank` for a `config.json` dict under engine settings (the core of
     `glm53 plan-memory`; names as in EngineConfig, `block_size` per DCP rank like
     `--block-size`). Builds the shard on the meta device: no memory is used."""
@@ -258,4 +260,5 @@ def plan_for_config(config: dict, *, device_bytes: int, utilization: float = 0.9
     # the runner's block spans the DCP ranks' rows (raycluster/executor.runner_kwargs)
     return plan_memory(model, device_bytes, utilization, block_size=block_size * dcp,
                        num_slots=max_num_seqs, num_spec=num_spec, max_model_len=max_model_len,
-                       max_num_batched_tokens=max_num_batched_tokens)
+                       max_num_batched_tokens=max_num_batched_tokens,
+                       kv_cache_dtype=kv_cache_dtype)

@@ -17,6 +17,7 @@ import torch
 from .caches import CachePlan, ModelCaches, plan_cache
 from .cuda_graphs import DecodeGraphs, batch_buckets
 from .forward_batch import ForwardBatch
+from .kv_scale_bank import bank_path, load_scale_bank
 from .loader import DTYPES, load_model
 from .memory_plan import MemoryPlan, plan_memory
 from .parallel import ParallelState
@@ -41,14 +42,17 @@ class ModelRunner:
                  cuda_graph_batch_sizes: tuple[int, ...] | None = None,
                  max_model_len: int | None = None,
                  quantize_experts: str | None = None,
-                 max_num_batched_tokens: int = 2048) -> None:
+                 max_num_batched_tokens: int = 2048, kv_cache_dtype: str = "auto",
+                 kv_scale_bank: str | None = None) -> None:
         """`block_size` counts logical tokens per block (latent rows per rank x DCP size).
         Speculation: `num_spec` drafts per step from the MTP layer (`with_mtp`) or from the
         DFlash draft checkpoint `draft_model` (replicated on every rank). CUDA graphs (unless
         `enforce_eager`) are captured for decode batches of `cuda_graph_batch_sizes` (capped
         at num_slots) with block tables wide enough for `max_model_len` (default: the
         model's context) tokens. `quantize_experts` ("int4") quantises the routed experts of a
-        dense/FP8 checkpoint while loading.
+        dense/FP8 checkpoint while loading. `kv_cache_dtype` (caches.KV_CACHE_DTYPES) sets the
+        latent rows; nvfp4 reads its outer scales from `kv_scale_bank` (default: the bank
+        file in the checkpoint).
 
         On CUDA without an explicit cache size, the memory plan (memory_plan.py) of the
         meta-built model is checked before anything is allocated, so a model that cannot fit
@@ -60,6 +64,9 @@ class ModelRunner:
         if draft_sampling not in ("greedy", "probabilistic"):
             raise ValueError(f"draft sampling {draft_sampling!r}: greedy or probabilistic")
         self.memory_plan: MemoryPlan | None = None
+        self.kv_cache_dtype = kv_cache_dtype
+        self.kv_scales = (load_scale_bank(bank_path(model_dir, kv_scale_bank))
+                          if kv_cache_dtype == "nvfp4" else None)
         sized = num_blocks is not None or cache_bytes is not None
 
         def check_memory(meta_model) -> None:
@@ -69,7 +76,8 @@ class ModelRunner:
             self.memory_plan = plan_memory(
                 meta_model, total, gpu_memory_utilization, block_size=block_size,
                 num_slots=num_slots, num_spec=num_spec, max_model_len=max_model_len,
-                max_num_batched_tokens=max_num_batched_tokens).check()
+                max_num_batched_tokens=max_num_batched_tokens,
+                kv_cache_dtype=kv_cache_dtype).check()
 
         self.model = load_model(model_dir, with_mtp=with_mtp,
                                 dtype=DTYPES[dtype] if dtype else None, device=self.device,
@@ -91,7 +99,7 @@ class ModelRunner:
         self.plan: CachePlan = dataclasses.replace(
             plan_cache(self.config, block_size, num_slots + 1, cache_dtype, with_mtp,
                        num_blocks=num_blocks, budget_bytes=cache_bytes, ps=self.ps,
-                       num_spec=num_spec), num_slots=num_slots,
+                       num_spec=num_spec, kv_cache_dtype=kv_cache_dtype), num_slots=num_slots,
             memory_plan=self.memory_plan.describe() if self.memory_plan else None)
         self.caches: ModelCaches | None = None
         self.sampler = Sampler()
@@ -112,7 +120,7 @@ class ModelRunner:
         self.caches = ModelCaches.allocate(
             self.config, num_blocks, self.plan.block_size, self.plan.num_slots + 1,
             self.model.embed_tokens.weight.dtype, self.device, self.with_mtp, self.ps,
-            self.num_spec)
+            self.num_spec, self.kv_cache_dtype, self.kv_scales)
         if self.draft is not None:
             self.proposer = DFlashProposer(self.model, self.draft, self.plan.num_slots,
                                            self.num_spec)

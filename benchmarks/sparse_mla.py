@@ -10,13 +10,14 @@ timed alone and the whole decode call together, as CUDA-graph replays (median):
   attention  sparse latent attention over the 2051 selected rows (incl. the split merge)
   total      indexer_topk + sparse_mla_attention, as the layer calls them
 with the bytes each must read (pooled keys 128 x bf16 a pool; scores fp32 once; latent rows
-512 x bf16 each) and that as % of the 4.3e12 B/s copy ceiling. A short sweep of the tiling
+512 x bf16 each; with --kv-cache-dtype fp8 / nvfp4 the packed rows: 528 / 304 B a latent row,
+132 B a pooled key) and that as % of the 4.3e12 B/s copy ceiling. A short sweep of the tiling
 constants at 32K follows (for retuning). Every sequence owns its blocks, so reads come from
 HBM, not L2. Before timing, each case checks its selection against torch.topk of the same
 scores and its attention against the torch reference (`check_case`).
 
     python benchmarks/sparse_mla.py [--json benchmarks/results/sparse_mla_h200_<commit>.json]
-        [--commit X] [--quick | --sweep-only]
+        [--commit X] [--quick | --sweep-only] [--kv-cache-dtype bf16|fp8|nvfp4]
 """
 
 from __future__ import annotations
@@ -31,12 +32,36 @@ import torch
 from bench_common import git_commit, graph_ms
 
 from glm53.kernels import sparse_mla
+from glm53.kernels.ref import latent_quant
 from glm53.kernels.ref import sparse_mla as ref_sparse_mla
 from glm53.kernels.utils import is_sm120
 
 DEV = "cuda"
 BW = 4.3e12  # measured device-to-device copy bandwidth of an H200, B/s
 BLOCK, LATENT, BUDGET, KPOOL, INDEX_HEADS, INDEX_DIM = 64, 512, 512, 4, 32, 128
+# the cache layout measured (main sets them from --kv-cache-dtype): latent rows and pooled keys
+LATENT_FORMAT, POOL_FORMAT = "plain", "plain"
+NVFP4_OUTER = 2.0**-9  # the calibration rule's scale for randn rows (|x| <= ~5.5)
+
+
+def _row_bytes() -> tuple[int, int]:
+    """Bytes of one latent row and one pooled key in the measured layout."""
+    if LATENT_FORMAT == "plain":
+        return LATENT * 2, INDEX_DIM * 2
+    return latent_quant.row_bytes(LATENT_FORMAT, LATENT), latent_quant.fp8_row_bytes(INDEX_DIM)
+
+
+def _attention(q, latent, table, qs, tokens, impl=sparse_mla):
+    return impl.sparse_mla_attention(q, latent, table, qs, tokens, 1 / 16,
+                                     latent_format=LATENT_FORMAT)
+
+
+def _score(q_idx, w, pools, table, qs, pos):
+    return sparse_mla._score_pools(q_idx, w, pools, table, qs, pos, KPOOL, POOL_FORMAT)
+
+
+def _indexer(q_idx, w, pools, table, qs, pos):
+    return sparse_mla.indexer_topk(q_idx, w, pools, table, qs, pos, BUDGET, KPOOL, POOL_FORMAT)
 
 
 def _us(fn) -> float:
@@ -56,6 +81,11 @@ def _case_inputs(batch, ctx, gen):
                          generator=gen)
     pools = torch.randn(batch * blocks, BLOCK // KPOOL, INDEX_DIM, device=DEV,
                         dtype=torch.bfloat16, generator=gen)
+    if LATENT_FORMAT != "plain":
+        latent = latent_quant.pack_latent(latent.view(-1, LATENT), LATENT_FORMAT,
+                                          NVFP4_OUTER).view(batch * blocks, BLOCK, -1)
+        pools = latent_quant.pack_pool_keys(pools.view(-1, INDEX_DIM)).view(
+            batch * blocks, BLOCK // KPOOL, -1)
     q_idx = torch.randn(batch, INDEX_HEADS, INDEX_DIM, device=DEV, dtype=torch.bfloat16,
                         generator=gen)
     w = torch.randn(batch, INDEX_HEADS, device=DEV, generator=gen) * INDEX_HEADS**-0.5
@@ -81,8 +111,8 @@ def check_case(scores, tokens, q, latent, table, qs, ctx) -> float:
     want = torch.topk(scores[:, :visible], k, dim=1).values.sort(dim=1).values
     if not torch.equal(got, want):
         raise AssertionError("selection is not the top-k of the scores")
-    out, lse = sparse_mla.sparse_mla_attention(q, latent, table, qs, tokens, 1 / 16)
-    ref, ref_lse = ref_sparse_mla.sparse_mla_attention(q, latent, table, qs, tokens, 1 / 16)
+    out, lse = _attention(q, latent, table, qs, tokens)
+    ref, ref_lse = _attention(q, latent, table, qs, tokens, ref_sparse_mla)
     err = float((out.float() - ref.float()).abs().max() / ref.float().abs().max())
     if err > 2e-2 or not torch.allclose(lse, ref_lse, rtol=1e-3, atol=1e-2):
         raise AssertionError(f"attention differs from the reference: rel {err:.3g}")
@@ -93,31 +123,30 @@ def bench_case(batch, ctx, heads_list, gen, rows):
     table, latent, pools, q_idx, w, pos, qs = _case_inputs(batch, ctx, gen)
     n_pools = table.shape[1] * (BLOCK // KPOOL)
     visible = ctx // KPOOL
-    scores = sparse_mla._score_pools(q_idx, w, pools, table, qs, pos, KPOOL)
+    scores = _score(q_idx, w, pools, table, qs, pos)
     tokens = sparse_mla._select_pools(scores, pos, BUDGET, KPOOL)
     k = min(BUDGET, n_pools)
-    t_score = _us(lambda: sparse_mla._score_pools(q_idx, w, pools, table, qs, pos, KPOOL))
+    t_score = _us(lambda: _score(q_idx, w, pools, table, qs, pos))
     t_select = _us(lambda: sparse_mla._select_pools(scores, pos, BUDGET, KPOOL))
     t_topk = _us(lambda: torch.topk(scores, k, dim=-1, sorted=False))
-    t_index = _us(lambda: sparse_mla.indexer_topk(q_idx, w, pools, table, qs, pos, BUDGET,
-                                                  KPOOL))
-    score_bytes = batch * visible * INDEX_DIM * 2
+    t_index = _us(lambda: _indexer(q_idx, w, pools, table, qs, pos))
+    latent_row, pool_row = _row_bytes()
+    score_bytes = batch * visible * pool_row
     select_bytes = batch * visible * 4
     sel_rows = int((tokens >= 0).sum())  # rows the attention must read, all queries
-    att_bytes = sel_rows * LATENT * 2
+    att_bytes = sel_rows * latent_row
     for heads in heads_list:
         q = torch.randn(batch, heads, LATENT, device=DEV, dtype=torch.bfloat16, generator=gen)
         att_err = check_case(scores, tokens, q, latent, table, qs, ctx)
-        t_att = _us(lambda: sparse_mla.sparse_mla_attention(q, latent, table, qs, tokens,
-                                                            1 / 16))
+        t_att = _us(lambda: _attention(q, latent, table, qs, tokens))
 
         def step():
-            tok = sparse_mla.indexer_topk(q_idx, w, pools, table, qs, pos, BUDGET, KPOOL)
-            sparse_mla.sparse_mla_attention(q, latent, table, qs, tok, 1 / 16)
+            _attention(q, latent, table, qs, _indexer(q_idx, w, pools, table, qs, pos))
         t_total = _us(step)
         plan = sparse_mla._attention_plan(batch, heads, tokens.shape[1], LATENT, False,
                                          is_sm120(q.device))
-        row = dict(kernel="sparse_mla_decode", heads=heads, batch=batch, context=ctx,
+        row = dict(kernel="sparse_mla_decode", kv_cache_dtype=LATENT_FORMAT, heads=heads,
+                   batch=batch, context=ctx,
                    pools_addressed=n_pools, rows_selected=sel_rows,
                    score_us=t_score, select_us=t_select, topk_torch_us=t_topk,
                    indexer_topk_us=t_index, attention_us=t_att, total_us=t_total,
@@ -163,18 +192,17 @@ def bench_sweep(gen, rows, save):
     compared with the defaults' (`rel_err_vs_default`)."""
     for batch in (1, 16, 64):
         table, latent, pools, q_idx, w, pos, qs = _case_inputs(batch, 32768, gen)
-        scores = sparse_mla._score_pools(q_idx, w, pools, table, qs, pos, KPOOL)
+        scores = _score(q_idx, w, pools, table, qs, pos)
         tokens = sparse_mla._select_pools(scores, pos, BUDGET, KPOOL)
         q = torch.randn(batch, 64, LATENT, device=DEV, dtype=torch.bfloat16, generator=gen)
-        att_bytes = int((tokens >= 0).sum()) * LATENT * 2
-        o_default = sparse_mla.sparse_mla_attention(q, latent, table, qs, tokens, 1 / 16)[0]
+        att_bytes = int((tokens >= 0).sum()) * _row_bytes()[0]
+        o_default = _attention(q, latent, table, qs, tokens)[0]
         for variant in ATTENTION_VARIANTS:
             row = dict(kernel="sweep_attention", batch=batch, heads=64, **variant)
             try:  # a variant may not compile (shared memory, registers)
                 with _constants(**variant):
-                    o = sparse_mla.sparse_mla_attention(q, latent, table, qs, tokens, 1 / 16)[0]
-                    t = _us(lambda: sparse_mla.sparse_mla_attention(q, latent, table, qs,
-                                                                    tokens, 1 / 16))
+                    o = _attention(q, latent, table, qs, tokens)[0]
+                    t = _us(lambda: _attention(q, latent, table, qs, tokens))
                 err = float((o.float() - o_default.float()).norm() / o_default.float().norm())
                 row.update(attention_us=t, attention_bw_pct=_pct(att_bytes, t),
                            rel_err_vs_default=err)
@@ -198,13 +226,19 @@ def main() -> None:
     ap.add_argument("--commit", help="the commit measured (the device copy has no .git)")
     ap.add_argument("--quick", action="store_true", help="batch 1 and 16 at 32K only, no sweep")
     ap.add_argument("--sweep-only", action="store_true", help="the tiling sweep, not the grid")
+    ap.add_argument("--kv-cache-dtype", choices=["bf16", "fp8", "nvfp4"], default="bf16",
+                    help="latent rows and pooled keys as a quantised cache stores them")
     args = ap.parse_args()
+    global LATENT_FORMAT, POOL_FORMAT
+    if args.kv_cache_dtype != "bf16":
+        LATENT_FORMAT, POOL_FORMAT = args.kv_cache_dtype, "fp8"
     gen = torch.Generator(device=DEV).manual_seed(0)
     rows: list[dict] = []
 
     def save() -> None:  # after every case: a run cut short keeps what it measured
         if args.json:
-            out = dict(benchmark="sparse_mla_decode", device=torch.cuda.get_device_name(),
+            out = dict(benchmark="sparse_mla_decode", kv_cache_dtype=args.kv_cache_dtype,
+                       device=torch.cuda.get_device_name(),
                        commit=args.commit or git_commit(),
                        date=datetime.now(UTC).isoformat(timespec="seconds"),
                        torch=torch.__version__, bandwidth_ceiling_Bps=BW, results=rows)

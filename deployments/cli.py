@@ -117,6 +117,10 @@ def _parser() -> argparse.ArgumentParser:
     eng.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     eng.add_argument("--quantize-experts", choices=["int4"], default=None,
                      help=QUANTIZE_HELP)
+    eng.add_argument("--kv-cache-dtype", choices=["auto", "bf16", "fp8", "nvfp4"],
+                     default="auto", help="latent cache rows (nvfp4 needs a scale bank)")
+    eng.add_argument("--kv-scale-bank", default=None, metavar="PATH",
+                     help="nvfp4 outer scales (default: kv_scales_nvfp4.json in the checkpoint)")
     eng.add_argument("--enforce-eager", action="store_true",
                      help="no CUDA graphs for decode steps (every step runs eagerly)")
     par = gen.add_argument_group("parallelism (one Ray actor per GPU; fake GPUs on CPU)")
@@ -129,6 +133,7 @@ def _parser() -> argparse.ArgumentParser:
     _serve_parser(sub)
     _plan_parser(sub)
     _verify_parser(sub)
+    _calibrate_parser(sub)
     add_bench_parser(sub, _parse_speculative, _parse_bytes, QUANTIZE_HELP)
     return parser
 
@@ -187,6 +192,8 @@ def _plan_parser(sub) -> None:
     pm.add_argument("--max-num-batched-tokens", type=int, default=2048)
     pm.add_argument("--max-model-len", type=int, default=None)
     pm.add_argument("--block-size", type=int, default=16)
+    pm.add_argument("--kv-cache-dtype", choices=["auto", "bf16", "fp8", "nvfp4"], default="auto",
+                    help="latent cache rows (fp8 528 B, nvfp4 304 B per token and layer)")
 
 
 def _plan_memory(args) -> int:
@@ -220,7 +227,7 @@ def _plan_memory(args) -> int:
             rank=args.rank, quantize_experts=args.quantize_experts, dtype=args.dtype,
             with_mtp=method == "mtp", num_spec=k, block_size=args.block_size,
             max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-            max_model_len=args.max_model_len)
+            max_model_len=args.max_model_len, kv_cache_dtype=args.kv_cache_dtype)
     except ValueError as exc:
         raise SystemExit(f"error: {exc}") from None
     print(plan.describe())
@@ -229,6 +236,43 @@ def _plan_memory(args) -> int:
     except MemoryPlanError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
+    return 0
+
+
+def _calibrate_parser(sub) -> None:
+    cal = sub.add_parser(
+        "calibrate-kv", help="build the nvfp4 KV-cache scale bank of a checkpoint from prompts",
+        description="Runs the model over the prompts (plain cache) and writes one power-of-two "
+                    "outer scale per DSA layer and the MTP layer. The same checkpoint and "
+                    "prompts give the same file.")
+    cal.add_argument("--model", type=Path, default=None,
+                     help="checkpoint directory (default: the embedded tiny model)")
+    cal.add_argument("--prompts", type=Path, required=True,
+                     help="text file, one prompt per non-empty line")
+    cal.add_argument("--max-prompt-tokens", type=int, default=4096,
+                     help="each prompt is cut to this many tokens")
+    cal.add_argument("--output", type=Path, default=None,
+                     help="default: kv_scales_nvfp4.json in the checkpoint, where serve looks")
+    cal.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None)
+    cal.add_argument("--device", default="cpu")
+
+
+def _calibrate_kv(args) -> int:
+    from glm53.raycluster.api import bank_path, calibrate_checkpoint, write_bank
+
+    from .tiny_model import embedded_tiny_model
+    from .tokenizer import load_tokenizer
+
+    model_dir = args.model or embedded_tiny_model()
+    lines = [line for line in args.prompts.read_text().splitlines() if line.strip()]
+    if not lines:
+        raise SystemExit(f"error: {args.prompts} holds no prompt")
+    tokenizer = load_tokenizer(model_dir)
+    prompts = [tokenizer.encode(line, add_special_tokens=False)[:args.max_prompt_tokens]
+               for line in lines]
+    bank = calibrate_checkpoint(model_dir, [p for p in prompts if p], args.dtype, args.device)
+    path = write_bank(bank, args.output or bank_path(model_dir))
+    print(f"wrote {len(bank['scales'])} layer scales from {bank['tokens']} tokens to {path}")
     return 0
 
 
@@ -262,7 +306,12 @@ def _serve_parser(sub) -> None:
                            "verified by min(1, p/q) (the lang-mtp3 and long500k default)")
     feat.add_argument("--draft-model", default=None, help="DFlash drafter checkpoint")
     feat.add_argument("--vision", action=argparse.BooleanOptionalAction, default=None)
-    feat.add_argument("--kv-cache-dtype", choices=["auto", "fp8", "nvfp4"], default=None)
+    feat.add_argument("--kv-cache-dtype", choices=["auto", "bf16", "fp8", "nvfp4"], default=None,
+                      help="latent cache rows: model dtype, bf16, fp8 (528 B) or nvfp4 (304 B; "
+                           "the profiles' choice, needs a scale bank)")
+    feat.add_argument("--kv-scale-bank", default=None, metavar="PATH",
+                      help="nvfp4 outer scales (default: kv_scales_nvfp4.json in the "
+                           "checkpoint; glm53 calibrate-kv writes it)")
     eng = srv.add_argument_group("engine limits")
     eng.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None)
     eng.add_argument("--device", default=None, help="default: cuda if the cluster has GPUs")
@@ -314,7 +363,7 @@ def _serve_parser(sub) -> None:
 
 SERVE_FIELDS = ("model", "served_model_name", "profile", "tensor_parallel_size",
                 "expert_parallel_size", "decode_context_parallel_size", "num_replicas",
-                "vision", "kv_cache_dtype", "dtype", "device", "max_model_len",
+                "vision", "kv_cache_dtype", "kv_scale_bank", "dtype", "device", "max_model_len",
                 "max_num_batched_tokens", "max_num_seqs", "block_size", "max_waiting_requests",
                 "seed", "num_blocks", "cache_bytes", "gpu_memory_utilization", "enforce_eager",
                 "quantize_experts", "verify", "thinking_token_budget", "drain_timeout_s")
@@ -544,7 +593,8 @@ def _generate(args: argparse.Namespace) -> int:
             max_model_len=args.max_model_len, block_size=args.block_size,
             num_blocks=args.num_blocks, cache_bytes=cache_bytes,
             gpu_memory_utilization=args.gpu_memory_utilization,
-            quantize_experts=args.quantize_experts, tensor_parallel_size=args.tp,
+            quantize_experts=args.quantize_experts, kv_cache_dtype=args.kv_cache_dtype,
+            kv_scale_bank=args.kv_scale_bank, tensor_parallel_size=args.tp,
             expert_parallel_size=args.ep, decode_context_parallel_size=args.dcp,
             speculative_method=args.speculative[0], num_speculative_tokens=args.speculative[1],
             draft_model=args.speculative[2], enforce_eager=args.enforce_eager)
@@ -588,6 +638,8 @@ def main(argv: list[str] | None = None) -> int:
         return _plan_memory(args)
     if args.command == "verify":
         return _verify(args)
+    if args.command == "calibrate-kv":
+        return _calibrate_kv(args)
     if args.command == "bench":
         return run_bench(args)
     return _generate(args)

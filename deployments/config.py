@@ -7,13 +7,19 @@ explicitly overrides it. Fields that a profile supplied are remembered, because 
 `max_model_len` is a ceiling (clamped to what the model and cache allow, with a log line),
 whereas an explicit one is a hard requirement.
 
-Features that are configured here but not implemented yet (DFlash drafting, vision, quantised
-KV cache) make `check_supported` fail with a clear "not supported yet" message;
-nothing is silently ignored. Parallel sizes pass through to `EngineConfig`.
+Features that are configured here but not implemented yet (vision) make `check_supported`
+fail with a clear "not supported yet" message; nothing is silently ignored. Parallel sizes
+pass through to `EngineConfig`.
+
+KV cache dtype: every profile asks for nvfp4, as the reference runtime did; nvfp4 needs the
+checkpoint's calibrated scale bank (`glm53 calibrate-kv`), and a profile's nvfp4 without one
+falls back to the model dtype with a warning (an explicit nvfp4 without one is an error).
+fp8 with long500k is refused, as the reference refused it.
 """
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -21,6 +27,8 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, SecretStr, model
 
 if TYPE_CHECKING:  # imported where used: the CLI reads this module and should start fast
     from glm53.raycluster.api import EngineConfig
+
+logger = logging.getLogger(__name__)
 
 CPU_CACHE_BYTES = 256 * 2**20  # default KV/state budget on CPU when no size is given
 DEFAULT_PROFILE = "lang-mtp3"
@@ -110,17 +118,19 @@ _DFLASH2 = {"method": "dflash", "num_speculative_tokens": 7}
 
 # Reference runtime launch profiles (design/exl3-dflash-spec.md A.2). Parallel sizes are not
 # part of a profile: they describe the hardware (the KubeRay manifests set TP2/EP2/DCP2).
+# Every reference launcher ran the nvfp4 latent cache with calibrated power-of-two scales.
 PROFILES: dict[str, dict[str, Any]] = {
     "lang-mtp3": {"vision": False, "speculative": _MTP3, "max_model_len": 131_072,
-                  "max_num_batched_tokens": 2048},
+                  "max_num_batched_tokens": 2048, "kv_cache_dtype": "nvfp4"},
     "lang-dflash2": {"vision": False, "speculative": _DFLASH2, "max_model_len": 98_304,
-                     "max_num_batched_tokens": 2072, "max_num_seqs": 4},
+                     "max_num_batched_tokens": 2072, "max_num_seqs": 4,
+                     "kv_cache_dtype": "nvfp4"},
     "mm-dflash2": {"vision": True, "speculative": _DFLASH2, "max_model_len": 98_304,
-                   "max_num_batched_tokens": 2072, "max_num_seqs": 4},
+                   "max_num_batched_tokens": 2072, "max_num_seqs": 4, "kv_cache_dtype": "nvfp4"},
     # the reference's one 499K needle miss was reasoning that never ended: bound it
     "long500k": {"vision": False, "speculative": _MTP3, "max_model_len": 499_968,
                  "max_num_batched_tokens": 1024, "max_num_seqs": 1,
-                 "thinking_token_budget": 32_768},
+                 "thinking_token_budget": 32_768, "kv_cache_dtype": "nvfp4"},
 }
 
 
@@ -139,7 +149,10 @@ class ServingConfig(BaseModel):
     decode_context_parallel_size: int = Field(1, ge=1)
     # weights and caches
     dtype: Literal["float32", "bfloat16", "float16"] | None = None  # default: checkpoint's
-    kv_cache_dtype: Literal["auto", "fp8", "nvfp4"] = "auto"
+    # latent cache rows (actors/caches.py): model dtype, bf16, fp8 (528 B), nvfp4 (304 B)
+    kv_cache_dtype: Literal["auto", "bf16", "fp8", "nvfp4"] = "auto"
+    # nvfp4 outer scales; default: kv_scales_nvfp4.json in the checkpoint
+    kv_scale_bank: str | None = None
     device: str | None = None  # default: cuda when available, else cpu
     gpu_memory_utilization: float = Field(0.9, gt=0, le=1)
     # routed experts of a BF16/FP8 checkpoint quantised to 4 bits while loading
@@ -193,6 +206,12 @@ class ServingConfig(BaseModel):
     def _check(self) -> ServingConfig:
         if self.cache_bytes is not None and self.num_blocks is not None:
             raise ValueError("give cache_bytes or num_blocks, not both")
+        if self.kv_scale_bank is not None and self.kv_cache_dtype != "nvfp4":
+            raise ValueError(f"kv_scale_bank holds nvfp4 outer scales; kv_cache_dtype is "
+                             f"{self.kv_cache_dtype}")
+        if self.kv_cache_dtype == "fp8" and self.profile == "long500k":
+            raise ValueError("kv_cache_dtype fp8 cannot serve profile long500k (as in the "
+                             "reference runtime): use nvfp4, or another profile")
         return self
 
     def from_profile(self, field: str) -> bool:
@@ -224,11 +243,23 @@ class ServingConfig(BaseModel):
         if self.vision:
             problems.append(f"vision input{origin('vision')} is not supported yet; use a "
                             "lang-* profile or --no-vision")
-        if self.kv_cache_dtype != "auto":
-            problems.append(f"kv_cache_dtype {self.kv_cache_dtype} is not supported yet "
-                            "(the cache uses the model dtype)")
         if problems:
             raise NotSupportedYetError("; ".join(problems))
+
+    def kv_cache(self, model_dir: str | Path) -> tuple[str, str | None]:
+        """(kv_cache_dtype, scale bank path) for the checkpoint in `model_dir`."""
+        from glm53.raycluster.api import bank_path
+
+        bank = bank_path(model_dir, self.kv_scale_bank)
+        if self.kv_cache_dtype != "nvfp4" or bank.is_file():
+            return self.kv_cache_dtype, self.kv_scale_bank
+        if self.from_profile("kv_cache_dtype"):
+            logger.warning("profile %s asks for the nvfp4 KV cache, but %s has no scale bank "
+                           "(glm53 calibrate-kv builds one): the cache keeps the model dtype",
+                           self.profile, model_dir)
+            return "auto", None
+        raise ValueError(f"kv_cache_dtype nvfp4 needs a calibrated scale bank: none at {bank}; "
+                         "build one with `glm53 calibrate-kv` or pass --kv-scale-bank PATH")
 
     def engine_config(self, model_dir: str | Path, device: str,
                       max_model_len: int | None = None) -> EngineConfig:
@@ -238,6 +269,7 @@ class ServingConfig(BaseModel):
         cache_bytes = self.cache_bytes
         if cache_bytes is None and self.num_blocks is None and not device.startswith("cuda"):
             cache_bytes = CPU_CACHE_BYTES
+        kv_cache_dtype, kv_scale_bank = self.kv_cache(model_dir)
         return EngineConfig(
             model=str(model_dir), dtype=self.dtype, device=device,
             max_num_batched_tokens=self.max_num_batched_tokens, max_num_seqs=self.max_num_seqs,
@@ -245,6 +277,7 @@ class ServingConfig(BaseModel):
             block_size=self.block_size, num_blocks=self.num_blocks, cache_bytes=cache_bytes,
             gpu_memory_utilization=self.gpu_memory_utilization,
             quantize_experts=self.quantize_experts,
+            kv_cache_dtype=kv_cache_dtype, kv_scale_bank=kv_scale_bank,
             with_mtp=self.speculative.method == "mtp", seed=self.seed,
             draft_sampling=self.speculative.draft_sampling,
             speculative_method=self.speculative.method if self.speculative.enabled else None,

@@ -2,7 +2,8 @@
 
 Existing vLLM dashboards, Ray's TTFT autoscaling query and gateway tooling read these names, so
 they are kept verbatim (`vllm:` prefix, label `model_name`, counters ending in `_total`,
-seconds). Our own series: `glm53:kda_state_slot_usage_perc` (the second resource ledger).
+seconds). Our own series: `glm53:kda_state_slot_usage_perc` (the second resource ledger) and
+`glm53:kv_cache_tokens_per_gib` (cache capacity under the KV cache dtype).
 Labels stay low-cardinality: model name, finish reason, draft position — never request ids.
 
 Engine gauges are read from the engine when scraped; per-request latencies are observed by the
@@ -72,6 +73,9 @@ class ServingMetrics:
                               "KV-cache usage: fraction of paged blocks in use (0-1).")
         self.slot_usage = gauge("glm53:kda_state_slot_usage_perc",
                                 "KDA state-slot usage: fraction of state slots in use (0-1).")
+        self.kv_tokens_per_gib = gauge("glm53:kv_cache_tokens_per_gib",
+                                       "Tokens one GiB of paged KV cache holds on a rank "
+                                       "(follows --kv-cache-dtype).")
         self.preemptions = counter("vllm:num_preemptions", "Cumulative preemptions.")
         self._seen: dict[int, int] = {}  # engine totals already counted, by counter
         self.prompt_tokens = counter("vllm:prompt_tokens", "Prefill tokens processed.")
@@ -118,6 +122,7 @@ class ServingMetrics:
         self.waiting.set(stats.num_waiting)
         self.kv_usage.set(stats.kv_cache_usage)
         self.slot_usage.set(stats.state_slot_usage)
+        self.kv_tokens_per_gib.set(stats.kv_cache_tokens_per_gib)
         # engine counters are cumulative: advance ours by what is new since the last scrape
         totals = [(self.preemptions, stats.num_preemptions),
                   (self.spec_drafts, stats.spec_num_drafts),

@@ -27,6 +27,10 @@ from .ref.kda import (
     kda_gated_attention,
 )
 from .ref.kda_mixer import kda_mixer
+
+# E4M3_MAX, check_outer_scale, row_bytes: the byte layouts of quantised KV-cache rows, for the
+# code that sizes caches and checks scale banks (facts, not ops: no backend switch)
+from .ref.latent_quant import E4M3_MAX, check_outer_scale, row_bytes, store_latent  # noqa: F401
 from .ref.mhc import hc_post, hc_pre
 from .ref.moe import fused_moe, route_topk, swiglu
 from .ref.norm import rms_norm
@@ -68,6 +72,7 @@ __all__ = [
     "route_topk",
     "sample",
     "sparse_mla_attention",
+    "store_latent",
     "store_rows",
     "swiglu",
 ]
@@ -76,7 +81,8 @@ __all__ = [
 # --- backend switch ---------------------------------------------------------------------------
 
 # kernel modules: kernels/<name>.py holds the Triton twins of kernels/ref/<name>.py
-KERNEL_MODULES = ("exl3", "int4", "kda", "kda_mixer", "mhc", "moe", "norm", "sparse_mla")
+KERNEL_MODULES = ("exl3", "int4", "kda", "kda_mixer", "latent_quant", "mhc", "moe", "norm",
+                  "sparse_mla")
 BACKENDS = ("auto", "triton", "ref")
 _backend = "auto"
 _triton: dict[str, Callable] | None = None

@@ -7,7 +7,8 @@
   sequence through its block table (sum_h w_h relu(q_h . K_p / sqrt(d)));
   an exact radix select (4 histogram passes of 8 bits over chunks of the visible scores, then
   a write pass) expands the top pools to token positions and appends the open-pool tail.
-- `sparse_mla_attention`: absorbed MLA over the selected latent rows. One program covers all
+- `sparse_mla_attention`: absorbed MLA over the selected latent rows (plain, or fp8 / nvfp4
+  rows dequantised as they are loaded). One program covers all
   heads of a query (up to 64, a tensor-core tile), so every selected row is read once per
   query; the output columns are halved across two programs, and the selection is split when
   there are few queries, the partial results merged by log-sum-exp (flash-decoding);
@@ -21,6 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .latent_quant import latent_kernel_args, latent_tile, store_latent
+from .ref.latent_quant import hadamard_rotate
 from .utils import INTERPRET, is_sm120, log2_ceil, next_pow2, seq_of_token
 
 __all__ = ["indexer_topk", "indexer_update", "merge_attention_states", "sparse_mla_attention"]
@@ -65,7 +68,9 @@ SELECT_FOLD_PROGRAMS = 32 if INTERPRET else 512
 def indexer_pool_kernel(keys, gates, ape, open_rows, pool_cache, positions, slot_mapping,
                         cu_seqlens, state_ids, N, stride_k, stride_g, LOG_N: tl.constexpr,
                         D: tl.constexpr, KPOOL: tl.constexpr, R: tl.constexpr,
-                        BKP: tl.constexpr, BD: tl.constexpr):
+                        BKP: tl.constexpr, BD: tl.constexpr, BY_TOKEN: tl.constexpr):
+    """Program t: when token t closes a pool, its pooled key goes to the pool's cache slot
+    (or, with BY_TOKEN, to row t of pool_cache, for the caller to rotate and pack)."""
     i_t = tl.program_id(0)
     pos = tl.load(positions + i_t)
     if (pos + 1) % KPOOL == 0:
@@ -91,7 +96,8 @@ def indexer_pool_kernel(keys, gates, ape, open_rows, pool_cache, positions, slot
         b_z = tl.where(m_j[:, None], b_z, float("-inf"))
         b_z = tl.exp(b_z - tl.max(b_z, 0)[None, :])
         b_pool = tl.sum(b_z * b_k.to(tl.float32), 0) / tl.sum(b_z, 0)
-        i_slot = tl.load(slot_mapping + i_t).to(tl.int64) // KPOOL
+        i_slot = (i_t.to(tl.int64) if BY_TOKEN
+                  else tl.load(slot_mapping + i_t).to(tl.int64) // KPOOL)
         tl.store(pool_cache + i_slot * D + o_d, b_pool.to(pool_cache.dtype.element_ty), mask=m_d)
 
 
@@ -124,9 +130,14 @@ def indexer_update(
     slot_mapping: torch.Tensor,
     cu_seqlens: torch.Tensor,
     state_ids: torch.Tensor,
+    pool_format: str = "plain",
 ) -> None:
     """keys, gates: [T, d]; ape: [kpool, d]; open_rows: [S, R, 2d] ring of recent rows;
-    pool_cache: [B, bs/kpool, d]; positions, slot_mapping: [T]; cu_seqlens: [N+1]; state_ids: [N].
+    pool_cache: [B, bs/kpool, d] (or fp8 rows of rotated keys, `pool_format` "fp8");
+    positions, slot_mapping: [T]; cu_seqlens: [N+1]; state_ids: [N]. With fp8 pool keys the
+    pooled rows land in a [T, d] buffer, are rotated (`hadamard_rotate`, the reference's own
+    torch code, so bit-identical) and packed by `store_latent`;
+    tokens that close no pool write row 0 of the null block, which holds nothing.
     """
     n_tok, d = keys.shape
     kpool, ring = ape.shape[0], open_rows.shape[1]
@@ -136,18 +147,25 @@ def indexer_update(
     if n_tok == 0:
         return
     args = dict(LOG_N=log2_ceil(n_seq), D=d, BD=next_pow2(d))
-    indexer_pool_kernel[(n_tok,)](keys, gates, ape, open_rows, pool_cache, positions,
-                                  slot_mapping, cu_seqlens, state_ids, n_seq, keys.stride(0),
-                                  gates.stride(0), KPOOL=kpool, R=ring, BKP=next_pow2(kpool),
-                                  **args)
+    fp8 = pool_format == "fp8"
+    pooled = torch.zeros((n_tok, d), dtype=torch.float32, device=keys.device) if fp8 else None
+    indexer_pool_kernel[(n_tok,)](keys, gates, ape, open_rows, pooled if fp8 else pool_cache,
+                                  positions, slot_mapping, cu_seqlens, state_ids, n_seq,
+                                  keys.stride(0), gates.stride(0), KPOOL=kpool, R=ring,
+                                  BKP=next_pow2(kpool), BY_TOKEN=fp8, **args)
+    if fp8:
+        closing = (positions + 1) % kpool == 0
+        slots = torch.where(closing, slot_mapping.long() // kpool, 0)
+        store_latent(hadamard_rotate(pooled), pool_cache, slots, latent_format="fp8")
     indexer_ring_kernel[(n_tok,)](keys, gates, open_rows, positions, cu_seqlens, state_ids, n_seq,
                                   keys.stride(0), gates.stride(0), R=ring, **args)
 
 
 @triton.jit
-def indexer_score_kernel(q, w, pool_cache, block_tables, query_seq, positions, scores, scale, P,
-                         stride_bt, HI: tl.constexpr, D: tl.constexpr, PPB: tl.constexpr,
-                         KPOOL: tl.constexpr, BH: tl.constexpr, BD: tl.constexpr,
+def indexer_score_kernel(q, w, pool_cache, pool32, block_tables, query_seq, positions, scores,
+                         scale, P, stride_bt, HI: tl.constexpr, D: tl.constexpr,
+                         PPB: tl.constexpr, KPOOL: tl.constexpr, RB: tl.constexpr,
+                         PFMT: tl.constexpr, BH: tl.constexpr, BD: tl.constexpr,
                          BP: tl.constexpr, F32: tl.constexpr):
     i_p, i_t = tl.program_id(0), tl.program_id(1).to(tl.int64)
     seq, pos = tl.load(query_seq + i_t).to(tl.int64), tl.load(positions + i_t)
@@ -157,14 +175,15 @@ def indexer_score_kernel(q, w, pool_cache, block_tables, query_seq, positions, s
     m_h, m_d = o_h < HI, o_d < D
     if i_p * BP * KPOOL + KPOOL - 1 <= pos:
         i_b = tl.load(block_tables + seq * stride_bt + o_p // PPB, mask=m_p, other=0)
-        p_k = pool_cache + (i_b.to(tl.int64) * PPB + o_p % PPB)[:, None] * D + o_d[None, :]
-        b_k = tl.load(p_k, mask=m_p[:, None] & m_d[None, :], other=0.0)
+        # plain keys, or fp8 rows (PFMT 1) dequantised
+        b_k = latent_tile(pool_cache, pool32, i_b.to(tl.int64) * PPB + o_p % PPB, o_d,
+                          m_p[:, None] & m_d[None, :], D, RB, 0, PFMT)
         p_q = q + (i_t * HI + o_h)[:, None] * D + o_d[None, :]
         b_q = tl.load(p_q, mask=m_h[:, None] & m_d[None, :], other=0.0)
         if F32:
             b_s = tl.dot(b_q.to(tl.float32), tl.trans(b_k.to(tl.float32)), input_precision="ieee")
         else:
-            b_s = tl.dot(b_q, tl.trans(b_k))
+            b_s = tl.dot(b_q, tl.trans(b_k.to(b_q.dtype)))
         b_s = tl.maximum(b_s * scale, 0.0)
         b_w = tl.load(w + i_t * HI + o_h, mask=m_h, other=0.0).to(tl.float32)
         b_i = tl.sum(b_s * b_w[:, None], 0)
@@ -304,7 +323,7 @@ def indexer_write_kernel(scores, positions, hists, sel, before, out, P, NCH, BUD
 
 
 def _score_pools(q, head_weights, pool_cache, block_tables, query_seq, positions,
-                 kpool) -> torch.Tensor:
+                 kpool, pool_format) -> torch.Tensor:
     """Index scores [T, M * bs/kpool] fp32 of the pool slots the block table addresses, defined
     up to each query's last visible pool (-inf past it within the last tile, unwritten beyond):
     one program per (BP pools, query), all heads in one tl.dot."""
@@ -313,11 +332,12 @@ def _score_pools(q, head_weights, pool_cache, block_tables, query_seq, positions
     n_pools = block_tables.shape[1] * ppb
     scores = torch.empty((n_tok, n_pools), dtype=torch.float32, device=q.device)
     bp = 64 if n_pools >= 64 else max(16, next_pow2(n_pools))
+    cache = latent_kernel_args(pool_cache, d, "fp8" if pool_format == "fp8" else "plain")
     indexer_score_kernel[(triton.cdiv(n_pools, bp), n_tok)](
-        q, head_weights, pool_cache, block_tables, query_seq, positions, scores, d ** -0.5,
-        n_pools, block_tables.stride(0), HI=heads, D=d, PPB=ppb, KPOOL=kpool,
-        BH=max(16, next_pow2(heads)), BD=max(16, next_pow2(d)), BP=bp,
-        F32=INTERPRET or q.dtype == torch.float32)
+        q, head_weights, pool_cache, cache["kv32"], block_tables, query_seq, positions, scores,
+        d ** -0.5, n_pools, block_tables.stride(0), HI=heads, D=d, PPB=ppb, KPOOL=kpool,
+        RB=cache["RB"], PFMT=cache["FMT"], BH=max(16, next_pow2(heads)),
+        BD=max(16, next_pow2(d)), BP=bp, F32=INTERPRET or q.dtype == torch.float32)
     return scores
 
 
@@ -369,8 +389,10 @@ def indexer_topk(
     positions: torch.Tensor,
     pool_budget: int,
     kpool: int,
+    pool_format: str = "plain",
 ) -> torch.Tensor:
-    """q: [T, Hi, d]; head_weights: [T, Hi]; pool_cache: [B, bs/kpool, d]; block_tables: [N, M];
+    """q: [T, Hi, d]; head_weights: [T, Hi]; pool_cache: [B, bs/kpool, d] (or fp8 rows of
+    rotated keys, `pool_format` "fp8"); block_tables: [N, M];
     query_seq, positions: [T]. Returns token positions [T, pool_budget*kpool + kpool-1] int64
     (-1 = unused): the top pools' tokens (in pool order, ties to the lower pool), then the
     open-pool tail. No host sync: scoring of every pool slot the block table can address, then
@@ -380,9 +402,12 @@ def indexer_topk(
     if n_tok == 0:
         return torch.empty((0, pool_budget * kpool + kpool - 1), dtype=torch.long,
                            device=q.device)
+    if pool_format == "fp8":  # rotated keys: rotate the queries alike
+        q = hadamard_rotate(q).to(q.dtype)
     q, head_weights = q.contiguous(), head_weights.contiguous()
     assert pool_cache.is_contiguous()
-    scores = _score_pools(q, head_weights, pool_cache, block_tables, query_seq, positions, kpool)
+    scores = _score_pools(q, head_weights, pool_cache, block_tables, query_seq, positions, kpool,
+                          pool_format)
     return _select_pools(scores, positions, pool_budget, kpool)
 
 
@@ -401,15 +426,17 @@ def _cache_rows(token_indices, block_tables, seq, i_t, o_w, w_hi, W, stride_bt, 
 
 
 @triton.jit
-def sparse_mla_fwd_kernel(q, kv, block_tables, query_seq, token_indices, o, lse, scale, T, H, W,
-                          WS, stride_bt, dcp_rank, LBS: tl.constexpr, DCP: tl.constexpr,
-                          C: tl.constexpr, BH: tl.constexpr, BW: tl.constexpr, BO: tl.constexpr,
-                          HALVES: tl.constexpr, F32: tl.constexpr):
+def sparse_mla_fwd_kernel(q, kv, kv32, block_tables, query_seq, token_indices, o, lse, scale, T,
+                          H, W, WS, stride_bt, dcp_rank, LBS: tl.constexpr, DCP: tl.constexpr,
+                          C: tl.constexpr, RB: tl.constexpr, OUTER: tl.constexpr,
+                          FMT: tl.constexpr, BH: tl.constexpr, BW: tl.constexpr,
+                          BO: tl.constexpr, HALVES: tl.constexpr, F32: tl.constexpr):
     """Program (i_c, i_s, i_t * n_ht + i_h): heads i_h*BH.. of query i_t over selected rows
     i_s*WS.. (a split), accumulating output columns i_c*BO.. . With HALVES the row is read as
     this program's column half (scores and values) and the other half (scores only), so each
     row byte is loaded once. The index -> block table -> row chain (three dependent loads) sits
-    in the step, where Triton's pipeliner issues it stages ahead as cp.async."""
+    in the step, where Triton's pipeliner issues it stages ahead as cp.async. Quantised rows
+    (FMT 1 fp8, 2 nvfp4; RB bytes each) are dequantised in registers (`latent_tile`)."""
     i_c, i_s, i_th = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     n_ht = tl.cdiv(H, BH)
     i_t, i_h = (i_th // n_ht).to(tl.int64), i_th % n_ht
@@ -434,12 +461,15 @@ def sparse_mla_fwd_kernel(q, kv, block_tables, query_seq, token_indices, o, lse,
     for w0 in range(w_lo, w_hi, BW):
         i_row, ok = _cache_rows(token_indices, block_tables, seq, i_t, w0 + tl.arange(0, BW), w_hi,
                                 W, stride_bt, dcp_rank, LBS, DCP)
-        o_row = i_row * C
-        b_kv = tl.load(kv + o_row[:, None] + o_own[None, :], mask=ok[:, None] & m_own[None, :],
-                       other=0.0)
+        b_kv = latent_tile(kv, kv32, i_row, o_own, ok[:, None] & m_own[None, :], C, RB, OUTER,
+                           FMT)
         if HALVES:
-            b_kv2 = tl.load(kv + o_row[:, None] + o_oth[None, :],
-                            mask=ok[:, None] & m_oth[None, :], other=0.0)
+            b_kv2 = latent_tile(kv, kv32, i_row, o_oth, ok[:, None] & m_oth[None, :], C, RB,
+                                OUTER, FMT)
+        if FMT != 0 and not F32:  # dequantised values are exact in bf16 (<= 6 bits)
+            b_kv = b_kv.to(q.dtype.element_ty)
+            if HALVES:
+                b_kv2 = b_kv2.to(q.dtype.element_ty)
         if F32:
             b_kv = b_kv.to(tl.float32)
             b_s = tl.dot(b_q, tl.trans(b_kv), input_precision="ieee")
@@ -555,8 +585,10 @@ def sparse_mla_attention(
     scale: float,
     dcp_rank: int = 0,
     dcp_size: int = 1,
+    latent_format: str = "plain",
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """q_latent: [T, H, Lc]; latent_cache: [B, bs / dcp_size, Lc]; block_tables: [N, M];
+    """q_latent: [T, H, Lc]; latent_cache: [B, bs / dcp_size, Lc] (or uint8 rows of
+    `latent_format` fp8 / nvfp4); block_tables: [N, M];
     query_seq: [T]; token_indices: [T, W] (-1 = unused). Returns out [T, H, Lc] in q's dtype and
     lse [T, H] fp32 (-inf where a query has no row on this rank). One launch, plus the
     log-sum-exp merge when the selection is split (few queries)."""
@@ -582,10 +614,13 @@ def sparse_mla_attention(
         lse_part = torch.empty((splits, n_tok, heads), dtype=torch.float32,
                                device=q_latent.device)
     grid = (plan["grid_c"], splits, n_tok * triton.cdiv(heads, plan["BH"]))
-    sparse_mla_fwd_kernel[grid](q_latent, latent_cache, block_tables, query_seq, token_indices,
-                                o_part, lse_part, scale, n_tok, heads, width, plan["ws"],
-                                block_tables.stride(0), dcp_rank, LBS=latent_cache.shape[1],
-                                DCP=dcp_size, C=lc, BH=plan["BH"], BW=plan["BW"],
+    sparse_mla_fwd_kernel[grid](q_latent, latent_cache, block_tables=block_tables,
+                                query_seq=query_seq, token_indices=token_indices, o=o_part,
+                                lse=lse_part, scale=scale, T=n_tok, H=heads, W=width,
+                                WS=plan["ws"], stride_bt=block_tables.stride(0),
+                                dcp_rank=dcp_rank, LBS=latent_cache.shape[1], DCP=dcp_size,
+                                C=lc, **latent_kernel_args(latent_cache, lc, latent_format),
+                                BH=plan["BH"], BW=plan["BW"],
                                 BO=plan["BO"], HALVES=plan["HALVES"], F32=f32,
                                 num_warps=plan["warps"],
                                 num_stages=ATTENTION_STAGES)

@@ -16,6 +16,7 @@ directory, the tiny random checkpoints, the release configs and the memory plann
 """
 
 from glm53.actors.config import UnsupportedConfigError
+from glm53.actors.kv_scale_bank import BANK_FILE, bank_path, calibrate_checkpoint, write_bank
 from glm53.actors.loader import read_config
 from glm53.actors.memory_plan import GiB, MemoryPlanError, plan_for_config
 from glm53.actors.release import exl3_release_config, release_config
@@ -48,7 +49,8 @@ __all__ = [
     # benchmarks
     "LatencyCase", "LatencyResult", "LatencyRunner", "describe_device",
     # checkpoints and plans
-    "CheckpointError", "GiB", "MemoryPlanError", "UnsupportedConfigError", "cache_dir",
+    "BANK_FILE", "CheckpointError", "GiB", "MemoryPlanError", "UnsupportedConfigError",
+    "bank_path", "cache_dir", "calibrate_checkpoint", "write_bank",
     "exl3_quantization_config", "exl3_release_config", "plan_for_config", "read_config",
     "release_config", "tiny_release_config", "tiny_text_config", "write_tiny_checkpoint",
     "write_tiny_draft",

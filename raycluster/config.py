@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from glm53.actors.caches import KV_CACHE_DTYPES
+
 
 @dataclass(frozen=True)
 class EngineConfig:
@@ -18,6 +20,10 @@ class EngineConfig:
     cache_bytes: int | None = None  # ... or a byte budget (CPU); neither: gpu_memory_utilization
     gpu_memory_utilization: float = 0.9
     quantize_experts: str | None = None  # "int4": quantise a dense/FP8 checkpoint's experts
+    # latent cache rows: "auto" (model dtype), "bf16", "fp8" (528 B), "nvfp4" (304 B, outer
+    # scales from the scale bank: kv_scale_bank, default the checkpoint's kv_scales_nvfp4.json)
+    kv_cache_dtype: str = "auto"
+    kv_scale_bank: str | None = None
     with_mtp: bool = False
     seed: int = 0  # seeds requests that bring none
     tensor_parallel_size: int = 1
@@ -45,6 +51,10 @@ class EngineConfig:
              "give num_blocks or cache_bytes, not both"),
             (0 < self.gpu_memory_utilization <= 1, "gpu_memory_utilization must be in (0, 1]"),
             (self.quantize_experts in (None, "int4"), "quantize_experts must be None or int4"),
+            (self.kv_cache_dtype in KV_CACHE_DTYPES,
+             f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}"),
+            (self.kv_scale_bank is None or self.kv_cache_dtype == "nvfp4",
+             "kv_scale_bank holds nvfp4 outer scales: it needs kv_cache_dtype nvfp4"),
             (self.dtype in (None, "float32", "bfloat16", "float16"),
              "dtype must be float32, bfloat16 or float16"),
             (min(self.tensor_parallel_size, self.expert_parallel_size,

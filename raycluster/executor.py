@@ -41,6 +41,7 @@ def runner_kwargs(config: EngineConfig) -> dict:
                 cache_bytes=config.cache_bytes,
                 gpu_memory_utilization=config.gpu_memory_utilization,
                 quantize_experts=config.quantize_experts,
+                kv_cache_dtype=config.kv_cache_dtype, kv_scale_bank=config.kv_scale_bank,
                 max_num_batched_tokens=config.max_num_batched_tokens,
                 with_mtp=config.with_mtp or config.speculative_method == "mtp",
                 num_spec=config.num_speculative_tokens, draft_model=config.draft_model,

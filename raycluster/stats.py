@@ -20,6 +20,8 @@ class EngineStats:
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
     spec_accepted_per_pos: tuple[int, ...] = ()
+    # capacity of the paged cache on one rank (follows the KV cache dtype)
+    kv_cache_tokens_per_gib: float = 0.0
 
 
 class SpecStats:

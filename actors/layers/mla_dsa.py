@@ -51,9 +51,9 @@ class KPoolIndexer(nn.Module):
         w = F.linear(x.float(), self.weights_proj.weight.float()) * self.n_heads**-0.5
         ops.indexer_update(k, pool_logits, self.index_kpool_compress_ape, state.open_rows,
                            state.pool_keys, batch.positions, batch.slot_mapping, batch.cu_seqlens,
-                           batch.state_ids)
+                           batch.state_ids, state.pool_format)
         return ops.indexer_topk(q, w, state.pool_keys, batch.block_tables, batch.query_seq,
-                                batch.positions, self.pool_budget, self.kpool)
+                                batch.positions, self.pool_budget, self.kpool, state.pool_format)
 
 
 class DSAttention(nn.Module):
@@ -80,7 +80,8 @@ class DSAttention(nn.Module):
         q_resid = self.q_a_layernorm(self.q_a_proj(x))
         q = self.q_b_proj(q_resid).view(-1, self.num_heads, self.qk_dim)
         latent = self.kv_a_layernorm(self.kv_a_proj_with_mqa(x))
-        ops.store_rows(latent, state.latent, batch.slot_mapping, ps.dcp_rank, ps.dcp_size)
+        ops.store_latent(latent, state.latent, batch.slot_mapping, ps.dcp_rank, ps.dcp_size,
+                         state.latent_format, state.outer_scale)
         tokens = self.indexer(x, q_resid, batch, state)
         w_kv = self.kv_b_proj.weight.view(self.num_heads, self.qk_dim + self.v_dim, self.kv_rank)
         w_uk, w_uv = w_kv[:, : self.qk_dim], w_kv[:, self.qk_dim:]
@@ -90,7 +91,7 @@ class DSAttention(nn.Module):
             q_all = ps.all_gather(q_latent, dim=1) if ps.tp_size > 1 else q_latent
             out, lse = ops.sparse_mla_attention(q_all, state.latent, batch.block_tables,
                                                 batch.query_seq, tokens, self.scale,
-                                                ps.dcp_rank, ps.dcp_size)
+                                                ps.dcp_rank, ps.dcp_size, state.latent_format)
             outs = ps.all_gather(out.unsqueeze(0), dim=0)
             lses = ps.all_gather(lse.unsqueeze(0), dim=0)
             u = ops.merge_attention_states(outs, lses)
@@ -98,6 +99,7 @@ class DSAttention(nn.Module):
                 u = u[:, ps.tp_rank * self.num_heads:(ps.tp_rank + 1) * self.num_heads]
         else:
             u, _ = ops.sparse_mla_attention(q_latent, state.latent, batch.block_tables,
-                                            batch.query_seq, tokens, self.scale)
+                                            batch.query_seq, tokens, self.scale,
+                                            latent_format=state.latent_format)
         out = torch.einsum("thc,hvc->thv", u, w_uv)
         return ps.tp_all_reduce(self.o_proj(out.reshape(out.shape[0], -1)))

@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import torch
 
+from .latent_quant import hadamard_rotate, pack_pool_keys, unpack_fp8, unpack_latent
+
 
 def store_rows(rows: torch.Tensor, cache: torch.Tensor, slot_mapping: torch.Tensor,
                dcp_rank: int = 0, dcp_size: int = 1) -> None:
@@ -58,12 +60,15 @@ def indexer_update(
     slot_mapping: torch.Tensor,
     cu_seqlens: torch.Tensor,
     state_ids: torch.Tensor,
+    pool_format: str = "plain",
 ) -> None:
     """Record this step's indexer keys: complete pools go to the paged pool cache, every row
     also goes into its sequence's ring of recent rows.
 
     keys, gates: [T, d] (LayerNorm'd index keys, raw pooling logits); ape: [kpool, d];
-    open_rows: [S, R, 2d] ring; pool_cache: [B, bs/kpool, d]; positions, slot_mapping: [T].
+    open_rows: [S, R, 2d] ring; pool_cache: [B, bs/kpool, d], or with `pool_format` "fp8"
+    [B, bs/kpool, d + 4] uint8 rows of rotated keys (latent_quant.pack_pool_keys);
+    positions, slot_mapping: [T].
     A sequence's tokens in one step are consecutive positions.
     """
     kpool, ring = ape.shape[0], open_rows.shape[1]
@@ -85,7 +90,8 @@ def indexer_update(
             # the token closing pool j is the last of its kpool rows
             closing = start - carried.shape[0] + kpool * torch.arange(1, n_full + 1) - 1
             pool_slots = slot_mapping[closing].long() // kpool
-            pool_cache.view(-1, d)[pool_slots] = pooled.to(pool_cache.dtype)
+            pool_cache.view(-1, pool_cache.shape[-1])[pool_slots] = (
+                pack_pool_keys(pooled) if pool_format == "fp8" else pooled.to(pool_cache.dtype))
         keep = min(end - start, ring)  # only the last R rows can still be needed
         open_rows[slot, positions[end - keep:end].long() % ring] = rows[end - keep:end].to(
             open_rows.dtype)
@@ -107,8 +113,10 @@ def indexer_topk(
     positions: torch.Tensor,
     pool_budget: int,
     kpool: int,
+    pool_format: str = "plain",
 ) -> torch.Tensor:
-    """Select, per query token, the tokens its sparse attention reads.
+    """Select, per query token, the tokens its sparse attention reads ("fp8" pool keys are
+    rotated fp8 rows: the queries are rotated alike).
 
     q: [T, Hi, d]; head_weights: [T, Hi] (already scaled by Hi^-0.5); query_seq: [T] batch row
     of each query; positions: [T]. Score of complete pool j for query t:
@@ -122,12 +130,15 @@ def indexer_topk(
     out = torch.full((n_tok, width), -1, dtype=torch.long)
     scale = q.shape[-1] ** -0.5
     offsets = torch.arange(kpool)
+    if pool_format == "fp8":
+        q = hadamard_rotate(q)
     for seq in query_seq.unique().tolist():
         rows = (query_seq == seq).nonzero().squeeze(1)
         pos = positions[rows].long()
         n_pools = int(pos.max() + 1) // kpool
         if n_pools:
-            keys = _gather_pools(pool_cache, block_tables[seq], n_pools).float()  # [P, d]
+            keys = _gather_pools(pool_cache, block_tables[seq], n_pools)
+            keys = unpack_fp8(keys, q.shape[-1]) if pool_format == "fp8" else keys.float()
             scores = torch.relu(torch.einsum("thd,pd->thp", q[rows].float(), keys) * scale)
             index = torch.einsum("th,thp->tp", head_weights[rows].float(), scores)
             visible = (torch.arange(n_pools) * kpool + kpool - 1).unsqueeze(0) <= pos.unsqueeze(1)
@@ -152,10 +163,13 @@ def sparse_mla_attention(
     scale: float,
     dcp_rank: int = 0,
     dcp_size: int = 1,
+    latent_format: str = "plain",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Absorbed MLA over selected latent rows: every head attends the same 512-wide key=value.
 
-    q_latent: [T, H, Lc] (W_UK-absorbed queries); latent_cache: [B, bs / dcp_size, Lc];
+    q_latent: [T, H, Lc] (W_UK-absorbed queries); latent_cache: [B, bs / dcp_size, Lc], or
+    [B, bs / dcp_size, row bytes] uint8 rows of `latent_format` "fp8" / "nvfp4" (dequantised
+    on read);
     token_indices: [T, W] positions in the query's sequence, -1 = unused. Under DCP only the
     positions this rank stores (p % dcp_size == dcp_rank) take part. Returns the softmax-weighted
     latents [T, H, Lc] in q_latent's dtype and the log-sum-exp of the scores [T, H] fp32
@@ -168,7 +182,8 @@ def sparse_mla_attention(
     unused = token_indices < 0
     if dcp_size > 1:
         unused = unused | (idx % dcp_size != dcp_rank)
-    rows = latent_cache[blocks, (idx % block_size) // dcp_size].float()  # [T, W, Lc]
+    rows = unpack_latent(latent_cache[blocks, (idx % block_size) // dcp_size],
+                         q_latent.shape[-1], latent_format)  # [T, W, Lc] fp32
     scores = torch.einsum("thc,twc->thw", q_latent.float(), rows) * scale
     scores = scores.masked_fill(unused.unsqueeze(1), float("-inf"))
     lse = torch.logsumexp(scores, dim=-1)

@@ -102,12 +102,16 @@ def _states(caches) -> list[KDAState | DSAState]:
     return list(caches.layers) + ([caches.mtp] if caches.mtp is not None else [])
 
 
+def _tensors(state: KDAState | DSAState) -> dict[str, torch.Tensor]:
+    return {k: v for k, v in vars(state).items() if isinstance(v, torch.Tensor)}
+
+
 def _snapshot(caches) -> list[torch.Tensor]:
-    return [t.clone() for s in _states(caches) for t in vars(s).values()]
+    return [t.clone() for s in _states(caches) for t in _tensors(s).values()]
 
 
 def _restore(caches, saved: list[torch.Tensor]) -> None:
-    live = [t for state in _states(caches) for t in vars(state).values()]
+    live = [t for state in _states(caches) for t in _tensors(state).values()]
     for t, old in zip(live, saved, strict=True):
         t.copy_(old)
 
@@ -155,7 +159,7 @@ class TwinExecutor(InProcessExecutor):
         padded_somewhere = False
         i = 0
         for state in _states(self.runner.caches):
-            for field in vars(state):
+            for field in _tensors(state):
                 old, want, got = before[i], after_eager[i], after_padded[i]
                 i += 1
                 per_slot = isinstance(state, KDAState) or field == "open_rows"
@@ -189,6 +193,17 @@ def test_padded_graph_path_equals_eager(tiny, k):
     assert engine.executor.padded_steps > 0
     if k:
         assert engine.spec_stats.num_drafts > 0
+
+
+def test_padded_graph_path_with_a_quantised_cache(tiny):
+    """The graph path stores and reads fp8 latent rows exactly as the eager path does (padded
+    rows land in block 0), with MTP drafts."""
+    plain = _run(LLMEngine(_config(tiny, 3, kv_cache_dtype="fp8")))
+    config = _config(tiny, 3, cuda_graph_batch_sizes=(2,), kv_cache_dtype="fp8")
+    engine = LLMEngine(config, TwinExecutor(config))
+    assert engine.executor.runner.caches.layers[3].latent.dtype == torch.uint8
+    assert _run(engine) == plain
+    assert engine.executor.padded_steps > 0
 
 
 def test_capture_failure_falls_back_to_eager(tiny, monkeypatch, caplog):

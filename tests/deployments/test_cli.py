@@ -275,6 +275,18 @@ def test_plan_memory_of_the_release(capsys: pytest.CaptureFixture[str]) -> None:
         main(["plan-memory", "--release", "exl3", "--speculative", "dflash:/nowhere"])
 
 
+def test_plan_memory_follows_the_kv_cache_dtype(capsys: pytest.CaptureFixture[str]) -> None:
+    tokens = {}
+    for dtype in ("auto", "fp8", "nvfp4"):
+        assert main(["plan-memory", "--release", "exl3", "--tp", "2", "--ep", "2", "--dcp", "2",
+                     "--kv-cache-dtype", dtype]) == 0
+        line = next(x for x in capsys.readouterr().out.splitlines() if "capacity" in x)
+        tokens[dtype] = int(line.split()[1].replace(",", ""))
+    # bf16 latents 1,024 B, fp8 528 B, nvfp4 304 B per token and layer (+ 33 B of pool keys)
+    assert 1.6 < tokens["fp8"] / tokens["auto"] < 2.0
+    assert 1.5 < tokens["nvfp4"] / tokens["fp8"] < 1.8
+
+
 @pytest.mark.parametrize("flags, has_cuda, placement", [
     (["--tp", "2", "--ep", "2", "--dcp", "2"], False, ("cpu", 2)),
     (["--tp", "2", "--num-replicas", "2"], False, ("cpu", 4)),
@@ -308,3 +320,23 @@ def test_serve_starts_a_private_ray_on_loopback():
     node_ip, gcs, gpus = out[-3:]
     assert node_ip == "127.0.0.1" and gcs.startswith("127.0.0.1:"), out
     assert gpus == "2.0", out
+
+
+# ----- calibrate-kv -----
+
+def test_calibrate_kv_is_deterministic_and_feeds_the_nvfp4_cache(
+        ckpt: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("the quick brown fox\n\njumps over the lazy dog twice\n")
+    with pytest.raises(SystemExit, match="no nvfp4 KV scale bank.*calibrate-kv"):
+        generate(capsys, "--model", str(ckpt), "--prompt-ids", "1,2,3", "--max-tokens", "2",
+                 "--kv-cache-dtype", "nvfp4")
+    first, second = tmp_path / "a.json", tmp_path / "b.json"
+    for out in (first, second):
+        assert main(["calibrate-kv", "--model", str(ckpt), "--prompts", str(prompts),
+                     "--output", str(out)]) == 0
+    assert first.read_bytes() == second.read_bytes()
+    assert set(json.loads(first.read_text())["scales"]) == {"3", "mtp"}
+    check_output(generate(capsys, "--model", str(ckpt), "--prompt-ids", "1,2,3",
+                          "--max-tokens", "5", "--kv-cache-dtype", "nvfp4",
+                          "--kv-scale-bank", str(first)), ckpt, 5)

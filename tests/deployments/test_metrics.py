@@ -73,3 +73,10 @@ def test_merge_keeps_one_header_per_family():
     s = samples(merged)
     assert s[("vllm:kv_cache_usage_perc", (("model_name", "a"),))] == 0
     assert s[("vllm:kv_cache_usage_perc", (("model_name", "b"),))] == 0
+
+
+def test_kv_cache_capacity_is_exported():
+    m = ServingMetrics("tiny")
+    m.set_engine_stats(EngineStats(kv_cache_tokens_per_gib=3_000_000.0))
+    s = samples(m.render())
+    assert s[("glm53:kv_cache_tokens_per_gib", (("model_name", "tiny"),))] == 3_000_000.0

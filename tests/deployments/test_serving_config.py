@@ -61,8 +61,7 @@ def test_unimplemented_features_fail_clearly():
         ServingConfig(profile="lang-dflash2").check_supported()
     with pytest.raises(NotSupportedYetError, match="vision input .*not supported yet"):
         ServingConfig(profile="mm-dflash2", speculative="none").check_supported()
-    with pytest.raises(NotSupportedYetError, match="kv_cache_dtype fp8 is not supported yet"):
-        ServingConfig(kv_cache_dtype="fp8").check_supported()
+    ServingConfig(kv_cache_dtype="fp8").check_supported()  # quantised KV caches are served
     with pytest.raises(NotSupportedYetError):  # before anything is deployed
         build_app({"profile": "lang-dflash2"})
 
@@ -223,3 +222,39 @@ def test_probabilistic_mtp_reaches_the_served_engine(tiny_checkpoint):
         assert proposer.probabilistic
     finally:
         engine.shutdown()
+
+
+def test_profiles_choose_the_nvfp4_cache_and_fall_back_without_a_scale_bank(tmp_path, caplog):
+    assert all(p["kv_cache_dtype"] == "nvfp4" for p in PROFILES.values())
+    with caplog.at_level("WARNING"):
+        e = ServingConfig().engine_config(tmp_path, "cpu")
+    assert (e.kv_cache_dtype, e.kv_scale_bank) == ("auto", None)
+    assert "no scale bank" in caplog.text
+    (tmp_path / "kv_scales_nvfp4.json").write_text("{}")
+    assert ServingConfig().engine_config(tmp_path, "cpu").kv_cache_dtype == "nvfp4"
+    assert ServingConfig(kv_cache_dtype="fp8").engine_config(tmp_path, "cpu").kv_cache_dtype \
+        == "fp8"
+
+
+def test_an_explicit_nvfp4_cache_needs_its_scale_bank(tmp_path):
+    with pytest.raises(ValueError, match="nvfp4 needs a calibrated scale bank.*calibrate-kv"):
+        ServingConfig(kv_cache_dtype="nvfp4").engine_config(tmp_path, "cpu")
+    bank = tmp_path / "elsewhere.json"
+    bank.write_text("{}")
+    e = ServingConfig(kv_cache_dtype="nvfp4", kv_scale_bank=str(bank)).engine_config(
+        tmp_path, "cpu")
+    assert (e.kv_cache_dtype, e.kv_scale_bank) == ("nvfp4", str(bank))
+
+
+def test_kv_cache_combinations_that_cannot_work_are_refused():
+    with pytest.raises(ValidationError, match="fp8 cannot serve profile long500k"):
+        ServingConfig(profile="long500k", kv_cache_dtype="fp8")
+    with pytest.raises(ValidationError, match="kv_scale_bank holds nvfp4 outer scales"):
+        ServingConfig(kv_cache_dtype="fp8", kv_scale_bank="bank.json")
+
+
+def test_kv_cache_flags_reach_the_serving_config():
+    c = serving_config(_parser().parse_args(["serve", "--kv-cache-dtype", "nvfp4",
+                                             "--kv-scale-bank", "/b.json"]))
+    assert (c.kv_cache_dtype, c.kv_scale_bank) == ("nvfp4", "/b.json")
+    assert not c.from_profile("kv_cache_dtype")

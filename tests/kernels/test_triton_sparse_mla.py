@@ -113,7 +113,7 @@ def test_indexer_update_matches_ref():
     table = _tables(lens_total, bs, 10, g)
     ape = torch.randn(kpool, d, generator=g)
     state = [torch.zeros(4, ring, 2 * d), torch.zeros(10, bs // kpool, d)]
-    dev = [s.to(DEVICE) for s in state]
+    dev = [s.clone().to(DEVICE) for s in state]  # clone: .to(cpu) would alias the state
     slots = torch.tensor([3, 0, 1])
     done = [0, 0, 0]
     for step in ([3, 7, 10], [1, 0, 9], [10, 0, 3]):

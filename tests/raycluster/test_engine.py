@@ -183,14 +183,16 @@ def test_stats_snapshot_the_scheduler_and_ledgers(tiny):
     engine = _engine(path, max_num_seqs=2)
     for prompt in _prompts(3, model.config.vocab_size):
         engine.add_request(prompt, GREEDY)
-    assert engine.stats() == EngineStats(num_waiting=3)
+    capacity = engine.executor.cache_plan.tokens_per_gib  # static: the cache's layout
+    assert capacity > 0
+    assert engine.stats() == EngineStats(num_waiting=3, kv_cache_tokens_per_gib=capacity)
     engine.step()
     stats = engine.stats()
     assert (stats.num_running, stats.num_waiting, stats.state_slot_usage) == (2, 1, 1.0)
     assert 0 < stats.kv_cache_usage < 1
     while engine.has_unfinished:
         engine.step()
-    assert engine.stats() == EngineStats()
+    assert engine.stats() == EngineStats(kv_cache_tokens_per_gib=capacity)
 
 
 def test_seeded_sampling_is_independent_of_the_batch(tiny):
