@@ -19,6 +19,7 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9
     quantize_experts: str | None = None  # "int4": quantise a dense/FP8 checkpoint's experts
     with_mtp: bool = False
+    vision: bool = False  # build the vision tower and accept images
     seed: int = 0  # seeds requests that bring none
     tensor_parallel_size: int = 1
     expert_parallel_size: int = 1

@@ -43,6 +43,7 @@ def runner_kwargs(config: EngineConfig) -> dict:
                 quantize_experts=config.quantize_experts,
                 max_num_batched_tokens=config.max_num_batched_tokens,
                 with_mtp=config.with_mtp or config.speculative_method == "mtp",
+                with_vision=config.vision,
                 num_spec=config.num_speculative_tokens, draft_model=config.draft_model,
                 draft_sampling=config.draft_sampling, enforce_eager=config.enforce_eager,
                 cuda_graph_batch_sizes=config.cuda_graph_batch_sizes,
