@@ -96,11 +96,14 @@ TINY_VISION_CONFIG: dict[str, Any] = {
 
 
 def placeholder_token_ids(vocab_size: int) -> dict[str, int]:
-    """Image and video placeholder ids of a tiny config: they must lie inside the vocabulary;
-    the top ids are unused by the tiny tokenizer."""
-    names = ("image_token_id", "video_token_id", "image_start_token_id", "image_end_token_id",
-             "video_start_token_id", "video_end_token_id")
-    return {name: vocab_size - 1 - i for i, name in enumerate(names)}
+    """Image and video placeholder ids of a tiny config, inside the vocabulary: the image
+    markers and placeholder are the tiny tokenizer's last special tokens (at the default
+    vocabulary size), the video ids share the top id, which no tokenizer token uses (videos are
+    not served; a start id that is also the end id never opens a video span)."""
+    top = vocab_size - 1
+    return {"image_start_token_id": top - 3, "image_end_token_id": top - 2,
+            "image_token_id": top - 1, "video_token_id": top, "video_start_token_id": top,
+            "video_end_token_id": top}
 
 
 def release_config(text: dict[str, Any], eos_token_ids: list[int], pad_token_id: int,

@@ -19,7 +19,7 @@ from glm53.actors.config import UnsupportedConfigError
 from glm53.actors.loader import read_config
 from glm53.actors.memory_plan import GiB, MemoryPlanError, plan_for_config
 from glm53.actors.release import exl3_release_config, release_config
-from glm53.actors.step import SamplingParams, StructuredOutput
+from glm53.actors.step import ImageInput, SamplingParams, StructuredOutput
 from glm53.actors.tiny import (
     exl3_quantization_config,
     tiny_text_config,
@@ -42,7 +42,7 @@ from .stats import EngineStats
 __all__ = [
     # the engine
     "AsyncEngine", "ConstraintError", "EngineConfig", "EngineDeadError", "EngineStats",
-    "Executor", "FinishReason", "LLMEngine", "OutputConstraints", "RequestOutput",
+    "Executor", "FinishReason", "ImageInput", "LLMEngine", "OutputConstraints", "RequestOutput",
     "RequestRejectedError", "RequestTiming", "SamplingParams", "StructuredOutput",
     "TokenLogprob", "WorkerError", "make_executor",
     # benchmarks

@@ -21,9 +21,12 @@ from .scheduler import RequestRejectedError
 def check_images(prompt_ids: Sequence[int], images: Sequence[ImageInput], cfg: ModelConfig,
                  vision: bool) -> None:
     """Raise RequestRejectedError unless `images` cover the prompt's placeholders exactly
-    (`vision`: the engine built the vision tower of `cfg`)."""
+    (`vision`: the engine built the vision tower of `cfg`). Without images a placeholder id is
+    an ordinary token, as in the reference (which checks only when it has image features)."""
+    if not images:
+        return
     placeholders = np.flatnonzero(np.asarray(prompt_ids) == cfg.image_token_id)
-    if images and not vision:
+    if not vision:
         raise RequestRejectedError("this engine serves text only (started without vision)")
     covered = []
     for image in images:

@@ -81,7 +81,6 @@ def test_image_bookkeeping_is_checked(tiny):
     engine = LLMEngine(EngineConfig(model=str(path), num_blocks=64, vision=True))
     image = images[0]
     bad = [
-        (prompt, []),  # placeholders without an image
         (prompt[:-5], images),  # an image without all its placeholders
         (prompt, [ImageInput(image.pixel_values, image.grid_thw, image.offset + 1,
                              image.num_tokens, "x")]),  # misplaced

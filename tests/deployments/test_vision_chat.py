@@ -1,0 +1,100 @@
+"""Images in chat through the OpenAI API: the official `openai` client against the in-process
+ingress (tests/deployments/local_ingress.py) over the real engine on the tiny checkpoint with
+its vision tower; bad images each get a 400 envelope and the server stays healthy."""
+
+from __future__ import annotations
+
+import base64
+import io
+
+import httpx
+import numpy as np
+import openai
+import pytest
+from PIL import Image
+
+from glm53.deployments.config import ImageConfig, ServingConfig
+from tests.deployments.local_ingress import local_ingress, served_over_http
+
+MODEL = "tiny-vision"
+
+
+def png(width: int = 64, height: int = 48, seed: int = 0, fmt: str = "PNG") -> bytes:
+    data = np.random.default_rng(seed).integers(0, 256, (height, width, 3), dtype=np.uint8)
+    buf = io.BytesIO()
+    Image.fromarray(data).save(buf, format=fmt)
+    return buf.getvalue()
+
+
+def data_url(data: bytes, media_type: str = "image/png") -> str:
+    return f"data:{media_type};base64,{base64.b64encode(data).decode()}"
+
+
+def ask(*urls: str, text: str = "What is in the picture?") -> list[dict]:
+    parts = [{"type": "text", "text": text}]
+    parts += [{"type": "image_url", "image_url": {"url": u}} for u in urls]
+    return [{"role": "user", "content": parts}]
+
+
+@pytest.fixture(scope="module")
+def base_url(tiny_checkpoint):
+    config = ServingConfig(served_model_name=MODEL, model=str(tiny_checkpoint), device="cpu",
+                           speculative="none", vision=True, num_blocks=256, max_model_len=1024,
+                           images=ImageConfig(max_images=2, max_bytes=60_000))
+    with pytest.MonkeyPatch.context() as mp:
+        app = local_ingress(mp, config=config, engine_factory=None)
+        with served_over_http(app) as url:
+            yield url
+
+
+@pytest.fixture(scope="module")
+def client(base_url):
+    return openai.OpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0)
+
+
+def test_openai_client_sends_a_base64_image(client, base_url):
+    image = data_url(png())
+    answer = client.chat.completions.create(model=MODEL, messages=ask(image), max_tokens=4,
+                                            temperature=0, reasoning_effort="none")
+    text_only = client.chat.completions.create(model=MODEL, messages=ask(), max_tokens=4,
+                                               temperature=0, reasoning_effort="none")
+    assert answer.choices[0].message.content is not None
+    assert answer.usage.completion_tokens == 4
+    # a 64x48 image is enlarged past the minimum of 16 tokens, to 112x140 pixels: 4x5 merged
+    # tokens, which usage counts (its one placeholder becomes 20; the start/end markers add 2)
+    assert answer.usage.prompt_tokens == text_only.usage.prompt_tokens + 2 + 20
+    again = client.chat.completions.create(model=MODEL, messages=ask(image), max_tokens=4,
+                                           temperature=0, reasoning_effort="none")
+    assert again.choices[0].message.content == answer.choices[0].message.content
+
+
+BAD = {
+    "corrupt bytes": ask(data_url(b"\x89PNG\r\n\x1a\n broken")),
+    "not base64": ask("data:image/png;base64,@@@@"),
+    "unsupported type": ask(data_url(png(fmt="TIFF"), "image/tiff")),
+    "not an image media type": ask(data_url(b"hello", "text/plain")),
+    "too large": ask(data_url(png(400, 400))),  # ~480 KB of noise > 60 KB
+    "too many": ask(*[data_url(png(seed=i)) for i in range(3)]),
+    "remote url while fetching is off": ask("https://example.com/cat.png"),
+    "file path": ask("file:///etc/passwd"),
+    "malformed part": [{"role": "user", "content": [{"type": "image_url", "image_url": "x"}]}],
+}
+
+
+@pytest.mark.parametrize("messages", BAD.values(), ids=BAD.keys())
+def test_bad_images_get_a_400_envelope(base_url, messages):
+    r = httpx.post(f"{base_url}/v1/chat/completions", timeout=60,
+                   json={"model": MODEL, "messages": messages, "max_tokens": 2})
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["type"] == "invalid_request_error" and error["message"]
+    assert httpx.get(f"{base_url}/health", timeout=10).status_code == 200
+
+
+def test_text_only_deployment_refuses_images(monkeypatch):
+    app = local_ingress(monkeypatch)  # the scripted engine, no vision
+    with served_over_http(app) as url:
+        r = httpx.post(f"{url}/v1/chat/completions", timeout=30, json={
+            "model": "scripted", "messages": ask(data_url(png())), "max_tokens": 2})
+    assert r.status_code == 400
+    assert "vision" in r.json()["error"]["message"]
