@@ -68,26 +68,28 @@ def test_openai_client_sends_a_base64_image(client, base_url):
     assert again.choices[0].message.content == answer.choices[0].message.content
 
 
-BAD = {
-    "corrupt bytes": ask(data_url(b"\x89PNG\r\n\x1a\n broken")),
-    "not base64": ask("data:image/png;base64,@@@@"),
-    "unsupported type": ask(data_url(png(fmt="TIFF"), "image/tiff")),
-    "not an image media type": ask(data_url(b"hello", "text/plain")),
-    "too large": ask(data_url(png(400, 400))),  # ~480 KB of noise > 60 KB
-    "too many": ask(*[data_url(png(seed=i)) for i in range(3)]),
-    "remote url while fetching is off": ask("https://example.com/cat.png"),
-    "file path": ask("file:///etc/passwd"),
-    "malformed part": [{"role": "user", "content": [{"type": "image_url", "image_url": "x"}]}],
+BAD = {  # messages, and a fragment of the error message
+    "corrupt bytes": (ask(data_url(b"\x89PNG\r\n\x1a\n broken")), "cannot decode"),
+    "not base64": (ask("data:image/png;base64,@@@@"), "base64"),
+    "unsupported type": (ask(data_url(png(fmt="TIFF"), "image/tiff")), "supported: PNG"),
+    "not an image media type": (ask(data_url(b"hello", "text/plain")), "not an image"),
+    "too large": (ask(data_url(png(400, 400))), "larger than 60000 bytes"),  # ~480 KB
+    "too many": (ask(*[data_url(png(seed=i)) for i in range(3)]), "3 images; at most 2"),
+    "remote url while fetching is off": (ask("https://example.com/cat.png"),
+                                         "does not fetch image URLs"),
+    "file path": (ask("file:///etc/passwd"), "unsupported image URL scheme 'file'"),
+    "malformed part": ([{"role": "user", "content": [{"type": "image_url", "image_url": "x"}]}],
+                       "image content part"),
 }
 
 
-@pytest.mark.parametrize("messages", BAD.values(), ids=BAD.keys())
-def test_bad_images_get_a_400_envelope(base_url, messages):
+@pytest.mark.parametrize(("messages", "fragment"), BAD.values(), ids=BAD.keys())
+def test_bad_images_get_a_400_envelope(base_url, messages, fragment):
     r = httpx.post(f"{base_url}/v1/chat/completions", timeout=60,
                    json={"model": MODEL, "messages": messages, "max_tokens": 2})
     assert r.status_code == 400, r.text
     error = r.json()["error"]
-    assert error["type"] == "invalid_request_error" and error["message"]
+    assert error["type"] == "invalid_request_error" and fragment in error["message"]
     assert httpx.get(f"{base_url}/health", timeout=10).status_code == 200
 
 
@@ -98,3 +100,23 @@ def test_text_only_deployment_refuses_images(monkeypatch):
             "model": "scripted", "messages": ask(data_url(png())), "max_tokens": 2})
     assert r.status_code == 400
     assert "vision" in r.json()["error"]["message"]
+
+
+def test_serve_vision_runs_the_embedded_model_with_its_tower(monkeypatch, tmp_path):
+    """`glm53 serve --vision` with no model: the embedded tiny checkpoint has a vision tower
+    (served with the default profile's MTP drafts); `--image-urls` turns fetching on."""
+    from glm53.deployments.cli import _parser, serving_config
+
+    monkeypatch.setenv("GLM53_CACHE_DIR", str(tmp_path))
+    config = serving_config(_parser().parse_args(["serve", "--vision", "--num-blocks", "128"]))
+    assert config.vision and config.model is None and not config.images.fetch_urls
+    assert serving_config(_parser().parse_args(
+        ["serve", "--vision", "--image-urls"])).images.fetch_urls
+    app = local_ingress(monkeypatch, config=config, engine_factory=None)
+    with served_over_http(app) as url:
+        r = httpx.post(f"{url}/v1/chat/completions", timeout=120, json={
+            "model": config.model_name, "messages": ask(data_url(png())), "max_tokens": 3})
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["completion_tokens"] == 3
+    embedded = next(tmp_path.glob("tiny-v*"))
+    assert sum(f.stat().st_size for f in embedded.iterdir()) < 4 << 20  # stays small
