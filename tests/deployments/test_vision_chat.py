@@ -120,3 +120,26 @@ def test_serve_vision_runs_the_embedded_model_with_its_tower(monkeypatch, tmp_pa
     assert r.json()["usage"]["completion_tokens"] == 3
     embedded = next(tmp_path.glob("tiny-v*"))
     assert sum(f.stat().st_size for f in embedded.iterdir()) < 4 << 20  # stays small
+
+
+@pytest.mark.slow  # two engines, DFlash drafting on CPU: about a minute
+def test_mm_dflash2_profile_serves_images_with_the_tiny_draft(monkeypatch, tmp_path,
+                                                              tiny_checkpoint):
+    """The multimodal profile end to end: vision on, DFlash2 drafts from a tiny draft made for
+    the checkpoint; a greedy answer about an image equals the one without speculation."""
+    from glm53.raycluster.api import read_config, write_tiny_draft
+
+    draft = write_tiny_draft(tmp_path / "draft", read_config(tiny_checkpoint))
+    answers = []
+    for speculative in ({"method": "dflash", "draft_model": str(draft)}, "none"):
+        config = ServingConfig(profile="mm-dflash2", model=str(tiny_checkpoint), device="cpu",
+                               served_model_name=MODEL, num_blocks=256, max_model_len=1024,
+                               speculative=speculative)
+        app = local_ingress(monkeypatch, config=config, engine_factory=None)
+        with served_over_http(app) as url:
+            r = httpx.post(f"{url}/v1/chat/completions", timeout=300, json={
+                "model": MODEL, "messages": ask(data_url(png())), "max_tokens": 12,
+                "temperature": 0})
+        assert r.status_code == 200, r.text
+        answers.append(r.json()["choices"][0]["message"])
+    assert answers[0] == answers[1]
