@@ -86,8 +86,10 @@ def test_image_bookkeeping_is_checked(tiny):
                              image.num_tokens, "x")]),  # misplaced
         (prompt, [ImageInput(image.pixel_values[:-1], image.grid_thw, image.offset,
                              image.num_tokens, "x")]),  # pixels do not fit the grid
-        (prompt, [ImageInput(image.pixel_values, image.grid_thw, image.offset,
-                             image.num_tokens - 1, "x")]),  # wrong embedding count
+        # placeholders and the image agree, but the grid has one embedding more
+        (prompt[:image.offset] + prompt[image.offset + 1:],
+         [ImageInput(image.pixel_values, image.grid_thw, image.offset, image.num_tokens - 1,
+                     "x")]),
     ]
     for p, imgs in bad:
         with pytest.raises(RequestRejectedError):
