@@ -100,7 +100,7 @@ class LLMEngine:
         self.scheduler = Scheduler(
             BlockPool(plan.num_blocks, plan.block_size, pool_tokens=self.model_config.index_kpool),
             StateSlotPool(plan.num_slots), config.max_num_batched_tokens, config.max_num_seqs,
-            self.max_model_len, config.num_speculative_tokens)
+            self.max_model_len, config.num_speculative_tokens, config.max_step_image_bytes)
         self.spec_stats = SpecStats(config.num_speculative_tokens)
         self.num_preemptions = 0
         self.eos_ids = self.model_config.eos_token_ids
@@ -123,7 +123,8 @@ class LLMEngine:
             raise RequestRejectedError(f"stop_token_ids must be in [0, {vocab})")
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         seed = params.seed if params.seed is not None else self._rng.randrange(2**62)
-        check_images(prompt_ids, images, self.model_config, self.config.vision)
+        check_images(prompt_ids, images, self.model_config, self.config.vision,
+                     self.config.max_step_image_bytes)
         request = Request(request_id, list(prompt_ids), params, seed, images=tuple(images))
         request.constraint = self._constraint(params)
         self.scheduler.add(request)

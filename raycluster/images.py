@@ -19,9 +19,10 @@ from .scheduler import RequestRejectedError
 
 
 def check_images(prompt_ids: Sequence[int], images: Sequence[ImageInput], cfg: ModelConfig,
-                 vision: bool) -> None:
+                 vision: bool, max_pixel_bytes: int) -> None:
     """Raise RequestRejectedError unless `images` cover the prompt's placeholders exactly
-    (`vision`: the engine built the vision tower of `cfg`). Without images a placeholder id is
+    (`vision`: the engine built the vision tower of `cfg`) and each fits in one step's
+    `max_pixel_bytes`. Without images a placeholder id is
     an ordinary token, as in the reference (which checks only when it has image features)."""
     if not images:
         return
@@ -36,6 +37,9 @@ def check_images(prompt_ids: Sequence[int], images: Sequence[ImageInput], cfg: M
         if image.pixel_values.shape != shape or h % m or w % m:
             raise RequestRejectedError(f"image pixels {image.pixel_values.shape} do not fit "
                                        f"its grid {image.grid_thw}")
+        if image.pixel_values.nbytes > max_pixel_bytes:
+            raise RequestRejectedError(f"an image of {image.pixel_values.nbytes} pixel bytes "
+                                       f"exceeds the engine's {max_pixel_bytes} per step")
         if image.num_tokens != t * h * w // m**2:
             raise RequestRejectedError(f"an image of grid {image.grid_thw} has "
                                        f"{t * h * w // m**2} embeddings, not {image.num_tokens}")

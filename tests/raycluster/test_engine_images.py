@@ -52,15 +52,28 @@ def _reference(model, ids, images) -> list[int]:
     return tokens
 
 
-def test_chunked_image_prefill_equals_whole_prompt(tiny):
-    """Chunks of 5 tokens split every image; three image requests run together with a text
-    one; each output equals its whole-prompt reference, and the worker keeps no embeddings
-    once the prompts are computed."""
+@pytest.mark.parametrize(("tokens", "tight"), [(5, False), (64, False), (64, True)])
+def test_chunked_image_prefill_equals_whole_prompt(tiny, tokens, tight):
+    """Three image requests run together with a text one, in steps of `tokens` tokens (5:
+    chunks split every image); each output equals its whole-prompt reference, and the worker
+    keeps no embeddings once the prompts are computed. `tight`: a step may carry the pixels of
+    the largest image only, so chunks stop before images that do not fit."""
     path, model = tiny
     requests = [_request(model, [(1, 4, 6)], 0), _request(model, [(1, 2, 2), (1, 4, 4)], 1),
                 _request(model, [(1, 6, 2)], 2), (list(range(20, 31)), [])]
+    largest = max(i.pixel_values.nbytes for _, imgs in requests for i in imgs)
     engine = LLMEngine(EngineConfig(model=str(path), num_blocks=256, vision=True,
-                                    max_num_batched_tokens=5, max_num_seqs=4))
+                                    max_num_batched_tokens=tokens,
+                                    max_num_seqs=4,
+                                    **({"max_step_image_bytes": largest} if tight else {})))
+    carried = []
+    execute = engine.executor.execute
+
+    def counting(step):
+        carried.append(sum(item.image.pixel_values.nbytes for item in step.images))
+        return execute(step)
+
+    engine.executor.execute = counting
     ids = [engine.add_request(p, GREEDY, images=imgs) for p, imgs in requests]
     assert engine.scheduler.requests[ids[1]].image_digests == ("digest-1-0", "digest-1-1")
     results: dict[str, list[int]] = {}
@@ -70,6 +83,9 @@ def test_chunked_image_prefill_equals_whole_prompt(tiny):
     for rid, (prompt, images) in zip(ids[:3], requests, strict=False):
         assert results[rid] == _reference(model, prompt, images), rid
     assert engine.executor.runner.image_embeds == {}
+    assert max(carried) <= engine.config.max_step_image_bytes
+    if tokens == 64:  # several images fit in one step's tokens; the pixel budget decides
+        assert (max(carried) == largest) == tight
 
 
 def test_image_bookkeeping_is_checked(tiny):
@@ -94,6 +110,10 @@ def test_image_bookkeeping_is_checked(tiny):
     for p, imgs in bad:
         with pytest.raises(RequestRejectedError):
             engine.add_request(p, GREEDY, images=imgs)
+    small = LLMEngine(EngineConfig(model=str(path), num_blocks=64, vision=True,
+                                   max_step_image_bytes=image.pixel_values.nbytes - 1))
+    with pytest.raises(RequestRejectedError, match="per step"):
+        small.add_request(prompt, GREEDY, images=images)
     assert not engine.has_unfinished
     assert np.asarray(prompt).size  # the good request still goes through
     engine.add_request(prompt, GREEDY, images=images)
