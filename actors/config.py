@@ -42,6 +42,69 @@ class UnsupportedConfigError(ValueError):
 
 
 @dataclass(frozen=True)
+class VisionConfig:
+    """`vision_config` (transformers' Glm5NextVisionConfig): the ViT, its patch merger and the
+    projector into the text hidden size."""
+
+    depth: int
+    hidden_size: int
+    num_heads: int
+    intermediate_size: int
+    patch_size: int
+    temporal_patch_size: int
+    spatial_merge_size: int
+    in_channels: int
+    out_hidden_size: int
+    projection_intermediate_size: int
+    rms_norm_eps: float
+    swiglu_limit: float
+    rope_theta: float
+    attention_bias: bool
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+    @property
+    def patch_dim(self) -> int:
+        """Pixel values per patch: channels x temporal x patch x patch."""
+        return self.in_channels * self.temporal_patch_size * self.patch_size**2
+
+    @classmethod
+    def from_hf(cls, v: dict[str, Any]) -> VisionConfig:
+        def get(key: str, default: Any) -> Any:
+            value = v.get(key, default)
+            return default if value is None else value
+
+        _require(get("hidden_act", "silu") == "silu", "vision_config.hidden_act",
+                 v.get("hidden_act"), "only silu is implemented")
+        rope = get("rope_parameters", {})
+        _require(rope.get("rope_type", "axial") == "axial", "vision_config.rope_parameters",
+                 rope, "only the axial 2-D rope is implemented")
+        sizes = {key: get(key, default) for key, default in (
+            ("patch_size", 14), ("temporal_patch_size", 2))}
+        for key, value in sizes.items():
+            _require(isinstance(value, int), f"vision_config.{key}", value,
+                     "a single integer (square patches)")
+        hidden, heads = int(get("hidden_size", 1024)), int(get("num_heads", 16))
+        _require(hidden % heads == 0 and (hidden // heads) % 4 == 0, "vision_config.num_heads",
+                 heads, "the head dim must be a multiple of 4 (2-D rope over h and w)")
+        return cls(
+            depth=int(get("depth", 24)), hidden_size=hidden, num_heads=heads,
+            intermediate_size=int(get("intermediate_size", 4096)),
+            patch_size=sizes["patch_size"], temporal_patch_size=sizes["temporal_patch_size"],
+            spatial_merge_size=int(get("spatial_merge_size", 2)),
+            in_channels=int(get("in_channels", 3)),
+            out_hidden_size=int(get("out_hidden_size", 1536)),
+            projection_intermediate_size=int(get("projection_intermediate_size", 10240)),
+            rms_norm_eps=float(get("rms_norm_eps", 1e-5)),
+            swiglu_limit=float(get("swiglu_limit", 10.0)),
+            rope_theta=float(rope.get("rope_theta", get("rope_theta", 10000.0))),
+            attention_bias=bool(get("attention_bias", True)),
+        )
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     vocab_size: int
     hidden_size: int
@@ -78,7 +141,8 @@ class ModelConfig:
     dtype: str = "bfloat16"
     eos_token_ids: tuple[int, ...] = ()
     pad_token_id: int | None = None
-    has_vision: bool = False
+    vision: VisionConfig | None = None  # the checkpoint's vision tower (None: text-only)
+    image_token_id: int = 154854  # the image placeholder (one per merged patch)
     fp8_block_size: tuple[int, int] | None = None  # official FP8 release: (128, 128) block scales
     # how the routed experts are held on the device: "dense" (the model dtype), "exl3" (the
     # checkpoint's EXL3 trellis codes, `exl3_bits` per weight, `exl3_codebook` 0 3INST / 1 MCG /
@@ -115,6 +179,10 @@ class ModelConfig:
         return self.index_topk // self.index_kpool
 
     @property
+    def has_vision(self) -> bool:
+        return self.vision is not None
+
+    @property
     def has_mtp(self) -> bool:
         return self.num_nextn_predict_layers > 0
 
@@ -138,11 +206,16 @@ class ModelConfig:
         for key in ("eos_token_id", "pad_token_id", "quantization_config", "dtype", "torch_dtype"):
             if key not in merged and key in config:
                 merged[key] = config[key]
-        has_vision = config.get("vision_config") is not None
-        return cls._from_text(merged, has_vision=has_vision)
+        vision = config.get("vision_config")
+        if vision is not None and not isinstance(vision, dict):
+            raise UnsupportedConfigError("vision_config must be an object")
+        return cls._from_text(
+            merged, vision=None if vision is None else VisionConfig.from_hf(vision),
+            image_token_id=int(config.get("image_token_id", 154854)))
 
     @classmethod
-    def _from_text(cls, t: dict[str, Any], has_vision: bool) -> ModelConfig:
+    def _from_text(cls, t: dict[str, Any], vision: VisionConfig | None,
+                   image_token_id: int) -> ModelConfig:
         def get(key: str, default: Any) -> Any:
             value = t.get(key, default)
             return default if value is None else value
@@ -234,7 +307,8 @@ class ModelConfig:
             dtype=dtype,
             eos_token_ids=eos_ids,
             pad_token_id=t.get("pad_token_id"),
-            has_vision=has_vision,
+            vision=vision,
+            image_token_id=image_token_id,
             **_quantization(t.get("quantization_config")),
         )
 

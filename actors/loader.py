@@ -47,8 +47,8 @@ def with_expert_format(cfg: ModelConfig, quantize_experts: str | None) -> ModelC
 
 
 def build_model(cfg: ModelConfig, with_mtp: bool = False, dtype: torch.dtype | None = None,
-                device: torch.device | str = "cpu",
-                ps: ParallelState | None = None) -> Glm5NextForCausalLM:
+                device: torch.device | str = "cpu", ps: ParallelState | None = None,
+                with_vision: bool = False) -> Glm5NextForCausalLM:
     """Allocate this rank's model in `dtype` (default: the config's) on `device` ("meta":
     shapes only, see `materialize`); parameters that the math keeps in fp32 (router, mHC, conv
     taps, gate constants) are declared fp32 and stay fp32, quantised experts keep their
@@ -57,7 +57,7 @@ def build_model(cfg: ModelConfig, with_mtp: bool = False, dtype: torch.dtype | N
     torch.set_default_dtype(dtype or DTYPES[cfg.dtype])
     try:
         with torch.device(device):
-            model = Glm5NextForCausalLM(cfg, with_mtp=with_mtp, ps=ps)
+            model = Glm5NextForCausalLM(cfg, with_mtp=with_mtp, ps=ps, with_vision=with_vision)
     finally:
         torch.set_default_dtype(previous)
     return model.requires_grad_(False).eval()
@@ -79,11 +79,13 @@ def load_model(model_dir: str | Path, with_mtp: bool = False, dtype: torch.dtype
                device: torch.device | str = "cpu", progress: bool = True,
                ps: ParallelState | None = None, quantize_experts: str | None = None,
                check_memory: Callable[[Glm5NextForCausalLM], None] | None = None,
-               ) -> Glm5NextForCausalLM:
-    """This rank's shard of the checkpoint in `model_dir`. `check_memory` sees the meta-built
-    model before anything is allocated and raises to refuse it (see memory_plan.py)."""
+               with_vision: bool = False) -> Glm5NextForCausalLM:
+    """This rank's shard of the checkpoint in `model_dir` (`with_vision`: and its vision
+    tower). `check_memory` sees the meta-built model before anything is allocated and raises
+    to refuse it (see memory_plan.py)."""
     cfg = with_expert_format(read_config(model_dir), quantize_experts)
-    model = build_model(cfg, with_mtp=with_mtp, dtype=dtype, device="meta", ps=ps)
+    model = build_model(cfg, with_mtp=with_mtp, dtype=dtype, device="meta", ps=ps,
+                        with_vision=with_vision)
     if check_memory is not None:
         check_memory(model)
     model = materialize(model, device)

@@ -43,7 +43,7 @@ class ModelRunner:
                  max_model_len: int | None = None,
                  quantize_experts: str | None = None,
                  max_num_batched_tokens: int = 2048, kv_cache_dtype: str = "auto",
-                 kv_scale_bank: str | None = None) -> None:
+                 kv_scale_bank: str | None = None, with_vision: bool = False) -> None:
         """`block_size` counts logical tokens per block (latent rows per rank x DCP size).
         Speculation: `num_spec` drafts per step from the MTP layer (`with_mtp`) or from the
         DFlash draft checkpoint `draft_model` (replicated on every rank). CUDA graphs (unless
@@ -52,7 +52,8 @@ class ModelRunner:
         model's context) tokens. `quantize_experts` ("int4") quantises the routed experts of a
         dense/FP8 checkpoint while loading. `kv_cache_dtype` (caches.KV_CACHE_DTYPES) sets the
         latent rows; nvfp4 reads its outer scales from `kv_scale_bank` (default: the bank
-        file in the checkpoint).
+        file in the checkpoint). `with_vision` builds the vision tower: image embeddings are
+        computed once per image and spliced over its placeholders chunk by chunk.
 
         On CUDA without an explicit cache size, the memory plan (memory_plan.py) of the
         meta-built model is checked before anything is allocated, so a model that cannot fit
@@ -82,7 +83,8 @@ class ModelRunner:
         self.model = load_model(model_dir, with_mtp=with_mtp,
                                 dtype=DTYPES[dtype] if dtype else None, device=self.device,
                                 progress=progress, ps=self.ps,
-                                quantize_experts=quantize_experts, check_memory=check_memory)
+                                quantize_experts=quantize_experts, check_memory=check_memory,
+                                with_vision=with_vision)
         self.config = self.model.config
         cache_dtype = self.model.embed_tokens.weight.dtype
         self.with_mtp, self.num_spec = with_mtp, num_spec
@@ -109,6 +111,8 @@ class ModelRunner:
         self.enforce_eager = enforce_eager or self.device.type != "cuda"
         self.graph_batch_sizes = batch_buckets(num_slots, cuda_graph_batch_sizes)
         self.max_model_len = max_model_len or self.config.max_position_embeddings
+        # embeddings of images whose prefill continues in a later chunk, by StepImage.key
+        self.image_embeds: dict[str, torch.Tensor] = {}
 
     def allocate_caches(self, num_blocks: int) -> CachePlan:
         """Allocate the caches with `num_blocks` blocks (<= this rank's plan)."""
@@ -163,7 +167,8 @@ class ModelRunner:
         n_sample = len(step.sample_rows)
         rows = logits_row_index(np.concatenate([step.sample_rows, step.prompt_logprob_rows]),
                           self.device)
-        key = self.graphs.bucket(step) if self.graphs is not None else None
+        # a chunk of image placeholders is never a decode step, whatever its width
+        key = self.graphs.bucket(step) if self.graphs is not None and not step.images else None
         if key is not None:
             batch = None  # built only if a verify step must commit its KDA states
             hidden, taps, all_logits = self.graphs.run(step, key)
@@ -220,8 +225,33 @@ class ModelRunner:
         """The eager forward: (hidden [T, D], tap states [T, n_taps * D] or None)."""
         tokens = torch.tensor(step.token_ids, device=self.device)
         tap_layers = getattr(self.proposer, "tap_layers", ())
-        hidden = self.model(tokens, batch, self.caches, tap_layers)
+        hidden = self.model(tokens, batch, self.caches, tap_layers,
+                            image_embeds=self._image_embeds(step))
         return hidden if tap_layers else (hidden, None)
+
+    def _image_embeds(self, step: StepInput) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(flat rows, embeddings) of the step's image placeholders. An image is embedded
+        whole, once: its embeddings are kept until its last placeholder is computed, or
+        dropped (and recomputed from the pixels the step carries) when its request skips a
+        step, so nothing outlives an aborted or preempted request."""
+        if not step.images:
+            self.image_embeds.clear()
+            return None
+        if self.model.visual is None:
+            raise RuntimeError("a step carries images but the model has no vision tower")
+        kept, rows, parts = {}, [], []
+        for item in step.images:
+            embeds = self.image_embeds.get(item.key)
+            if embeds is None:
+                pixels = torch.from_numpy(item.image.pixel_values).to(self.device)
+                embeds = self.model.visual(pixels, [item.image.grid_thw])
+            if item.end < item.image.num_tokens:
+                kept[item.key] = embeds
+            rows.append(item.rows)
+            parts.append(embeds[item.start:item.end])
+        self.image_embeds = kept
+        return (torch.tensor(np.concatenate(rows), device=self.device),
+                torch.cat(parts))
 
     def _draft_probs(self, step: StepInput) -> list[torch.Tensor | None] | None:
         """Per sequence, the distributions its drafts were drawn from (probabilistic MTP)."""

@@ -133,6 +133,32 @@ class SamplingInputs:
 
 
 @dataclass(frozen=True)
+class ImageInput:
+    """One image of a request: the processor's patches, and the consecutive prompt positions
+    offset .. offset + num_tokens - 1 of its placeholders, which its embeddings replace."""
+
+    pixel_values: np.ndarray  # [P, patch_dim] float32
+    grid_thw: tuple[int, int, int]  # patches: (frames, rows, columns)
+    offset: int
+    num_tokens: int
+    digest: str  # identity of the pixels (prefix caching keys image blocks by it)
+
+
+@dataclass(frozen=True)
+class StepImage:
+    """An image some of whose placeholders a step computes: rows start..end-1 of its
+    embeddings go to the step's flat token rows `rows`. The pixels come with every step that
+    needs them, so a worker may recompute rather than remember; `key` (request id / image
+    index) lets it keep the embeddings between the chunks of one prefill instead."""
+
+    key: str
+    image: ImageInput
+    start: int
+    end: int
+    rows: np.ndarray  # [end - start] int64
+
+
+@dataclass(frozen=True)
 class StepInput:
     """Everything one forward step needs, for all ranks. T tokens, N sequences."""
 
@@ -160,6 +186,7 @@ class StepInput:
     # and how many drafts each sequence wants for its next step
     next_tokens: np.ndarray | None = None  # [N] int64
     propose: np.ndarray | None = None  # [N] int64
+    images: tuple[StepImage, ...] = ()  # image embeddings that replace placeholder rows
 
     @property
     def num_tokens(self) -> int:

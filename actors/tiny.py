@@ -86,8 +86,9 @@ def tiny_text_config(num_layers: int = 5, mtp: bool = False, **overrides: Any) -
     return text
 
 
-# a toy vision tower: transformers always builds one, so its oracle stays small; our engine
-# serves language-only (out_hidden_size is the text model's hidden size)
+# a toy vision tower with the release's patch geometry (14-pixel patches, 2 frames, 2x2
+# merge), so the release image processor applies unchanged (out_hidden_size is the text model's
+# hidden size)
 TINY_VISION_CONFIG: dict[str, Any] = {
     "model_type": "glm5_next_vision", "depth": 1, "hidden_size": 32, "num_heads": 2,
     "intermediate_size": 64, "projection_intermediate_size": 64,
@@ -95,17 +96,19 @@ TINY_VISION_CONFIG: dict[str, Any] = {
 
 
 def placeholder_token_ids(vocab_size: int) -> dict[str, int]:
-    """Image and video placeholder ids of a tiny config: they must lie inside the vocabulary;
-    the top ids are unused by the tiny tokenizer."""
-    names = ("image_token_id", "video_token_id", "image_start_token_id", "image_end_token_id",
-             "video_start_token_id", "video_end_token_id")
-    return {name: vocab_size - 1 - i for i, name in enumerate(names)}
+    """Image and video placeholder ids of a tiny config, inside the vocabulary: the image
+    markers and placeholder are the tiny tokenizer's last special tokens (at the default
+    vocabulary size), the video ids share the top id, which no tokenizer token uses (videos are
+    not served; a start id that is also the end id never opens a video span)."""
+    top = vocab_size - 1
+    return {"image_start_token_id": top - 3, "image_end_token_id": top - 2,
+            "image_token_id": top - 1, "video_token_id": top, "video_start_token_id": top,
+            "video_end_token_id": top}
 
 
 def release_config(text: dict[str, Any], eos_token_ids: list[int], pad_token_id: int,
                    ) -> dict[str, Any]:
-    """Wrap a text config into the release `config.json` (with a toy vision config so a
-    transformers oracle builds a small tower; our engine serves language-only)."""
+    """Wrap a text config into the release `config.json`, with a toy vision tower."""
     text = {**text, "eos_token_id": eos_token_ids, "pad_token_id": pad_token_id}
     return {
         "architectures": ["Glm5NextForConditionalGeneration"],
@@ -146,6 +149,8 @@ def randomize(model: Glm5NextForCausalLM, seed: int) -> None:
             normal(p, 0.5)
         elif name == "embed_tokens.weight":
             normal(p, 1.0)
+        elif name.startswith("visual."):  # matrices and convolutions: fan-in scaling
+            normal(p, 1.0 / math.sqrt(p[0].numel()))
         else:  # matrices (and stacked experts): fan-in scaling keeps activations O(1)
             normal(p, 1.0 / math.sqrt(p.shape[-1]))
 
@@ -193,7 +198,7 @@ def write_tiny_checkpoint(out_dir: str | Path, config: dict[str, Any], seed: int
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     cfg = ModelConfig.from_hf(config)
-    model = build_model(cfg, with_mtp=cfg.has_mtp)
+    model = build_model(cfg, with_mtp=cfg.has_mtp, with_vision=cfg.has_vision)
     randomize(model, seed)
     tensors = export_checkpoint(model)  # fp32-by-design parameters stay fp32 in the file
     save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})

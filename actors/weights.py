@@ -28,6 +28,7 @@ from .config import ModelConfig
 PREFIX = "model.language_model."
 SCALE_SUFFIX = ".weight_scale_inv"
 _VISION_PREFIX = "model.visual."
+VISUAL = "visual."  # our vision tower's parameter prefix
 _HC = re.compile(r"hc_(attn|ffn)_(fn|base|scale)$")
 _CONV = re.compile(r"self_attn\.([qkv])_conv1d\.weight$")
 _QKV = re.compile(r"self_attn\.([qkv])_proj\.weight$")
@@ -75,13 +76,14 @@ def _layer_local(rest: str, cfg: ModelConfig) -> Target | None:
     return Target(rest)
 
 
-def checkpoint_targets(name: str, cfg: ModelConfig, with_mtp: bool) -> Target | None:
+def checkpoint_targets(name: str, cfg: ModelConfig, with_mtp: bool,
+                       with_vision: bool = False) -> Target | None:
     """Where a checkpoint tensor goes; None for tensors recognised and deliberately skipped
     (vision tower when language-only, MTP layer when unused)."""
     if name == "lm_head.weight":
         return Target("lm_head.weight")
-    if name.startswith(_VISION_PREFIX):
-        return None  # language-only: the vision tower is not built
+    if name.startswith(_VISION_PREFIX):  # module names as in the checkpoint, under `visual.`
+        return Target(VISUAL + name[len(_VISION_PREFIX):]) if with_vision else None
     if not name.startswith(PREFIX):
         raise CheckpointError(f"unexpected tensor {name!r} (not under {PREFIX!r})")
     rel = name[len(PREFIX):]
@@ -110,6 +112,8 @@ def _checkpoint_names(pname: str, param: torch.Tensor, cfg: ModelConfig) -> list
     """Checkpoint tensors that fill parameter `pname` on this rank (local experts only)."""
     if pname == "lm_head.weight":
         return [pname]
+    if pname.startswith(VISUAL):
+        return [_VISION_PREFIX + pname[len(VISUAL):]]
     if pname.startswith("mtp."):
         base, rel = f"{PREFIX}layers.{cfg.mtp_layer_id}.", pname[len("mtp."):]
     elif m := re.match(r"layers\.(\d+)\.(.+)$", pname):
@@ -323,12 +327,13 @@ def load_weights(model: torch.nn.Module, model_dir: str | Path, progress: bool =
     Experts held as int4 are quantised tensor by tensor on the parameters' device."""
     cfg: ModelConfig = model.config
     with_mtp = getattr(model, "mtp", None) is not None
+    with_vision = getattr(model, "visual", None) is not None
     params = dict(model.named_parameters())
     modules = dict(model.named_modules())
     needed = {n for pname, p in params.items() for n in _checkpoint_names(pname, p, cfg)}
     reader = CheckpointReader(model_dir, cfg.fp8_block_size)
     names = reader.names
-    targets = {n: checkpoint_targets(n, cfg, with_mtp) for n in names}
+    targets = {n: checkpoint_targets(n, cfg, with_mtp, with_vision) for n in names}
     missing = sorted(needed - set(names))
     if missing:
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""

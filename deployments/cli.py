@@ -305,7 +305,12 @@ def _serve_parser(sub) -> None:
                       help="MTP drafts: argmax, or drawn from the MTP distribution and "
                            "verified by min(1, p/q) (the lang-mtp3 and long500k default)")
     feat.add_argument("--draft-model", default=None, help="DFlash drafter checkpoint")
-    feat.add_argument("--vision", action=argparse.BooleanOptionalAction, default=None)
+    feat.add_argument("--vision", action=argparse.BooleanOptionalAction, default=None,
+                      help="accept images in chat (the checkpoint's vision tower); the "
+                           "mm-dflash2 profile turns it on")
+    feat.add_argument("--image-urls", dest="fetch_image_urls", action="store_true",
+                      default=None, help="with --vision: also fetch http(s) image URLs "
+                                         "(default: data: URLs only)")
     feat.add_argument("--kv-cache-dtype", choices=["auto", "bf16", "fp8", "nvfp4"], default=None,
                       help="latent cache rows: model dtype, bf16, fp8 (528 B) or nvfp4 (304 B; "
                            "the profiles' choice, needs a scale bank)")
@@ -392,6 +397,8 @@ def serving_config(args: argparse.Namespace):
     if spec is not None:
         values["speculative"] = spec
     values["http"] = http_config(args)
+    if args.fetch_image_urls:
+        values["images"] = {"fetch_urls": True}
     return ServingConfig.model_validate(values)
 
 

@@ -7,9 +7,7 @@ explicitly overrides it. Fields that a profile supplied are remembered, because 
 `max_model_len` is a ceiling (clamped to what the model and cache allow, with a log line),
 whereas an explicit one is a hard requirement.
 
-Features that are configured here but not implemented yet (vision) make `check_supported`
-fail with a clear "not supported yet" message; nothing is silently ignored. Parallel sizes
-pass through to `EngineConfig`.
+Parallel sizes pass through to `EngineConfig`.
 
 KV cache dtype: every profile asks for nvfp4, as the reference runtime did; nvfp4 needs the
 checkpoint's calibrated scale bank (`glm53 calibrate-kv`), and a profile's nvfp4 without one
@@ -112,6 +110,23 @@ class HTTPConfig(BaseModel):
     allowed_origins: tuple[str, ...] = ()
 
 
+class ImageConfig(BaseModel):
+    """Limits on the images of one chat request (vision deployments), each beyond them a 400."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    max_images: int = Field(8, ge=1)  # per request
+    max_bytes: int = Field(20 << 20, ge=1)  # one encoded image (also caps a download)
+    max_pixels: int = Field(64 << 20, ge=1)  # width x height, checked before decoding
+    # merged tokens per image: larger images are shrunk to fit (the processor's own maximum is
+    # 8000; every image's pixels travel to the workers with its prefill steps)
+    max_tokens: int = Field(1024, ge=16)
+    # http(s) image URLs are fetched only when enabled (data: URLs always work, file paths
+    # never); a fetch must finish within fetch_timeout_s
+    fetch_urls: bool = False
+    fetch_timeout_s: float = Field(10.0, gt=0, le=25)  # under the prepare timeout (30 s)
+
+
 # the reference runtime drew its MTP drafts probabilistically (exl3-dflash-spec.md A.2)
 _MTP3 = {"method": "mtp", "num_speculative_tokens": 3, "draft_sampling": "probabilistic"}
 _DFLASH2 = {"method": "dflash", "num_speculative_tokens": 7}
@@ -172,6 +187,7 @@ class ServingConfig(BaseModel):
     # features
     speculative: SpeculativeConfig = SpeculativeConfig()
     vision: bool = False
+    images: ImageConfig = ImageConfig()  # limits on image inputs (with vision)
     # reasoning tokens a chat request may spend before `</think>` is forced (the request's
     # thinking_token_budget overrides); None = unbounded
     thinking_token_budget: int | None = Field(None, ge=0)
@@ -240,9 +256,6 @@ class ServingConfig(BaseModel):
         if self.speculative.method == "dflash" and not self.speculative.draft_model:
             problems.append(f"speculative decoding with dflash{origin('speculative')} "
                             "needs the drafter checkpoint (--draft-model DIR)")
-        if self.vision:
-            problems.append(f"vision input{origin('vision')} is not supported yet; use a "
-                            "lang-* profile or --no-vision")
         if problems:
             raise NotSupportedYetError("; ".join(problems))
 
@@ -278,7 +291,7 @@ class ServingConfig(BaseModel):
             gpu_memory_utilization=self.gpu_memory_utilization,
             quantize_experts=self.quantize_experts,
             kv_cache_dtype=kv_cache_dtype, kv_scale_bank=kv_scale_bank,
-            with_mtp=self.speculative.method == "mtp", seed=self.seed,
+            with_mtp=self.speculative.method == "mtp", seed=self.seed, vision=self.vision,
             draft_sampling=self.speculative.draft_sampling,
             speculative_method=self.speculative.method if self.speculative.enabled else None,
             num_speculative_tokens=self.speculative.num_speculative_tokens,

@@ -12,13 +12,14 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 from typing import Protocol
 
 from glm53.raycluster.api import (
     AsyncEngine,
     EngineStats,
+    ImageInput,
     LLMEngine,
     OutputConstraints,
     RequestOutput,
@@ -39,8 +40,8 @@ class EngineClient(Protocol):
     eos_token_ids: tuple[int, ...]
     capacity: str  # one human line: cache tokens, sequences, state slots
 
-    def generate(self, prompt_ids: list[int], params: SamplingParams,
-                 request_id: str) -> AsyncIterator[RequestOutput]: ...
+    def generate(self, prompt_ids: list[int], params: SamplingParams, request_id: str,
+                 images: Sequence[ImageInput] = ()) -> AsyncIterator[RequestOutput]: ...
 
     async def abort(self, request_id: str) -> None:
         """Abort a request (queued behind its own submission, so it cannot be overtaken)."""
@@ -88,9 +89,9 @@ class LocalEngine:
         self.eos_token_ids = tuple(self.engine.eos_ids)
         self.capacity = executor.cache_plan.describe(self.max_model_len)
 
-    def generate(self, prompt_ids: list[int], params: SamplingParams,
-                 request_id: str) -> AsyncIterator[RequestOutput]:
-        return self.async_engine.generate(prompt_ids, params, request_id)
+    def generate(self, prompt_ids: list[int], params: SamplingParams, request_id: str,
+                 images: Sequence[ImageInput] = ()) -> AsyncIterator[RequestOutput]:
+        return self.async_engine.generate(prompt_ids, params, request_id, images)
 
     async def check_request(self, params: SamplingParams) -> None:
         if params.structured_output is not None:

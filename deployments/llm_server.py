@@ -31,7 +31,13 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from glm53.raycluster.api import RequestRejectedError, SamplingParams, StructuredOutput
+from glm53.raycluster.api import (
+    ImageInput,
+    RequestRejectedError,
+    SamplingParams,
+    StructuredOutput,
+    read_config,
+)
 
 from .caller_watch import Caller, CallerWatch
 from .chat import (
@@ -44,6 +50,8 @@ from .chat import (
 )
 from .config import ServingConfig
 from .engine_client import EngineClient, LocalEngine
+from .image_prompt import NO_VISION, ImagePrompts, image_urls
+from .images import ImageError
 from .metrics import RequestTimes, ServingMetrics
 from .openai_schema import (
     APIError,
@@ -80,6 +88,8 @@ class LLMServer:
         self.provenance = checkpoint_provenance(config, self.model_dir)
         self.tokenizer = load_tokenizer(self.model_dir)
         self.template = ChatTemplate(self.tokenizer)
+        self.images = (ImagePrompts(config.images, self.model_dir, read_config(self.model_dir),
+                                    self.tokenizer) if config.vision else None)
         self.texts = TokenTexts(self.tokenizer)
         self.engine: EngineClient = (engine_factory or LocalEngine)(config, self.model_dir,
                                                                     device)
@@ -184,8 +194,8 @@ class LLMServer:
         ingress replica relaying the response (its death aborts the request)."""
         arrival = time.monotonic()
         try:
-            prompt_ids, reasoning_start, tools, forced, structured = await self._off_loop(
-                self._chat_prompt, request)
+            prompt_ids, reasoning_start, tools, forced, structured, images = (
+                await self._off_loop(self._chat_prompt, request))
             budget = request.thinking_token_budget
             params = self._sampling(
                 request, [prompt_ids], request.token_limit,
@@ -203,7 +213,7 @@ class LLMServer:
             return
         choices = [self._choice(i, request, len(prompt_ids), reasoning_start, tools,
                                 tool_prefix=forced) for i in range(request.n)]
-        runs = [(prompt_ids, p) for p in params]
+        runs = [(prompt_ids, p, images) for p in params]
         async for item in self._respond("chat", request, runs, choices, arrival, request_id,
                                         caller):
             yield item
@@ -228,7 +238,7 @@ class LLMServer:
         for p_index, prompt_ids in enumerate(prompts):
             for j in range(request.n):
                 index = p_index * request.n + j
-                runs.append((prompt_ids, params[index]))
+                runs.append((prompt_ids, params[index], ()))
                 choices.append(self._choice(index, request, len(prompt_ids), None, None,
                                             echo_ids=prompt_ids if request.echo else None))
         async for item in self._respond("completion", request, runs, choices, arrival,
@@ -248,13 +258,22 @@ class LLMServer:
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 
     def _chat_prompt(self, request: ChatCompletionRequest,
-                     ) -> tuple[list[int], bool, list[dict] | None, str, StructuredOutput | None]:
+                     ) -> tuple[list[int], bool, list[dict] | None, str, StructuredOutput | None,
+                                list[ImageInput]]:
         """(prompt ids, whether the output starts inside <think>, tools to parse, the forced
-        tool-call prefix already in the prompt, the output's constraint)."""
+        tool-call prefix already in the prompt, the output's constraint, the images whose
+        placeholders the prompt holds)."""
         if request.logit_bias:
             raise bad_request("logit_bias is not supported yet", "logit_bias")
         fmt = request.response_format
         messages = _messages(request.messages)
+        urls = image_urls(messages)
+        if urls and self.images is None:
+            raise bad_request(NO_VISION, "messages")
+        try:
+            processed = self.images.process(urls) if urls else []
+        except ImageError as exc:
+            raise bad_request(str(exc), "messages") from exc
         if fmt is not None and fmt.type == "json_object" and "json" not in json.dumps(
                 messages).lower():
             # OpenAI's rule for JSON mode: the conversation must ask for JSON
@@ -292,7 +311,13 @@ class LLMServer:
             raise bad_request(str(exc), "messages") from exc
         if forced:
             text += (THINK_END if text.endswith(THINK_START) else "") + forced
-        return self._encode(text), text.endswith(THINK_START), tools, forced, structured
+        ids, images = self._encode(text), []
+        if processed:
+            try:
+                ids, images = self.images.expand(ids, processed)
+            except ImageError as exc:
+                raise bad_request(str(exc), "messages") from exc
+        return ids, text.endswith(THINK_START), tools, forced, structured, images
 
     def _completion_prompts(self, prompt: Any) -> list[list[int]]:
         if isinstance(prompt, str):
@@ -400,8 +425,8 @@ class LLMServer:
         queue: asyncio.Queue = asyncio.Queue()
         self._outstanding += len(runs)
         tasks = [asyncio.create_task(self._run_choice(
-            f"{response_id}-{c.index}", ids, params, c, queue, arrival, http_id))
-            for (ids, params), c in zip(runs, choices, strict=True)]
+            f"{response_id}-{c.index}", ids, params, c, queue, arrival, http_id, images))
+            for (ids, params, images), c in zip(runs, choices, strict=True)]
         fmt = ResponseFormatter(kind, response_id, self.created, self.model_name, request, choices,
                          self.texts)
         try:
@@ -419,9 +444,9 @@ class LLMServer:
 
     async def _run_choice(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
                           choice: ChoiceState, queue: asyncio.Queue, arrival: float,
-                          http_id: str) -> None:
+                          http_id: str, images: list[ImageInput] | tuple = ()) -> None:
         times = RequestTimes(arrival)
-        stream = self.engine.generate(prompt_ids, params, request_id)
+        stream = self.engine.generate(prompt_ids, params, request_id, images)
         try:
             async for out in stream:
                 now = time.monotonic()

@@ -7,8 +7,8 @@ there, seeds int64), floats finite (NaN and infinities refused), lists by length
 Requests accept OpenAI's fields plus the vLLM extras clients commonly send (top_k, min_p,
 repetition_penalty, min_tokens, ignore_eos, stop_token_ids, skip_special_tokens,
 include_stop_str_in_output, chat_template_kwargs). Fields OpenAI defines but this server cannot
-honour yet (logit_bias, suffix, image parts) are accepted by the schema and refused by the
-server with a clear message. Responses and stream chunks are built as
+honour yet (logit_bias, suffix; image parts where the deployment has no vision) are accepted by
+the schema and refused by the server with a clear message. Responses and stream chunks are built as
 plain dicts by the server (`responses.py`), which keeps the hot path free of model validation.
 """
 
@@ -144,14 +144,26 @@ class ChatMessage(_Strict):
             raise ValueError("only assistant messages carry tool_calls")
         for part in self.content if isinstance(self.content, list) else ():
             kind = part.get("type")
+            if kind == "image_url":
+                _check_image_part(part)
+                continue
             if kind != "text":
-                raise ValueError(f"content part type {kind!r} is not supported yet "
-                                 "(text only: this deployment has no vision)")
+                raise ValueError(f"content part type {kind!r} is not supported (text and "
+                                 "image_url)")
             if not isinstance(part.get("text"), str) or set(part) - {"type", "text"}:
                 raise ValueError("a text content part is {'type': 'text', 'text': str}")
             if len(part["text"]) > MAX_TEXT_CHARS:
                 raise ValueError(f"a text content part has at most {MAX_TEXT_CHARS} characters")
         return self
+
+
+def _check_image_part(part: dict[str, Any]) -> None:
+    image = part.get("image_url")
+    if (set(part) - {"type", "image_url"} or not isinstance(image, dict)
+            or not isinstance(image.get("url"), str) or set(image) - {"url", "detail"}
+            or image.get("detail", "auto") not in ("auto", "low", "high")):
+        raise ValueError("an image content part is {'type': 'image_url', 'image_url': "
+                         "{'url': str, 'detail': 'auto' | 'low' | 'high'}}")
 
 
 class _Sampling(_Strict):

@@ -20,10 +20,12 @@ from glm53.raycluster.api import (
 )
 
 from .provenance import write_manifest
-from .tiny_tokenizer import write_tiny_tokenizer
+from .tiny_tokenizer import SPECIAL_TOKEN_IDS, TINY_VOCAB_SIZE, write_tiny_tokenizer
 
 # Bump when the tiny model's layout or values change, so stale cached copies are rebuilt.
-EMBEDDED_TINY_VERSION = 3
+EMBEDDED_TINY_VERSION = 4  # 4: a vision tower and image tokens
+IMAGE_TOKENS = {"image_start_token_id": "<|begin_of_image|>",
+                "image_end_token_id": "<|end_of_image|>", "image_token_id": "<|image|>"}
 
 
 # EXL3 rotates features in 128-blocks: hidden and expert widths must be multiples of 128
@@ -47,6 +49,11 @@ def make_tiny(out_dir: str | Path, seed: int = 0, layers: int = 5, mtp: bool = F
         raise ValueError(f"vocab_size {text['vocab_size']} < tokenizer size {ids.vocab_size}")
     config = tiny_release_config(text, eos_token_ids=ids.eos_token_ids,
                                  pad_token_id=ids.pad_token_id)
+    image_ids = {name: SPECIAL_TOKEN_IDS[token] for name, token in IMAGE_TOKENS.items()}
+    if any(config[name] != i for name, i in image_ids.items()) or config[
+            "video_token_id"] < ids.vocab_size:
+        raise ValueError(f"vocab_size {text['vocab_size']}: the tiny image placeholders must "
+                         f"sit at the tokenizer's ids ({TINY_VOCAB_SIZE + 1} tokens)")
     if exl3:
         config["quantization_config"] = exl3_quantization_config()
     return write_tiny_checkpoint(out, config, seed=seed)

@@ -30,6 +30,9 @@ SPECIAL_TOKENS: tuple[str, ...] = (
     "<|observation|>",
     "<think>",
     "</think>",
+    "<|begin_of_image|>",
+    "<|end_of_image|>",
+    "<|image|>",
 )
 NUM_BYTE_TOKENS = 256
 TINY_VOCAB_SIZE = NUM_BYTE_TOKENS + len(SPECIAL_TOKENS)

@@ -20,7 +20,7 @@ from glm53.actors.kv_scale_bank import BANK_FILE, bank_path, calibrate_checkpoin
 from glm53.actors.loader import read_config
 from glm53.actors.memory_plan import GiB, MemoryPlanError, plan_for_config
 from glm53.actors.release import exl3_release_config, release_config
-from glm53.actors.step import SamplingParams, StructuredOutput
+from glm53.actors.step import ImageInput, SamplingParams, StructuredOutput
 from glm53.actors.tiny import (
     exl3_quantization_config,
     tiny_text_config,
@@ -43,7 +43,7 @@ from .stats import EngineStats
 __all__ = [
     # the engine
     "AsyncEngine", "ConstraintError", "EngineConfig", "EngineDeadError", "EngineStats",
-    "Executor", "FinishReason", "LLMEngine", "OutputConstraints", "RequestOutput",
+    "Executor", "FinishReason", "ImageInput", "LLMEngine", "OutputConstraints", "RequestOutput",
     "RequestRejectedError", "RequestTiming", "SamplingParams", "StructuredOutput",
     "TokenLogprob", "WorkerError", "make_executor",
     # benchmarks

@@ -7,7 +7,7 @@ import numpy as np
 
 from glm53.actors.forward_batch import slot_mapping_for
 from glm53.actors.sampler import build_sampling_inputs
-from glm53.actors.step import StepInput
+from glm53.actors.step import StepImage, StepInput
 
 from .constraints import fold_banned
 from .scheduler import SchedulerOutput
@@ -104,8 +104,25 @@ def build_step_input(step_id: int, out: SchedulerOutput, block_size: int,
         prompt_logprob_targets=cat(pl_targets, np.int64),
         prompt_logprob_seqs=cat(pl_seqs, np.int64),
         prompt_logprob_k=cat(pl_k, np.int32),
+        images=_images(scheduled, cu),
         **(_speculation(scheduled, num_spec, max_model_len) if num_spec else {}),
     )
+
+
+def _images(scheduled, cu: np.ndarray) -> tuple[StepImage, ...]:
+    """The images whose placeholders fall in each sequence's chunk, with the part of each that
+    does (a chunk may end inside an image: the worker embeds the whole image and splices the
+    rows of this chunk)."""
+    out = []
+    for i, s in enumerate(scheduled):
+        start = s.request.num_computed_tokens
+        end = start + s.num_tokens
+        for k, image in enumerate(s.request.images):
+            lo, hi = max(start, image.offset), min(end, image.offset + image.num_tokens)
+            if lo < hi:
+                out.append(StepImage(f"{s.request.request_id}/{k}", image, lo - image.offset,
+                                     hi - image.offset, cu[i] + np.arange(lo, hi) - start))
+    return tuple(out)
 
 
 def _speculation(scheduled, num_spec: int, max_model_len: int) -> dict[str, np.ndarray]:

@@ -25,6 +25,10 @@ class EngineConfig:
     kv_cache_dtype: str = "auto"
     kv_scale_bank: str | None = None
     with_mtp: bool = False
+    vision: bool = False  # build the vision tower and accept images
+    # image pixels one step may carry to the workers (under the step channel's 32 MiB); an
+    # image larger than this is refused
+    max_step_image_bytes: int = 24 << 20
     seed: int = 0  # seeds requests that bring none
     tensor_parallel_size: int = 1
     expert_parallel_size: int = 1
@@ -43,6 +47,7 @@ class EngineConfig:
         checks = [
             (self.max_num_batched_tokens >= 1, "max_num_batched_tokens must be >= 1"),
             (self.max_num_seqs >= 1, "max_num_seqs must be >= 1"),
+            (self.max_step_image_bytes >= 1, "max_step_image_bytes must be >= 1"),
             (self.max_model_len is None or self.max_model_len >= 2, "max_model_len must be >= 2"),
             (self.block_size >= 1, "block_size must be >= 1"),
             (self.num_blocks is None or self.num_blocks >= 2, "num_blocks must be >= 2"),

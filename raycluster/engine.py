@@ -15,16 +15,17 @@ import logging
 import random
 import time
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 
-from glm53.actors.step import Logprobs, SamplingParams, StepInput
+from glm53.actors.step import ImageInput, Logprobs, SamplingParams, StepInput
 
 from .batch import build_step_input
 from .block_pool import BlockPool
 from .config import EngineConfig
 from .constraints import OutputConstraints, RequestConstraint
 from .executor import Executor, make_executor
+from .images import check_images
 from .request import FinishReason, Request, RequestTiming
 from .scheduler import RequestRejectedError, Scheduler, SchedulerOutput
 from .state_slots import StateSlotPool
@@ -99,7 +100,7 @@ class LLMEngine:
         self.scheduler = Scheduler(
             BlockPool(plan.num_blocks, plan.block_size, pool_tokens=self.model_config.index_kpool),
             StateSlotPool(plan.num_slots), config.max_num_batched_tokens, config.max_num_seqs,
-            self.max_model_len, config.num_speculative_tokens)
+            self.max_model_len, config.num_speculative_tokens, config.max_step_image_bytes)
         self.spec_stats = SpecStats(config.num_speculative_tokens)
         self.num_preemptions = 0
         self.eos_ids = self.model_config.eos_token_ids
@@ -109,8 +110,10 @@ class LLMEngine:
         logger.info(plan.describe(self.max_model_len))
 
     def add_request(self, prompt_ids: list[int], params: SamplingParams,
-                    request_id: str | None = None) -> str:
-        """Queue a request; raises RequestRejectedError if it can never be served."""
+                    request_id: str | None = None,
+                    images: Sequence[ImageInput] = ()) -> str:
+        """Queue a request; raises RequestRejectedError if it can never be served. `images`
+        (prompt order) replace the prompt's image placeholders (see check_images)."""
         if self.dead:
             raise EngineDeadError(self.dead)
         vocab = self.model_config.vocab_size
@@ -120,7 +123,9 @@ class LLMEngine:
             raise RequestRejectedError(f"stop_token_ids must be in [0, {vocab})")
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         seed = params.seed if params.seed is not None else self._rng.randrange(2**62)
-        request = Request(request_id, list(prompt_ids), params, seed)
+        check_images(prompt_ids, images, self.model_config, self.config.vision,
+                     self.config.max_step_image_bytes)
+        request = Request(request_id, list(prompt_ids), params, seed, images=tuple(images))
         request.constraint = self._constraint(params)
         self.scheduler.add(request)
         return request_id
@@ -277,7 +282,8 @@ class AsyncEngine:
         self._loop_task: asyncio.Task | None = None
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams,
-                       request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+                       request_id: str | None = None, images: Sequence[ImageInput] = (),
+                       ) -> AsyncIterator[RequestOutput]:
         if self.engine.dead:
             raise EngineDeadError(self.engine.dead)
         request_id = request_id or f"req-{next(self.engine._ids)}"
@@ -285,7 +291,7 @@ class AsyncEngine:
         loop = asyncio.get_running_loop()
         self._queues[request_id] = queue
         done = loop.create_future()
-        self._ops.append(("add", (prompt_ids, params, request_id), done))
+        self._ops.append(("add", (prompt_ids, params, request_id, images), done))
         self._ensure_loop(loop)
         finished = False
         try:

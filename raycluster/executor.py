@@ -44,6 +44,7 @@ def runner_kwargs(config: EngineConfig) -> dict:
                 kv_cache_dtype=config.kv_cache_dtype, kv_scale_bank=config.kv_scale_bank,
                 max_num_batched_tokens=config.max_num_batched_tokens,
                 with_mtp=config.with_mtp or config.speculative_method == "mtp",
+                with_vision=config.vision,
                 num_spec=config.num_speculative_tokens, draft_model=config.draft_model,
                 draft_sampling=config.draft_sampling, enforce_eager=config.enforce_eager,
                 cuda_graph_batch_sizes=config.cuda_graph_batch_sizes,

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from glm53.actors.step import SamplingParams
+from glm53.actors.step import ImageInput, SamplingParams
 
 if TYPE_CHECKING:  # constraints imports the scheduler, which imports this module
     from .constraints import RequestConstraint
@@ -62,6 +62,7 @@ class Request:
     num_prompt_logprobs_done: int = 0
     draft_ids: list[int] = field(default_factory=list)  # proposed tokens awaiting verification
     constraint: RequestConstraint | None = None  # grammar / thinking budget state
+    images: tuple[ImageInput, ...] = ()  # in prompt order; their placeholders are prompt ids
     # block_ids as int32 for the step's block table, and the list it mirrors
     _table: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32), init=False,
                                repr=False)
@@ -70,6 +71,25 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def image_digests(self) -> tuple[str, ...]:
+        """What the prompt's image placeholders stand for (for prefix-cache keys)."""
+        return tuple(image.digest for image in self.images)
+
+    def image_chunk(self, n: int, pixel_budget: int) -> tuple[int, int]:
+        """(tokens, pixel bytes): how many of the next `n` tokens to compute when the step may
+        carry `pixel_budget` more bytes of image pixels (a step that computes any placeholder
+        of an image carries the whole image), ending the chunk before the first image that
+        does not fit; and the bytes the chunk carries."""
+        start, used = self.num_computed_tokens, 0
+        for image in self.images:
+            if image.offset + image.num_tokens <= start or image.offset >= start + n:
+                continue
+            if used + image.pixel_values.nbytes > pixel_budget:
+                return max(0, image.offset - start), used
+            used += image.pixel_values.nbytes
+        return n, used
 
     @property
     def num_pending_tokens(self) -> int:

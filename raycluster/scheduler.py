@@ -60,8 +60,10 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(self, blocks: BlockPool, slots: StateSlotPool, max_num_batched_tokens: int,
-                 max_num_seqs: int, max_model_len: int, num_spec: int = 0) -> None:
+                 max_num_seqs: int, max_model_len: int, num_spec: int = 0,
+                 max_step_image_bytes: int = 24 << 20) -> None:
         self.blocks, self.slots = blocks, slots
+        self.max_step_image_bytes = max_step_image_bytes  # image pixels one step may carry
         self.num_spec = num_spec  # drafts per step: blocks are kept ahead for their positions
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = min(max_num_seqs, slots.num_slots)
@@ -100,7 +102,7 @@ class Scheduler:
     # ----- one step -----
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
-        budget = self.max_num_batched_tokens
+        budget, pixels = self.max_num_batched_tokens, self.max_step_image_bytes
         for request in list(self.running):
             if budget == 0:
                 break
@@ -109,6 +111,11 @@ class Scheduler:
             if request.num_pending_tokens > budget:
                 request.draft_ids = []  # a verify step is all or nothing
             n = min(request.num_pending_tokens, budget)
+            if request.images:
+                n, carried = request.image_chunk(n, pixels)
+                if n == 0:
+                    continue
+                pixels -= carried
             if not self._grow(request, request.num_computed_tokens + n, out):
                 continue
             out.scheduled.append(ScheduledRequest(request, n, len(request.draft_ids)))
@@ -117,6 +124,11 @@ class Scheduler:
                 len(self.running) < self.max_num_seqs):
             request = self.waiting[0]
             n = min(request.num_pending_tokens, budget)
+            if request.images:
+                n, carried = request.image_chunk(n, pixels)
+                if n == 0:
+                    break
+                pixels -= carried
             need = self.blocks.blocks_for_tokens(self._ahead(n))
             if not (self.blocks.can_allocate(need) and self.slots.can_allocate()):
                 break

@@ -68,8 +68,11 @@ class SequenceRunner:
         )
 
     @torch.inference_mode()
-    def step(self, chunks: dict[int, list[int]]) -> tuple[torch.Tensor, ForwardBatch]:
-        """Run the next tokens of each listed sequence (one forward over the flat batch).
+    def step(self, chunks: dict[int, list[int]],
+             image_embeds: tuple[torch.Tensor, torch.Tensor] | None = None,
+             ) -> tuple[torch.Tensor, ForwardBatch]:
+        """Run the next tokens of each listed sequence (one forward over the flat batch);
+        `image_embeds` (rows of the flat batch, embeddings) replace those rows' embeddings.
 
         Returns the final-normed hidden states [T, D] of every token, in `chunks` order, and
         the batch metadata used.
@@ -77,7 +80,7 @@ class SequenceRunner:
         batch = self._batch(chunks)
         ids = torch.tensor([t for c in chunks.values() for t in c], dtype=torch.long,
                            device=batch.positions.device)
-        hidden = self.model(ids, batch, self.caches)
+        hidden = self.model(ids, batch, self.caches, image_embeds=image_embeds)
         for seq_id, c in chunks.items():
             self.seqs[seq_id].num_computed += len(c)
         return hidden, batch

@@ -22,6 +22,7 @@ from ..layers.mla_dsa import DSAttention
 from ..layers.moe import DenseFFN, MoE
 from ..layers.norm import RMSNorm
 from ..parallel import ParallelState
+from .vision import VisionTower
 
 
 class DecoderLayer(nn.Module):
@@ -80,13 +81,19 @@ class MTPLayer(nn.Module):
 
 class Glm5NextForCausalLM(nn.Module):
     """Language tower of GLM-5.3-Flash (this rank's shard under `ps`); `with_mtp` adds the MTP
-    layer."""
+    layer, `with_vision` the vision tower (`visual`, replicated) whose image embeddings
+    `forward` splices in place of the image placeholder tokens."""
 
     def __init__(self, cfg: ModelConfig, with_mtp: bool = False,
-                 ps: ParallelState | None = None) -> None:
+                 ps: ParallelState | None = None, with_vision: bool = False) -> None:
         super().__init__()
         if with_mtp and not cfg.has_mtp:
             raise ValueError("the config declares no MTP layer (num_nextn_predict_layers == 0)")
+        if with_vision and cfg.vision is None:
+            raise ValueError("the config declares no vision tower (no vision_config)")
+        if with_vision and cfg.vision.out_hidden_size != cfg.hidden_size:
+            raise ValueError(f"vision_config.out_hidden_size={cfg.vision.out_hidden_size} is "
+                             f"not the text hidden_size={cfg.hidden_size}")
         ps = ps or ParallelState()
         self.config, self.parallel = cfg, ps
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, ps)
@@ -95,14 +102,21 @@ class Glm5NextForCausalLM(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = ParallelLMHead(cfg.hidden_size, cfg.vocab_size, ps)
         self.mtp = MTPLayer(cfg, ps) if with_mtp else None
+        self.visual = VisionTower(cfg.vision) if with_vision else None
 
     @torch.inference_mode()
     def forward(self, token_ids: torch.Tensor, batch: ForwardBatch, caches: ModelCaches,
-                tap_layers: tuple[int, ...] = ()) -> torch.Tensor | tuple[torch.Tensor,
-                                                                          torch.Tensor]:
+                tap_layers: tuple[int, ...] = (),
+                image_embeds: tuple[torch.Tensor, torch.Tensor] | None = None,
+                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """token_ids: [T] -> final-normed hidden states [T, D]; with `tap_layers`, also the
-        stream-averaged output of those layers, concatenated: [T, len(tap_layers) * D]."""
+        stream-averaged output of those layers, concatenated: [T, len(tap_layers) * D].
+        image_embeds: (rows [M], embeddings [M, D]) replacing those rows' token embeddings
+        (the image placeholders; the positions stay the tokens' own: the tower is NoPE)."""
         x = self.embed_tokens(token_ids)
+        if image_embeds is not None:
+            rows, embeds = image_embeds
+            x = x.index_copy(0, rows, embeds.to(x.dtype))
         streams = x.unsqueeze(1).expand(-1, self.config.hc_mult, -1).contiguous()
         taps = {}
         for i, (layer, state) in enumerate(zip(self.layers, caches.layers, strict=True)):

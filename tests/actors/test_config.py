@@ -77,7 +77,7 @@ def test_flat_style_equals_nested_style() -> None:
     from_nested = ModelConfig.from_hf(nested)
     from_flat = ModelConfig.from_hf(flat)
     assert from_flat.has_vision is False  # text-only
-    assert from_flat == dataclasses.replace(from_nested, has_vision=False)
+    assert from_flat == dataclasses.replace(from_nested, vision=None)
 
 
 def test_nested_text_fields_win_over_top_level() -> None:

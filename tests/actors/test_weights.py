@@ -52,14 +52,17 @@ def assert_load_error(model_dir: Path, *fragments: str, with_mtp: bool = False) 
 
 # ----- round trip -----
 
-@pytest.mark.parametrize("with_mtp", [False, True])
+@pytest.mark.parametrize(("with_mtp", "with_vision"), [(False, False), (True, True)])
 def test_loaded_parameters_equal_checkpoint(ckpt: Path, tensors: dict[str, torch.Tensor],
-                                            with_mtp: bool) -> None:
-    model = load_model(ckpt, with_mtp=with_mtp, progress=False)
+                                            with_mtp: bool, with_vision: bool) -> None:
+    model = load_model(ckpt, with_mtp=with_mtp, progress=False, with_vision=with_vision)
     exported = export_checkpoint(model)
-    expected = {n for n in tensors if with_mtp or not n.startswith(MTP)}
+    expected = {n for n in tensors if (with_mtp or not n.startswith(MTP))
+                and (with_vision or not n.startswith("model.visual."))}
     assert set(exported) == expected
-    assert with_mtp or len(expected) < len(tensors)  # the file does hold MTP tensors
+    # the file does hold MTP and vision tensors
+    assert with_mtp or sum(n.startswith(MTP) for n in tensors) > 0
+    assert with_vision or sum(n.startswith("model.visual.") for n in tensors) > 0
     for name in sorted(expected):
         assert exported[name].dtype == tensors[name].dtype, name
         assert torch.equal(exported[name], tensors[name]), name
@@ -171,7 +174,7 @@ def test_fp8_weights_are_dequantised(ckpt: Path, tensors: dict[str, torch.Tensor
         assert torch.allclose(exported[name], original, atol=float(tol)), name
     # everything else is untouched
     for name, t in tensors.items():
-        if name not in FP8_NAMES and not name.startswith(MTP):
+        if name not in FP8_NAMES and not name.startswith((MTP, "model.visual.")):
             assert torch.equal(exported[name], t), name
 
 

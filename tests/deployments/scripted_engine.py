@@ -47,7 +47,7 @@ class ScriptedEngine:
         return text.rsplit(MARKER, 1)[-1].split("<|assistant|>")[0] if MARKER in text else ""
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams,
-                       request_id: str) -> AsyncIterator[RequestOutput]:
+                       request_id: str, images=()) -> AsyncIterator[RequestOutput]:
         script, fails, _ = self._script(prompt_ids).partition(FAIL)
         ids = list(self.tokenizer.encode(script, add_special_tokens=False))[:params.max_tokens]
         stop = len(ids) < params.max_tokens

@@ -59,8 +59,9 @@ def test_unimplemented_features_fail_clearly():
               r"supported yet|needs the drafter checkpoint)")
     with pytest.raises(NotSupportedYetError, match=dflash):
         ServingConfig(profile="lang-dflash2").check_supported()
-    with pytest.raises(NotSupportedYetError, match="vision input .*not supported yet"):
-        ServingConfig(profile="mm-dflash2", speculative="none").check_supported()
+    ServingConfig(profile="mm-dflash2", speculative="none").check_supported()  # vision works
+    assert ServingConfig(profile="mm-dflash2", speculative="none").engine_config(
+        "/ckpt", "cpu").vision
     ServingConfig(kv_cache_dtype="fp8").check_supported()  # quantised KV caches are served
     with pytest.raises(NotSupportedYetError):  # before anything is deployed
         build_app({"profile": "lang-dflash2"})
