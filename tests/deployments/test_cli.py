@@ -15,7 +15,7 @@ from safetensors.torch import load_file, save_file
 
 from glm53.actors.config import ModelConfig
 from glm53.deployments import tiny_model
-from glm53.deployments.cli import main
+from glm53.deployments.cli import _parser, main
 from glm53.deployments.tokenizer import decode, load_tokenizer
 
 CKPT_FILES = ["config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
@@ -308,3 +308,27 @@ def test_serve_starts_a_private_ray_on_loopback():
     node_ip, gcs, gpus = out[-3:]
     assert node_ip == "127.0.0.1" and gcs.startswith("127.0.0.1:"), out
     assert gpus == "2.0", out
+
+
+@pytest.mark.parametrize("text, expected", [
+    ("none", (None, 0, None, False)),
+    ("mtp", ("mtp", 3, None, False)),
+    ("mtp:2", ("mtp", 2, None, False)),
+    ("mtp:auto", ("mtp", 3, None, True)),
+    ("mtp:5:auto", ("mtp", 5, None, True)),
+    ("dflash:/d", ("dflash", 7, "/d", False)),
+    ("dflash:/d:auto", ("dflash", 7, "/d", True)),
+    ("dflash:/d:4:auto", ("dflash", 4, "/d", True)),
+])
+def test_speculative_flag_fixed_and_adaptive(text: str, expected: tuple) -> None:
+    args = _parser().parse_args(["generate", "--prompt-ids", "1", "--max-tokens", "2",
+                                 "--speculative", text])
+    assert tuple(args.speculative) == expected
+
+
+@pytest.mark.parametrize("text", ["mtp:x", "mtp:2:3", "dflash", "eagle:auto"])
+def test_speculative_flag_errors(text: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        _parser().parse_args(["generate", "--prompt-ids", "1", "--max-tokens", "2",
+                                 "--speculative", text])
+    assert "--speculative" in capsys.readouterr().err
