@@ -86,15 +86,22 @@ def _synthetic_engine(tiny: str, cost_table: str, p: float) -> LLMEngine:
 
 
 def _widths(engine: LLMEngine, steps: int) -> tuple[list[int], list[int]]:
-    """Run one long request: the width each step chose, and the drafts it verified."""
+    """Run one long request: the width each step chose, and the drafts it verified; checks
+    that no step verifies or proposes more drafts than it chose."""
     engine.add_request([5, 6, 7, 8], SamplingParams(max_tokens=400, ignore_eos=True))
-    spec = engine.spec_stats
+    spec, execute = engine.spec_stats, engine.executor.execute
+    inputs = []
+    engine.executor.execute = lambda step: (inputs.append(step), execute(step))[1]
     widths, verified = [], []
     for _ in range(steps):
-        chosen, drafts = list(spec.steps_by_draft_length), spec.num_drafts
+        chosen = list(spec.steps_by_draft_length)
         engine.step()
-        widths.extend(w for w in range(K + 1) if spec.steps_by_draft_length[w] > chosen[w])
-        verified.append(spec.num_drafts - drafts)
+        width = [w for w in range(K + 1) if spec.steps_by_draft_length[w] > chosen[w]]
+        step = inputs[-1]
+        if width:  # not the first (prefill) step, which has nothing running yet
+            assert step.num_drafts.max() <= width[0] and step.propose.max() <= width[0]
+        widths.extend(width)
+        verified.append(int(step.num_drafts.sum()))
     return widths, verified
 
 
