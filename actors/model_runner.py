@@ -38,7 +38,7 @@ class ModelRunner:
                  with_mtp: bool = False, progress: bool = False,
                  ps: ParallelState | None = None, num_spec: int = 0,
                  draft_model: str | None = None, draft_sampling: str = "greedy",
-                 enforce_eager: bool = False,
+                 enforce_eager: bool = False, adaptive_drafts: bool = False,
                  cuda_graph_batch_sizes: tuple[int, ...] | None = None,
                  max_model_len: int | None = None,
                  quantize_experts: str | None = None,
@@ -46,7 +46,8 @@ class ModelRunner:
                  kv_scale_bank: str | None = None, with_vision: bool = False) -> None:
         """`block_size` counts logical tokens per block (latent rows per rank x DCP size).
         Speculation: `num_spec` drafts per step from the MTP layer (`with_mtp`) or from the
-        DFlash draft checkpoint `draft_model` (replicated on every rank). CUDA graphs (unless
+        DFlash draft checkpoint `draft_model` (replicated on every rank); with
+        `adaptive_drafts` a step may verify any 0..num_spec of them. CUDA graphs (unless
         `enforce_eager`) are captured for decode batches of `cuda_graph_batch_sizes` (capped
         at num_slots) with block tables wide enough for `max_model_len` (default: the
         model's context) tokens. `quantize_experts` ("int4") quantises the routed experts of a
@@ -89,6 +90,7 @@ class ModelRunner:
         cache_dtype = self.model.embed_tokens.weight.dtype
         self.with_mtp, self.num_spec = with_mtp, num_spec
         self.draft_sampling = draft_sampling
+        self.adaptive_drafts = adaptive_drafts
         # the draft is loaded before the cache is sized, so its weights come out of the budget
         self.draft = (load_draft(draft_model, cache_dtype, self.device)
                       if draft_model and num_spec else None)
@@ -142,8 +144,12 @@ class ModelRunner:
 
     def make_graphs(self, capture: bool) -> DecodeGraphs:
         """Decode graphs over this runner's caches (capture=False: their eager emulation, for
-        CPU tests). Widths: plain decode, and verify of num_spec drafts when speculating."""
-        widths = (1, 1 + self.num_spec) if self.proposer is not None else (1,)
+        CPU tests). Widths: plain decode, and verify of num_spec drafts when speculating (of
+        any 1..num_spec with adaptive draft length, whose uniform steps take each width)."""
+        widths = (1,)
+        if self.proposer is not None:
+            widths = tuple(range(1, 2 + self.num_spec)) if self.adaptive_drafts else (
+                1, 1 + self.num_spec)
         max_blocks = min(-(-self.max_model_len // self.plan.block_size),
                          self.plan.num_blocks - 1)
         return DecodeGraphs(self.model, self.caches, pad_slot=self.plan.num_slots,

@@ -51,7 +51,14 @@ def add_bench_parser(sub, parse_speculative, parse_bytes, quantize_help: str) ->
                      help="prompt tokens of each request")
     lat.add_argument("--speculative", type=lambda t: [parse_speculative(x) for x in
                                                       t.split(",")],
-                     default=[(None, 0, None)], metavar="none|mtp[:K]|dflash:PATH[:K][,...]")
+                     default=[parse_speculative("none")],
+                     metavar="none|mtp[:K][:auto]|dflash:PATH[:K][:auto][,...]",
+                     help="':auto': adaptive draft length, up to K drafts a step (its choices "
+                          "are reported per step)")
+    lat.add_argument("--draft-cost-table", type=Path, default=None, metavar="JSON",
+                     help="step times of adaptive settings: an earlier `glm53 bench latency "
+                          "--json` record with none and mtp:K rows (default: the documented "
+                          "estimate, see raycluster/draft_policy.py)")
     lat.add_argument("--output-len", type=int, default=64)
     lat.add_argument("--synthetic-acceptance", type=_probabilities, default=None,
                      metavar="P1[,P2...]",
@@ -99,9 +106,10 @@ def run_bench(args: argparse.Namespace) -> int:
     return bench_latency(args) if args.bench == "latency" else bench_serve(args)
 
 
-def _spec_name(spec: tuple[str | None, int, str | None], synthetic: bool = False) -> str:
-    method, k, path = spec
+def _spec_name(spec, synthetic: bool = False) -> str:
+    method, k, path, adaptive = spec
     name = "none" if method is None else f"{method}:{path}:{k}" if path else f"{method}:{k}"
+    name += ":auto" if adaptive else ""
     return f"{name} synthetic" if synthetic and method is not None else name
 
 
@@ -110,7 +118,8 @@ LATENCY_COLUMNS = [("spec", "speculative"), ("batch", "batch"), ("context", "con
                    ("p90 ms", "step_ms_p90"), ("tok/s/user", "tok_s_per_user"),
                    ("tok/s", "tok_s_total"), ("drafts", "mean_draft_length"),
                    ("accept len", "mean_accepted_length"),
-                   ("accepted by position", "accepted_per_position")]
+                   ("accepted by position", "accepted_per_position"),
+                   ("steps by draft length", "draft_length_steps")]
 
 
 def bench_latency(args: argparse.Namespace) -> int:
@@ -133,7 +142,7 @@ def bench_latency(args: argparse.Namespace) -> int:
     if cache_bytes is None and args.num_blocks is None and not args.device.startswith("cuda"):
         cache_bytes = CPU_CACHE_BYTES
     synthetic = args.synthetic_acceptance is not None
-    if synthetic and all(method is None for method, _, _ in args.speculative):
+    if synthetic and all(spec.method is None for spec in args.speculative):
         raise SystemExit("error: --synthetic-acceptance needs a --speculative setting with "
                          "drafts (mtp:K or dflash:PATH:K)")
     if synthetic:
@@ -142,7 +151,7 @@ def bench_latency(args: argparse.Namespace) -> int:
               "only", file=sys.stderr, flush=True)
     rows = []
     for spec in args.speculative:
-        method, k, draft = spec
+        method, k, draft, adaptive = spec
         try:
             config = EngineConfig(
                 model=str(model_dir), dtype=args.dtype, device=args.device,
@@ -152,6 +161,8 @@ def bench_latency(args: argparse.Namespace) -> int:
                 gpu_memory_utilization=args.gpu_memory_utilization,
                 quantize_experts=args.quantize_experts, speculative_method=method,
                 num_speculative_tokens=k, draft_model=draft, enforce_eager=args.enforce_eager,
+                adaptive_drafts=adaptive, draft_cost_table=(
+                    str(args.draft_cost_table) if adaptive and args.draft_cost_table else None),
                 seed=args.seed)
             runner = LatencyRunner(config, seed=args.seed, synthetic_acceptance=(
                 args.synthetic_acceptance if method is not None else None))

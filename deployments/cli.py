@@ -9,6 +9,7 @@ import logging
 import re
 import sys
 from pathlib import Path
+from typing import NamedTuple
 
 from .bench_cli import add_bench_parser, run_bench
 from .config import CPU_CACHE_BYTES  # default KV/state budget on CPU when no size is given
@@ -25,22 +26,37 @@ def _parse_ids(text: str) -> list[int]:
     return ids
 
 
-def _parse_speculative(text: str) -> tuple[str | None, int, str | None]:
-    """'mtp[:K]' (K default 3), 'dflash:PATH[:K]' (K default 7) or 'none' ->
-    (method, K, draft path)."""
+class SpeculativeArg(NamedTuple):
+    method: str | None  # None, "mtp" or "dflash"
+    k: int  # drafts per step (adaptive: at most)
+    draft: str | None  # DFlash draft checkpoint
+    adaptive: bool = False  # each step verifies 0..k drafts (raycluster/draft_policy.py)
+
+
+NO_SPECULATION = SpeculativeArg(None, 0, None)
+
+
+def _parse_speculative(text: str) -> SpeculativeArg:
+    """'mtp[:K][:auto]' (K default 3), 'dflash:PATH[:K][:auto]' (K default 7) or 'none';
+    `auto` makes K the most drafts a step verifies, the draft length being chosen per step."""
     method, _, rest = text.partition(":")
+    if method == "dflash" and rest:
+        draft, _, rest = rest.partition(":")
+    else:
+        draft = None
+    parts = rest.split(":") if rest else []
+    adaptive = "auto" in parts
+    parts = [p for p in parts if p != "auto"]
     try:
         if method == "none" and not rest:
-            return None, 0, None
-        if method == "mtp":
-            return method, int(rest) if rest else 3, None
-        if method == "dflash" and rest:
-            path, _, k = rest.partition(":")
-            return method, int(k) if k else 7, path
+            return NO_SPECULATION
+        if method in ("mtp", "dflash") and len(parts) <= 1 and (draft or method == "mtp"):
+            k = int(parts[0]) if parts else {"mtp": 3, "dflash": 7}[method]
+            return SpeculativeArg(method, k, draft, adaptive)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(f"--speculative {text!r}: K must be an int") from exc
     raise argparse.ArgumentTypeError(
-        f"--speculative {text!r}: expected none, mtp[:K] or dflash:PATH[:K]")
+        f"--speculative {text!r}: expected none, mtp[:K][:auto] or dflash:PATH[:K][:auto]")
 
 
 def _parse_list(text: str) -> list[str]:
@@ -127,8 +143,8 @@ def _parser() -> argparse.ArgumentParser:
     par.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
     par.add_argument("--ep", type=int, default=1, help="expert-parallel size")
     par.add_argument("--dcp", type=int, default=1, help="decode-context-parallel size")
-    gen.add_argument("--speculative", type=_parse_speculative, default=(None, 0, None),
-                     metavar="mtp[:K]|dflash:PATH[:K]",
+    gen.add_argument("--speculative", type=_parse_speculative, default=NO_SPECULATION,
+                     metavar="mtp[:K][:auto]|dflash:PATH[:K][:auto]",
                      help="speculative decoding: the MTP layer or a DFlash2 draft, K drafts")
     _serve_parser(sub)
     _plan_parser(sub)
@@ -186,8 +202,8 @@ def _plan_parser(sub) -> None:
     pm.add_argument("--device-gib", type=float, default=139.0)
     pm.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     pm.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None)
-    pm.add_argument("--speculative", type=_parse_speculative, default=(None, 0, None),
-                    metavar="mtp[:K]|dflash:PATH[:K]")
+    pm.add_argument("--speculative", type=_parse_speculative, default=NO_SPECULATION,
+                    metavar="mtp[:K]|dflash:PATH[:K]")  # (':auto' plans as K drafts)
     pm.add_argument("--max-num-seqs", type=int, default=16)
     pm.add_argument("--max-num-batched-tokens", type=int, default=2048)
     pm.add_argument("--max-model-len", type=int, default=None)
@@ -216,7 +232,7 @@ def _plan_memory(args) -> int:
         config = release_config()
         if args.release == "bf16":
             del config["quantization_config"]
-    method, k, _ = args.speculative
+    method, k = args.speculative.method, args.speculative.k
     if method == "dflash":
         raise SystemExit("error: plan-memory does not count a DFlash draft's weights yet; plan "
                          "with --speculative mtp[:K] or none and add the draft's size")
@@ -298,13 +314,18 @@ def _serve_parser(sub) -> None:
     par.add_argument("--num-replicas", type=int, default=None)
     feat = srv.add_argument_group("features")
     feat.add_argument("--speculative", default=None,
-                      help="none | mtp | dflash, optionally METHOD:K or mtp:K:SAMPLING; "
-                           "overrides the profile")
+                      help="none | mtp | dflash, optionally METHOD:K, mtp:K:SAMPLING, or "
+                           "with :auto an adaptive draft length of up to K (mtp:auto, "
+                           "dflash:PATH:auto); overrides the profile")
     feat.add_argument("--num-speculative-tokens", type=int, default=None)
     feat.add_argument("--draft-sampling", choices=["greedy", "probabilistic"], default=None,
                       help="MTP drafts: argmax, or drawn from the MTP distribution and "
                            "verified by min(1, p/q) (the lang-mtp3 and long500k default)")
     feat.add_argument("--draft-model", default=None, help="DFlash drafter checkpoint")
+    feat.add_argument("--draft-cost-table", dest="cost_table", default=None, metavar="JSON",
+                      help="adaptive draft length (--speculative mtp:auto): step times from "
+                           "a `glm53 bench latency --json` record of this hardware (default: "
+                           "the documented estimate)")
     feat.add_argument("--vision", action=argparse.BooleanOptionalAction, default=None,
                       help="accept images in chat (the checkpoint's vision tower); the "
                            "mm-dflash2 profile turns it on")
@@ -383,16 +404,17 @@ def serving_config(args: argparse.Namespace):
     if args.speculative is not None:
         spec = {"method": args.speculative} if ":" not in args.speculative else args.speculative
     if (args.num_speculative_tokens is not None or args.draft_model is not None
-            or args.draft_sampling is not None):
+            or args.draft_sampling is not None or args.cost_table is not None):
         if spec is None:
-            raise SystemExit("--num-speculative-tokens/--draft-model/--draft-sampling need "
-                             "--speculative METHOD")
+            raise SystemExit("--num-speculative-tokens/--draft-model/--draft-sampling/"
+                             "--draft-cost-table need --speculative METHOD")
         if isinstance(spec, str):
             from .config import SpeculativeConfig
 
             spec = SpeculativeConfig.model_validate(spec).model_dump(exclude_defaults=True)
         given = {"num_speculative_tokens": args.num_speculative_tokens,
-                 "draft_model": args.draft_model, "draft_sampling": args.draft_sampling}
+                 "draft_model": args.draft_model, "draft_sampling": args.draft_sampling,
+                 "cost_table": args.cost_table}
         spec = {**spec, **{k: v for k, v in given.items() if v is not None}}
     if spec is not None:
         values["speculative"] = spec
@@ -603,8 +625,9 @@ def _generate(args: argparse.Namespace) -> int:
             quantize_experts=args.quantize_experts, kv_cache_dtype=args.kv_cache_dtype,
             kv_scale_bank=args.kv_scale_bank, tensor_parallel_size=args.tp,
             expert_parallel_size=args.ep, decode_context_parallel_size=args.dcp,
-            speculative_method=args.speculative[0], num_speculative_tokens=args.speculative[1],
-            draft_model=args.speculative[2], enforce_eager=args.enforce_eager)
+            speculative_method=args.speculative.method,
+            num_speculative_tokens=args.speculative.k, draft_model=args.speculative.draft,
+            adaptive_drafts=args.speculative.adaptive, enforce_eager=args.enforce_eager)
         engine = LLMEngine(config, make_executor(config, progress=not args.json))
         try:
             outputs = engine.generate(prompts, params)

@@ -38,6 +38,9 @@ class NotSupportedYetError(ValueError):
     """A configured feature that this build cannot serve yet."""
 
 
+_SAMPLINGS = ("greedy", "probabilistic")
+
+
 class SpeculativeConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -48,17 +51,29 @@ class SpeculativeConfig(BaseModel):
     # distribution under the request's sampling settings ("probabilistic", verified by the
     # min(1, p/q) rule: more drafts accepted at temperature > 0; greedy requests get argmax)
     draft_sampling: Literal["greedy", "probabilistic"] = "greedy"
+    # draft length: "fixed" (every step verifies num_speculative_tokens) or "adaptive" (each
+    # step verifies 0..num_speculative_tokens, chosen for tokens/s; raycluster/draft_policy.py)
+    draft_length: Literal["fixed", "adaptive"] = "fixed"
+    # step times of the adaptive choice: a `glm53 bench latency --json` record of this
+    # hardware (none and mtp:K rows); None = the documented estimate (logged as such)
+    cost_table: str | None = None
 
     @model_validator(mode="before")
     @classmethod
     def _from_string(cls, data: Any) -> Any:
-        # "none", "mtp", "mtp:3", "mtp:3:probabilistic", "dflash:7" as a shorthand (CLI,
-        # KubeRay args)
+        # "none", "mtp", "mtp:3", "mtp:3:probabilistic", "dflash:7", "mtp:auto",
+        # "mtp:5:auto:probabilistic", "dflash:PATH:auto" as a shorthand (CLI, KubeRay args):
+        # after the method, an int is K, "auto" the adaptive draft length, greedy or
+        # probabilistic the draft sampling, anything else DFlash's draft checkpoint
         if isinstance(data, str):
-            method, _, rest = data.partition(":")
-            k, _, sampling = rest.partition(":")
-            data = {"method": method, **({"num_speculative_tokens": k} if k else {}),
-                    **({"draft_sampling": sampling} if sampling else {})}
+            method, *parts = data.split(":")
+            data = {"method": method}
+            for part in parts:
+                key = ("num_speculative_tokens" if part.isdigit() else
+                       "draft_length" if part == "auto" else
+                       "draft_model" if method == "dflash" and part not in _SAMPLINGS else
+                       "draft_sampling")
+                data[key] = "adaptive" if part == "auto" else part
         if isinstance(data, dict) and "num_speculative_tokens" not in data:
             default = {"mtp": 3, "dflash": 7}.get(data.get("method", "none"))
             if default is not None:
@@ -72,6 +87,10 @@ class SpeculativeConfig(BaseModel):
         if self.method != "none" and self.num_speculative_tokens < 1:
             raise ValueError(f"speculative method {self.method!r} needs "
                              "num_speculative_tokens >= 1")
+        if self.draft_length == "adaptive" and self.method == "none":
+            raise ValueError("adaptive draft length needs a speculative method")
+        if self.cost_table is not None and self.draft_length != "adaptive":
+            raise ValueError("cost_table is for the adaptive draft length")
         if self.draft_sampling == "probabilistic" and self.method != "mtp":
             raise ValueError("probabilistic draft sampling is for MTP drafts (DFlash2's "
                              "selector is greedy)")
@@ -293,6 +312,8 @@ class ServingConfig(BaseModel):
             kv_cache_dtype=kv_cache_dtype, kv_scale_bank=kv_scale_bank,
             with_mtp=self.speculative.method == "mtp", seed=self.seed, vision=self.vision,
             draft_sampling=self.speculative.draft_sampling,
+            adaptive_drafts=self.speculative.draft_length == "adaptive",
+            draft_cost_table=self.speculative.cost_table,
             speculative_method=self.speculative.method if self.speculative.enabled else None,
             num_speculative_tokens=self.speculative.num_speculative_tokens,
             tensor_parallel_size=self.tensor_parallel_size,

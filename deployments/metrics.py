@@ -116,6 +116,18 @@ class ServingMetrics:
                           ["model_name", "position"], registry=reg)
         self.spec_per_pos = [per_pos.labels(model_name, str(p))
                              for p in range(num_spec_positions)]
+        # per-position acceptance rate = accepted_per_pos / draft_tokens_per_pos
+        drafts_per_pos = Counter("glm53:spec_decode_num_draft_tokens_per_pos",
+                                 "Verified draft tokens by draft position.",
+                                 ["model_name", "position"], registry=reg)
+        self.spec_drafts_per_pos = [drafts_per_pos.labels(model_name, str(p))
+                                    for p in range(num_spec_positions)]
+        # adaptive draft length: engine steps by the drafts per sequence they chose (0..k)
+        draft_length = Counter("glm53:spec_decode_draft_length_steps",
+                               "Engine steps by the draft length chosen (adaptive mode).",
+                               ["model_name", "draft_length"], registry=reg)
+        self.spec_draft_length = [draft_length.labels(model_name, str(w))
+                                  for w in range(num_spec_positions + 1)]
 
     def set_engine_stats(self, stats: EngineStats) -> None:
         self.running.set(stats.num_running)
@@ -128,7 +140,9 @@ class ServingMetrics:
                   (self.spec_drafts, stats.spec_num_drafts),
                   (self.spec_draft_tokens, stats.spec_num_draft_tokens),
                   (self.spec_accepted, stats.spec_num_accepted_tokens),
-                  *zip(self.spec_per_pos, stats.spec_accepted_per_pos, strict=False)]
+                  *zip(self.spec_per_pos, stats.spec_accepted_per_pos, strict=False),
+                  *zip(self.spec_drafts_per_pos, stats.spec_draft_tokens_per_pos, strict=False),
+                  *zip(self.spec_draft_length, stats.spec_draft_length_steps, strict=False)]
         for i, (counter, total) in enumerate(totals):
             if total > self._seen.get(i, 0):
                 counter.inc(total - self._seen.get(i, 0))

@@ -23,10 +23,11 @@ def _banned(request, eos_ids: tuple[int, ...], n_out: int) -> tuple[int, ...]:
 
 def build_step_input(step_id: int, out: SchedulerOutput, block_size: int,
                      eos_ids: tuple[int, ...] = (), num_spec: int = 0,
-                     max_model_len: int | None = None) -> StepInput:
+                     max_model_len: int | None = None,
+                     num_propose: int | None = None) -> StepInput:
     """With `num_spec` > 0 every sampling sequence samples each of its 1 + k verify rows (row j
     as output token len(output) + j, after the drafts before it) and asks the proposer for up
-    to num_spec drafts."""
+    to `num_propose` (default num_spec) drafts."""
     scheduled = out.scheduled
     lengths = np.array([s.num_tokens for s in scheduled], dtype=np.int64)
     cu = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
@@ -105,7 +106,8 @@ def build_step_input(step_id: int, out: SchedulerOutput, block_size: int,
         prompt_logprob_seqs=cat(pl_seqs, np.int64),
         prompt_logprob_k=cat(pl_k, np.int32),
         images=_images(scheduled, cu),
-        **(_speculation(scheduled, num_spec, max_model_len) if num_spec else {}),
+        **(_speculation(scheduled, num_spec, max_model_len,
+                        num_spec if num_propose is None else num_propose) if num_spec else {}),
     )
 
 
@@ -125,7 +127,8 @@ def _images(scheduled, cu: np.ndarray) -> tuple[StepImage, ...]:
     return tuple(out)
 
 
-def _speculation(scheduled, num_spec: int, max_model_len: int) -> dict[str, np.ndarray]:
+def _speculation(scheduled, num_spec: int, max_model_len: int,
+                 num_propose: int) -> dict[str, np.ndarray]:
     """Drafts to verify, the prompt token after each non-sampling chunk, and how many drafts
     each sequence may get next (none past max_model_len or max_tokens)."""
     n = len(scheduled)
@@ -140,6 +143,6 @@ def _speculation(scheduled, num_spec: int, max_model_len: int) -> dict[str, np.n
             next_tokens[i] = r.token_ids(end, end + 1)[0]
             continue
         room = min(max_model_len - end - 1, r.params.max_tokens - len(r.output_ids) - 1)
-        propose[i] = max(0, min(num_spec, room))
+        propose[i] = max(0, min(num_propose, room))
     return {"num_drafts": np.array([s.num_drafts for s in scheduled], dtype=np.int64),
             "draft_ids": draft_ids, "next_tokens": next_tokens, "propose": propose}

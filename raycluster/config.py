@@ -38,6 +38,10 @@ class EngineConfig:
     num_speculative_tokens: int = 0  # drafts verified per step and request
     draft_model: str | None = None  # DFlash2 draft checkpoint directory
     draft_sampling: str = "greedy"  # MTP drafts: "greedy" or "probabilistic" (sampled, p/q)
+    # each step verifies 0..num_speculative_tokens drafts, chosen for tokens/s (draft_policy.py)
+    adaptive_drafts: bool = False
+    # its step times: a `glm53 bench latency --json` record; None = the documented default
+    draft_cost_table: str | None = None
     enforce_eager: bool = False  # no CUDA graphs: every step runs eagerly
     # decode batch sizes with a CUDA graph (capped at max_num_seqs, which is always one);
     # None = actors/cuda_graphs.py DEFAULT_BATCH_SIZES
@@ -73,6 +77,10 @@ class EngineConfig:
             ((self.speculative_method is None) == (self.num_speculative_tokens == 0),
              "a speculative method needs num_speculative_tokens >= 1, and vice versa"),
             (0 <= self.num_speculative_tokens <= 8, "num_speculative_tokens must be in 0..8"),
+            (not self.adaptive_drafts or self.speculative_method is not None,
+             "adaptive draft length needs a speculative method"),
+            (self.draft_cost_table is None or self.adaptive_drafts,
+             "draft_cost_table is for adaptive draft length"),
             (self.draft_sampling in ("greedy", "probabilistic"),
              "draft_sampling must be greedy or probabilistic"),
             (self.cuda_graph_batch_sizes is None or (

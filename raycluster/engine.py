@@ -24,6 +24,7 @@ from .batch import build_step_input
 from .block_pool import BlockPool
 from .config import EngineConfig
 from .constraints import OutputConstraints, RequestConstraint
+from .draft_policy import DraftLengthPolicy, StepCostModel
 from .executor import Executor, make_executor
 from .images import check_images
 from .request import FinishReason, Request, RequestTiming
@@ -102,6 +103,7 @@ class LLMEngine:
             StateSlotPool(plan.num_slots), config.max_num_batched_tokens, config.max_num_seqs,
             self.max_model_len, config.num_speculative_tokens, config.max_step_image_bytes)
         self.spec_stats = SpecStats(config.num_speculative_tokens)
+        self.draft_policy = _draft_policy(config) if config.adaptive_drafts else None
         self.num_preemptions = 0
         self.eos_ids = self.model_config.eos_token_ids
         self._rng = random.Random(config.seed)
@@ -142,6 +144,8 @@ class LLMEngine:
         request = self.scheduler.abort(request_id)
         if request is None:
             return None
+        if self.draft_policy is not None:
+            self.draft_policy.forget(request_id)
         request.mark_finished(time.monotonic())
         return _output(request)
 
@@ -158,9 +162,13 @@ class LLMEngine:
             num_preemptions=self.num_preemptions, spec_num_drafts=spec.num_verify_steps,
             spec_num_draft_tokens=spec.num_drafts, spec_num_accepted_tokens=spec.num_accepted,
             spec_accepted_per_pos=tuple(spec.accepted_per_position),
-            kv_cache_tokens_per_gib=self.executor.cache_plan.tokens_per_gib)
+            kv_cache_tokens_per_gib=self.executor.cache_plan.tokens_per_gib,
+            spec_draft_tokens_per_pos=tuple(spec.drafts_per_position),
+            spec_draft_length_steps=tuple(spec.steps_by_draft_length)
+            if self.draft_policy is not None else ())
 
     def step(self) -> list[RequestOutput]:
+        num_drafts = self._choose_draft_length()
         scheduled = self.scheduler.schedule()
         self.num_preemptions += len(scheduled.preempted)
         if not scheduled.scheduled:
@@ -169,7 +177,7 @@ class LLMEngine:
         for item in scheduled.scheduled:
             item.request.mark_scheduled(now)
         try:
-            step = self._build(next(self._step_ids), scheduled.scheduled)
+            step = self._build(next(self._step_ids), scheduled.scheduled, num_drafts)
         except Exception:  # noqa: BLE001 - one request's data; find it, fail it, run the rest
             return self._fail_unbuildable(scheduled.scheduled)
         try:
@@ -181,6 +189,8 @@ class LLMEngine:
         accepted = None if result.num_accepted is None else result.num_accepted.tolist()
         drafts = None if result.draft_ids is None else result.draft_ids.tolist()
         self.spec_stats.record(items, accepted)
+        if self.draft_policy is not None:
+            self.draft_policy.observe(items, accepted)
         progressed = self.scheduler.update(items, result.sampled.tolist(), self.eos_ids,
                                            accepted, drafts)
         now = time.monotonic()
@@ -190,6 +200,8 @@ class LLMEngine:
             request.mark_token(now)
             if request.finished:
                 request.mark_finished(now)
+                if self.draft_policy is not None:
+                    self.draft_policy.forget(request.request_id)
             if result.logprobs is not None and request.params.logprobs is not None:
                 logprobs = [_token_logprobs(result.logprobs, p.first_row + j,
                                             request.params.logprobs, token)
@@ -200,10 +212,26 @@ class LLMEngine:
                 outputs.append(_output(request, prompt_logprobs=lps))
         return outputs
 
-    def _build(self, step_id: int, items: list) -> StepInput:
+    def _choose_draft_length(self) -> int:
+        """Drafts each running request verifies this step and gets proposed for the next:
+        num_speculative_tokens, or with adaptive draft length the policy's choice for the
+        running batch (drafts beyond it are dropped unverified)."""
+        if self.draft_policy is None:
+            return self.config.num_speculative_tokens
+        running = self.scheduler.running
+        if not running:
+            return self.config.num_speculative_tokens
+        width = self.draft_policy.choose([r.request_id for r in running])
+        for request in running:
+            del request.draft_ids[width:]
+        self.spec_stats.record_draft_length(width)
+        return width
+
+    def _build(self, step_id: int, items: list, num_drafts: int | None = None) -> StepInput:
         return build_step_input(step_id, SchedulerOutput(list(items)),
                                 self.scheduler.blocks.block_size, self.eos_ids,
-                                self.config.num_speculative_tokens, self.max_model_len)
+                                self.config.num_speculative_tokens, self.max_model_len,
+                                num_drafts)
 
     def _fail_unbuildable(self, items: list) -> list[RequestOutput]:
         """A step input could not be built: build each request alone and fail (ERROR) the
@@ -264,6 +292,20 @@ class LLMEngine:
 
     def shutdown(self) -> None:
         self.executor.shutdown()
+
+
+def _draft_policy(config: EngineConfig) -> DraftLengthPolicy:
+    k = config.num_speculative_tokens
+    if config.draft_cost_table is not None:
+        cost = StepCostModel.from_bench_record(config.draft_cost_table)
+        logger.info("adaptive draft length (0..%d) with step times measured in %s", k,
+                    cost.source)
+    else:
+        cost = StepCostModel.default(k)
+        logger.warning("adaptive draft length (0..%d) with the DEFAULT step-time table "
+                       "(estimates, not measured here): pass a `glm53 bench latency --json` "
+                       "record as draft_cost_table", k)
+    return DraftLengthPolicy(k, cost)
 
 
 class AsyncEngine:

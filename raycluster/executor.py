@@ -47,6 +47,7 @@ def runner_kwargs(config: EngineConfig) -> dict:
                 with_vision=config.vision,
                 num_spec=config.num_speculative_tokens, draft_model=config.draft_model,
                 draft_sampling=config.draft_sampling, enforce_eager=config.enforce_eager,
+                adaptive_drafts=config.adaptive_drafts,
                 cuda_graph_batch_sizes=config.cuda_graph_batch_sizes,
                 max_model_len=config.max_model_len)
 

@@ -10,7 +10,8 @@ recomputed) and none finished: their wall time is the whole engine step (schedul
 input, forward, sampling, verification, drafting), and their tokens give tokens per second per
 user and in total. Speculative counters are taken over
 the same steps: per draft position j, the fraction of verify steps whose drafts 1..j were all
-accepted (vLLM's per-position acceptance rate).
+accepted (vLLM's per-position acceptance rate). With adaptive draft length, the timed steps
+are also counted by the draft length the policy chose for them.
 
 Synthetic acceptance (for measuring the mechanism, never the model): the runner's draft
 verification is replaced by `SyntheticAcceptance`, which accepts draft j with a given
@@ -61,6 +62,8 @@ class LatencyResult:
     mean_accepted_length: float | None = None
     mean_draft_length: float | None = None
     accepted_per_position: tuple[float, ...] | None = None
+    # adaptive draft length (None without): timed steps by the drafts per sequence chosen
+    draft_length_steps: tuple[int, ...] | None = None
 
 
 def describe_device(device: str) -> str:
@@ -84,10 +87,12 @@ def _decoding(request: Request) -> bool:
             and request.num_computed_tokens >= request.num_tokens - 1)
 
 
-def _spec_counters(spec) -> tuple[np.ndarray, np.ndarray, int]:
-    """(accepted per draft position, drafts per position, verify steps), cumulative."""
+def _spec_counters(spec) -> tuple[np.ndarray, np.ndarray, int, np.ndarray]:
+    """(accepted per draft position, drafts per position, verify steps, steps by chosen draft
+    length), cumulative."""
     return (np.array(spec.accepted_per_position, np.int64),
-            np.array(spec.drafts_per_position, np.int64), spec.num_verify_steps)
+            np.array(spec.drafts_per_position, np.int64), spec.num_verify_steps,
+            np.array(spec.steps_by_draft_length, np.int64))
 
 
 class LatencyRunner:
@@ -136,6 +141,7 @@ class LatencyRunner:
         tokens = 0
         k = self.config.num_speculative_tokens
         accepted, drafted, verify_steps = np.zeros(k, np.int64), np.zeros(k, np.int64), 0
+        chosen = np.zeros(k + 1, np.int64)
         while engine.has_unfinished:
             steady = all(_decoding(r) for r in requests)
             if steady:
@@ -154,6 +160,7 @@ class LatencyRunner:
                 accepted += after[0] - before[0]
                 drafted += after[1] - before[1]
                 verify_steps += after[2] - before[2]
+                chosen += after[3] - before[3]
         if not step_times:
             raise ValueError(
                 f"no step ran the full batch of {case.batch} after its prefill: output_len "
@@ -176,6 +183,8 @@ class LatencyRunner:
                 mean_draft_length=float(drafted.sum()) / verify_steps,
                 accepted_per_position=tuple(
                     float(a / d) if d else 0.0 for a, d in zip(accepted, drafted, strict=True)))
+        if self.config.adaptive_drafts:
+            result.update(draft_length_steps=tuple(int(n) for n in chosen))
         return LatencyResult(**result)
 
     def shutdown(self) -> None:

@@ -22,6 +22,9 @@ class EngineStats:
     spec_accepted_per_pos: tuple[int, ...] = ()
     # capacity of the paged cache on one rank (follows the KV cache dtype)
     kv_cache_tokens_per_gib: float = 0.0
+    spec_draft_tokens_per_pos: tuple[int, ...] = ()  # drafts verified, by draft position
+    # steps by the draft length they chose (index = drafts per sequence; adaptive mode)
+    spec_draft_length_steps: tuple[int, ...] = ()
 
 
 class SpecStats:
@@ -33,6 +36,10 @@ class SpecStats:
         self.num_verify_steps = 0  # request-steps that verified at least one draft
         self.accepted_per_position = [0] * num_spec
         self.drafts_per_position = [0] * num_spec
+        self.steps_by_draft_length = [0] * (num_spec + 1)  # adaptive mode: the choice per step
+
+    def record_draft_length(self, width: int) -> None:
+        self.steps_by_draft_length[width] += 1
 
     def record(self, items, accepted: list[int] | None) -> None:
         if accepted is None:

@@ -4,6 +4,8 @@ step gives, and every padding write must land in the pad slot or the null block 
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import pytest
 import torch
@@ -203,6 +205,30 @@ def test_padded_graph_path_with_a_quantised_cache(tiny):
     engine = LLMEngine(config, TwinExecutor(config))
     assert engine.executor.runner.caches.layers[3].latent.dtype == torch.uint8
     assert _run(engine) == plain
+
+
+def test_adaptive_draft_lengths_run_through_the_graph_path(tiny):
+    """Adaptive draft length captures every verify width; uniform steps of each width run
+    padded and equal their eager twins, and the output equals plain decoding."""
+    prompts = _prompts()[:3]  # three requests in lockstep: bucket 4 pads one sequence
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, logprobs=3)
+    plain = LLMEngine(_config(tiny, 0)).generate(prompts, params)
+    config = _config(tiny, 3, cuda_graph_batch_sizes=(2,), adaptive_drafts=True)
+    engine = LLMEngine(config, TwinExecutor(config))
+    graphs = engine.executor.graphs
+    assert graphs.widths == (1, 2, 3, 4)
+    turns = itertools.cycle([3, 3, 2, 2, 1, 1, 0])  # each width verified after its proposal
+    engine.draft_policy.choose = lambda request_ids: next(turns)
+    used, bucket = set(), graphs.bucket
+
+    def recording(step):
+        key = bucket(step)
+        used.add(None if key is None else key[1])
+        return key
+
+    graphs.bucket = recording
+    assert engine.generate(prompts, params) == plain
+    assert {1, 2, 3, 4} <= used
     assert engine.executor.padded_steps > 0
 
 

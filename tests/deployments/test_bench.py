@@ -190,3 +190,24 @@ def test_both_commands_against_glm53_serve(tiny_checkpoint: Path, tmp_path: Path
             server.wait(timeout=60)
         except subprocess.TimeoutExpired:
             server.kill()
+
+
+def test_bench_latency_adaptive_reports_the_chosen_draft_length_per_step(
+        tiny_checkpoint: Path, tmp_path: Path, capsys) -> None:
+    """A cost table that pays for drafts from 20% acceptance, and every draft accepted: the
+    policy verifies both drafts in every timed step."""
+    table = tmp_path / "cost.json"
+    table.write_text(json.dumps({"results": [
+        {"speculative": "none" if w == 0 else f"mtp:{w}", "batch": 1, "context": 16,
+         "step_ms_median": 10.0 + 2.0 * w} for w in range(3)]}))
+    out = tmp_path / "latency.json"
+    assert main(["bench", "latency", "--model", str(tiny_checkpoint), "--batch", "2",
+                 "--context", "16", "--speculative", "mtp:2:auto", "--output-len", "12",
+                 "--synthetic-acceptance", "1,1", "--draft-cost-table", str(table),
+                 "--no-warmup", "--json", str(out)]) == 0
+    record = json.loads(out.read_text())
+    assert record["config"]["draft_cost_table"] == str(table)
+    (row,) = record["results"]
+    assert row["speculative"] == "mtp:2:auto synthetic"
+    assert row["draft_length_steps"] == [0, 0, row["decode_steps"]]
+    assert "steps by draft length" in capsys.readouterr().out

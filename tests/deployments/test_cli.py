@@ -15,7 +15,7 @@ from safetensors.torch import load_file, save_file
 
 from glm53.actors.config import ModelConfig
 from glm53.deployments import tiny_model
-from glm53.deployments.cli import main
+from glm53.deployments.cli import _parser, main
 from glm53.deployments.tokenizer import decode, load_tokenizer
 
 CKPT_FILES = ["config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
@@ -340,3 +340,27 @@ def test_calibrate_kv_is_deterministic_and_feeds_the_nvfp4_cache(
     check_output(generate(capsys, "--model", str(ckpt), "--prompt-ids", "1,2,3",
                           "--max-tokens", "5", "--kv-cache-dtype", "nvfp4",
                           "--kv-scale-bank", str(first)), ckpt, 5)
+
+
+@pytest.mark.parametrize("text, expected", [
+    ("none", (None, 0, None, False)),
+    ("mtp", ("mtp", 3, None, False)),
+    ("mtp:2", ("mtp", 2, None, False)),
+    ("mtp:auto", ("mtp", 3, None, True)),
+    ("mtp:5:auto", ("mtp", 5, None, True)),
+    ("dflash:/d", ("dflash", 7, "/d", False)),
+    ("dflash:/d:auto", ("dflash", 7, "/d", True)),
+    ("dflash:/d:4:auto", ("dflash", 4, "/d", True)),
+])
+def test_speculative_flag_fixed_and_adaptive(text: str, expected: tuple) -> None:
+    args = _parser().parse_args(["generate", "--prompt-ids", "1", "--max-tokens", "2",
+                                 "--speculative", text])
+    assert tuple(args.speculative) == expected
+
+
+@pytest.mark.parametrize("text", ["mtp:x", "mtp:2:3", "dflash", "eagle:auto"])
+def test_speculative_flag_errors(text: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        _parser().parse_args(["generate", "--prompt-ids", "1", "--max-tokens", "2",
+                                 "--speculative", text])
+    assert "--speculative" in capsys.readouterr().err

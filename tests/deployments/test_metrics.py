@@ -80,3 +80,22 @@ def test_kv_cache_capacity_is_exported():
     m.set_engine_stats(EngineStats(kv_cache_tokens_per_gib=3_000_000.0))
     s = samples(m.render())
     assert s[("glm53:kv_cache_tokens_per_gib", (("model_name", "tiny"),))] == 3_000_000.0
+
+
+def test_per_position_drafts_and_chosen_draft_lengths_are_exported():
+    m = ServingMetrics("tiny", num_spec_positions=3)
+    m.set_engine_stats(EngineStats(spec_accepted_per_pos=(5, 2, 0),
+                                   spec_draft_tokens_per_pos=(8, 5, 2),
+                                   spec_draft_length_steps=(4, 0, 1, 2)))
+    m.set_engine_stats(EngineStats(spec_accepted_per_pos=(6, 2, 0),
+                                   spec_draft_tokens_per_pos=(9, 5, 2),
+                                   spec_draft_length_steps=(7, 0, 1, 3)))
+    s = samples(m.render())
+
+    def value(name: str, label: str, key: str) -> float:
+        return s[(name, tuple(sorted((("model_name", "tiny"), (label, key)))))]
+
+    drafts = "glm53:spec_decode_num_draft_tokens_per_pos_total"
+    assert [value(drafts, "position", str(p)) for p in range(3)] == [9, 5, 2]
+    chosen = "glm53:spec_decode_draft_length_steps_total"
+    assert [value(chosen, "draft_length", str(w)) for w in range(4)] == [7, 0, 1, 3]

@@ -259,3 +259,31 @@ def test_kv_cache_flags_reach_the_serving_config():
                                              "--kv-scale-bank", "/b.json"]))
     assert (c.kv_cache_dtype, c.kv_scale_bank) == ("nvfp4", "/b.json")
     assert not c.from_profile("kv_cache_dtype")
+
+
+@pytest.mark.parametrize(("text", "expected"), [
+    ("mtp:auto", ("mtp", 3, "adaptive", None)),
+    ("mtp:5:auto:probabilistic", ("mtp", 5, "adaptive", None)),
+    ("mtp:3", ("mtp", 3, "fixed", None)),
+    ("dflash:/ckpt/draft:auto", ("dflash", 7, "adaptive", "/ckpt/draft")),
+])
+def test_speculative_shorthand_selects_the_draft_length_mode(text, expected):
+    spec = ServingConfig(speculative=text).speculative
+    assert (spec.method, spec.num_speculative_tokens, spec.draft_length,
+            spec.draft_model) == expected
+
+
+def test_adaptive_draft_length_reaches_the_engine_with_its_cost_table(monkeypatch):
+    monkeypatch.delenv("GLM53_API_KEYS", raising=False)
+    monkeypatch.delenv("GLM53_API_KEY", raising=False)
+    args = _parser().parse_args(["serve", "--speculative", "mtp:2:auto",
+                                 "--draft-cost-table", "/bench/latency.json"])
+    engine = serving_config(args).engine_config("/m", "cpu")
+    assert (engine.num_speculative_tokens, engine.adaptive_drafts, engine.draft_cost_table) == (
+        2, True, "/bench/latency.json")
+    fixed = ServingConfig(speculative="mtp:2").engine_config("/m", "cpu")
+    assert not fixed.adaptive_drafts
+    with pytest.raises(ValueError, match="needs a speculative method"):
+        ServingConfig(speculative={"method": "none", "draft_length": "adaptive"})
+    with pytest.raises(ValueError, match="cost_table is for the adaptive"):
+        ServingConfig(speculative={"method": "mtp", "cost_table": "/x.json"})
