@@ -128,9 +128,11 @@ class StaticInputs:
             defer_state=self.dev_flags[1, :b] if w > 1 else None,
         )
 
-    def load(self, step: StepInput | None, b: int, w: int) -> None:
+    def load(self, step: StepInput | None, b: int, w: int,
+             fill: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
         """Copy `step` (n <= b sequences of w tokens; None = all padding) into the buffers,
-        padded to b sequences that start at position 0 in the pad slot over the null block."""
+        padded to b sequences that start at position 0 in the pad slot over the null block;
+        `fill` (device token rows, ids) then overwrites the step's placeholder tokens."""
         n = 0 if step is None else len(step.state_ids)
         t, real = b * w, n * w
         pad_pos = np.tile(np.arange(w, dtype=np.int64), b - n)
@@ -163,6 +165,8 @@ class StaticInputs:
         used = self.offsets["block_tables"] + b * self.max_blocks
         self.dev[:used].copy_(self.host[:used], non_blocking=True)
         self.dev_flags.copy_(self.host_flags, non_blocking=True)
+        if fill is not None:  # stream-ordered after the copy
+            self._dev("token_ids", t)[fill[0]] = fill[1]
 
 
 class DecodeGraphs:
@@ -199,10 +203,12 @@ class DecodeGraphs:
             return None
         return next(b for b in self.batch_sizes if b >= n), w
 
-    def run(self, step: StepInput, key: tuple[int, int]
+    def run(self, step: StepInput, key: tuple[int, int],
+            fill: tuple[torch.Tensor, torch.Tensor] | None = None,
             ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+        """`fill`: (device token rows, ids) of the step's placeholder tokens."""
         b, w = key
-        self.static.load(step, b, w)
+        self.static.load(step, b, w, fill)
         self.num_replays += 1
         if not self.graphs:  # emulation: the same padded forward, eagerly
             g = self._forward(b, w)

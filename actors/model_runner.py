@@ -4,7 +4,12 @@ rank runs the same forward (the collectives need all of them) and samples the sa
 only rank 0 answers with the StepOutput.
 
 On CUDA, uniform decode / verify steps replay a captured graph of the forward + lm_head
-(cuda_graphs.py); every other step, and every step under `enforce_eager`, runs eagerly."""
+(cuda_graphs.py); every other step, and every step under `enforce_eager`, runs eagerly.
+
+The sampled ids of the last step stay on the device: a step scheduled before that one's result
+reached the engine (overlapped scheduling) names the tokens it needs by their sample rows
+(`StepInput.placeholder_rows` / `placeholder_sources`), and they are copied there on the device,
+after the step's own inputs."""
 
 from __future__ import annotations
 
@@ -99,6 +104,9 @@ class ModelRunner:
         self.enforce_eager = enforce_eager or self.device.type != "cuda"
         self.graph_batch_sizes = batch_buckets(num_slots, cuda_graph_batch_sizes)
         self.max_model_len = max_model_len or self.config.max_position_embeddings
+        # [R] sampled ids of the last step, on the device (None after a speculative step,
+        # whose emitted tokens are settled on the host: such steps are never overlapped)
+        self.last_sampled: torch.Tensor | None = None
 
     def allocate_caches(self, num_blocks: int) -> CachePlan:
         """Allocate the caches with `num_blocks` blocks (<= this rank's plan)."""
@@ -153,14 +161,15 @@ class ModelRunner:
         n_sample = len(step.sample_rows)
         rows = logits_row_index(np.concatenate([step.sample_rows, step.prompt_logprob_rows]),
                           self.device)
+        fill = self._placeholder_fill(step)
         key = self.graphs.bucket(step) if self.graphs is not None else None
         if key is not None:
             batch = None  # built only if a verify step must commit its KDA states
-            hidden, taps, all_logits = self.graphs.run(step, key)
+            hidden, taps, all_logits = self.graphs.run(step, key, fill)
             logits = all_logits[rows]
         else:
             batch = self._batch(step)
-            hidden, taps = self._forward(step, batch)
+            hidden, taps = self._forward(step, batch, fill)
             logits = self.model.compute_logits(hidden[rows])
         draft_probs = self._draft_probs(step)
         if draft_probs is None:
@@ -169,6 +178,7 @@ class ModelRunner:
         else:
             sampled, logprobs, probs = self.sampler(logits[:n_sample], step.sampling,
                                                     with_probs=True)
+        self.last_sampled = sampled if step.num_drafts is None else None
         sampled = sampled.cpu().numpy()
         num_accepted = drafts = None
         if step.num_drafts is not None:
@@ -205,10 +215,24 @@ class ModelRunner:
                                         step.slot_mapping, step.state_ids, self.device,
                                         step.num_drafts)
 
-    def _forward(self, step: StepInput, batch: ForwardBatch
+    def _placeholder_fill(self, step: StepInput) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(token rows, their ids from the last step's samples), on the device, or None."""
+        if step.placeholder_rows is None:
+            return None
+        if self.last_sampled is None:
+            raise RuntimeError(f"step {step.step_id} has placeholders, but the step before it "
+                               f"left no samples on the device (none ran, or it speculated)")
+        sources = torch.from_numpy(step.placeholder_sources).to(self.device, non_blocking=True)
+        rows = torch.from_numpy(step.placeholder_rows).to(self.device, non_blocking=True)
+        return rows, self.last_sampled[sources]
+
+    def _forward(self, step: StepInput, batch: ForwardBatch,
+                 fill: tuple[torch.Tensor, torch.Tensor] | None = None,
                  ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The eager forward: (hidden [T, D], tap states [T, n_taps * D] or None)."""
         tokens = torch.tensor(step.token_ids, device=self.device)
+        if fill is not None:
+            tokens[fill[0]] = fill[1]
         tap_layers = getattr(self.proposer, "tap_layers", ())
         hidden = self.model(tokens, batch, self.caches, tap_layers)
         return hidden if tap_layers else (hidden, None)

@@ -160,6 +160,11 @@ class StepInput:
     # and how many drafts each sequence wants for its next step
     next_tokens: np.ndarray | None = None  # [N] int64
     propose: np.ndarray | None = None  # [N] int64
+    # overlapped scheduling: token rows whose ids (-1 in token_ids) are samples of the step
+    # executed just before this one, and those samples' rows in it (the worker keeps them on
+    # the device, so the engine never waits for them)
+    placeholder_rows: np.ndarray | None = None  # [P] int64
+    placeholder_sources: np.ndarray | None = None  # [P] int64
 
     @property
     def num_tokens(self) -> int:

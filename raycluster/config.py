@@ -29,6 +29,9 @@ class EngineConfig:
     draft_model: str | None = None  # DFlash2 draft checkpoint directory
     draft_sampling: str = "greedy"  # MTP drafts: "greedy" or "probabilistic" (sampled, p/q)
     enforce_eager: bool = False  # no CUDA graphs: every step runs eagerly
+    # overlapped scheduling: step N+1 is scheduled and sent while step N runs (engine.py); off
+    # until measured on a GPU
+    async_scheduling: bool = False
     # decode batch sizes with a CUDA graph (capped at max_num_seqs, which is always one);
     # None = actors/cuda_graphs.py DEFAULT_BATCH_SIZES
     cuda_graph_batch_sizes: tuple[int, ...] | None = None

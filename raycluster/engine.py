@@ -1,10 +1,18 @@
 """The engine: requests in, token deltas out.
 
-`LLMEngine` is the synchronous core (add_request / abort / step / stats). `AsyncEngine` runs
+`LLMEngine` is the single-threaded core (add_request / abort / step / stats). `AsyncEngine` runs
 its step loop in a worker thread and streams per-request deltas to asyncio consumers; requests
 and aborts from the event loop are queued and applied between steps, so the core stays
 single-threaded. Each delta carries its request's timing (queued, first scheduled, first
 token, finished), stamped by the engine as the step loop reaches each milestone.
+
+Overlapped scheduling (`EngineConfig.async_scheduling`): `step` submits step N+1 before it
+waits for step N, so the workers never wait for the engine's host work (scheduling, building,
+stop rules, outputs). Step N+1 is scheduled as if each sequence sampling in step N had its token
+(a placeholder, filled on the device from step N's samples); once step N's result is in, a
+sequence that finished by it has its step N+1 work dropped, never emitted. A step whose result
+the next step needs on the host (speculative verification, a grammar, penalties) is waited for
+before the next one is scheduled, as in the synchronous loop.
 """
 
 from __future__ import annotations
@@ -16,9 +24,10 @@ import random
 import time
 from collections import deque
 from collections.abc import AsyncIterator
+from concurrent.futures import Future
 from dataclasses import dataclass
 
-from glm53.actors.step import Logprobs, SamplingParams, StepInput
+from glm53.actors.step import Logprobs, SamplingParams, StepInput, StepOutput
 
 from .batch import build_step_input
 from .block_pool import BlockPool
@@ -26,7 +35,7 @@ from .config import EngineConfig
 from .constraints import OutputConstraints, RequestConstraint
 from .executor import Executor, make_executor
 from .request import FinishReason, Request, RequestTiming
-from .scheduler import RequestRejectedError, Scheduler, SchedulerOutput
+from .scheduler import RequestRejectedError, ScheduledRequest, Scheduler, SchedulerOutput
 from .state_slots import StateSlotPool
 from .stats import EngineStats, SpecStats
 
@@ -79,6 +88,24 @@ class EngineDeadError(RuntimeError):
     """The engine's workers failed; start a new engine."""
 
 
+@dataclass(frozen=True)
+class _InFlight:
+    """A committed step the workers run while the engine prepares the next one."""
+
+    step: StepInput
+    items: list[ScheduledRequest]
+    result: Future[StepOutput]
+
+    def sample_rows(self) -> dict[Request, int]:
+        """Each sampling request's first sample row (where its placeholders' tokens are)."""
+        rows, row = {}, 0
+        for item in self.items:
+            if item.samples:
+                rows[item.request] = row
+            row += item.num_sample_rows
+        return rows
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig, executor: Executor | None = None,
                  constraints: OutputConstraints | None = None) -> None:
@@ -106,6 +133,7 @@ class LLMEngine:
         self._rng = random.Random(config.seed)
         self._ids = itertools.count()
         self._step_ids = itertools.count()
+        self._in_flight: _InFlight | None = None  # overlapped scheduling only
         logger.info(plan.describe(self.max_model_len))
 
     def add_request(self, prompt_ids: list[int], params: SamplingParams,
@@ -142,7 +170,8 @@ class LLMEngine:
 
     @property
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished
+        """Requests to run, or a step in flight whose result is still to be taken."""
+        return self.scheduler.has_unfinished or self._in_flight is not None
 
     def stats(self) -> EngineStats:
         scheduler, spec = self.scheduler, self.spec_stats
@@ -155,22 +184,79 @@ class LLMEngine:
             spec_accepted_per_pos=tuple(spec.accepted_per_position))
 
     def step(self) -> list[RequestOutput]:
-        scheduled = self.scheduler.schedule()
-        self.num_preemptions += len(scheduled.preempted)
-        if not scheduled.scheduled:
-            return []
-        now = time.monotonic()
-        for item in scheduled.scheduled:
-            item.request.mark_scheduled(now)
-        try:
-            step = self._build(next(self._step_ids), scheduled.scheduled)
-        except Exception:  # noqa: BLE001 - one request's data; find it, fail it, run the rest
-            return self._fail_unbuildable(scheduled.scheduled)
+        """Run one step; return the outputs of the step that completed (with overlapped
+        scheduling, the one submitted by the call before, or this one when none was)."""
+        if self.config.async_scheduling:
+            return self._step_overlapped()
+        prepared, failed = self._prepare(None)
+        if prepared is None:
+            return failed
+        step, items = prepared
         try:
             result = self.executor.execute(step)
         except Exception as exc:  # noqa: BLE001 - every request must end, with the reason
             return self._fail_all(f"engine step failed: {type(exc).__name__}: {exc}")
-        items = scheduled.scheduled
+        return self._process(step, items, result)
+
+    def _step_overlapped(self) -> list[RequestOutput]:
+        outputs: list[RequestOutput] = []
+        if self._in_flight is None:
+            self._in_flight, outputs = self._submit(None)
+            if self._in_flight is None:
+                return outputs
+        current, self._in_flight = self._in_flight, None
+        if self._overlappable(current.items):  # step N+1 goes before step N's result is read
+            self._in_flight, failed = self._submit(current)
+            outputs += failed
+        try:
+            result = current.result.result()
+        except Exception as exc:  # noqa: BLE001 - every request must end, with the reason
+            return outputs + self._fail_all(f"engine step failed: {type(exc).__name__}: {exc}")
+        return outputs + self._process(current.step, current.items, result)
+
+    def _overlappable(self, items: list[ScheduledRequest]) -> bool:
+        """Whether the next step can be built before these items' result: only if it needs
+        nothing of it on the host but the sampled tokens, which the workers fill in. Not after
+        a speculative step (acceptance decides the next positions and drafts), nor after a
+        sampling request whose next sampling rows read its outputs (a grammar's bitmask, the
+        penalties' token counts)."""
+        if self.config.num_speculative_tokens:
+            return False
+        return not any(item.samples and (item.request.constraint is not None
+                                         or item.request.params.uses_penalties)
+                       for item in items)
+
+    def _submit(self, in_flight: _InFlight | None
+                ) -> tuple[_InFlight | None, list[RequestOutput]]:
+        prepared, failed = self._prepare(in_flight)
+        if prepared is None:
+            return None, failed
+        step, items = prepared
+        return _InFlight(step, items, self.executor.submit(step)), failed
+
+    def _prepare(self, in_flight: _InFlight | None
+                 ) -> tuple[tuple[StepInput, list[ScheduledRequest]] | None,
+                            list[RequestOutput]]:
+        """Schedule, build and commit the next step (None if nothing runs), and the outputs
+        of requests failed because their input could not be built."""
+        scheduled = self.scheduler.schedule()
+        self.num_preemptions += len(scheduled.preempted)
+        if not scheduled.scheduled:
+            return None, []
+        now = time.monotonic()
+        for item in scheduled.scheduled:
+            item.request.mark_scheduled(now)
+        rows = None if in_flight is None else in_flight.sample_rows()
+        try:
+            step = self._build(next(self._step_ids), scheduled.scheduled, rows)
+        except Exception:  # noqa: BLE001 - one request's data; find it, fail it, run the rest
+            return None, self._fail_unbuildable(scheduled.scheduled, rows)
+        self.scheduler.commit(scheduled.scheduled)
+        return (step, scheduled.scheduled), []
+
+    def _process(self, step: StepInput, items: list[ScheduledRequest],
+                 result: StepOutput) -> list[RequestOutput]:
+        """Apply a step's result: tokens, stop rules, drafts, and the outputs it gives."""
         prompt_lps = self._prompt_logprobs(step, result.prompt_logprobs, items)
         accepted = None if result.num_accepted is None else result.num_accepted.tolist()
         drafts = None if result.draft_ids is None else result.draft_ids.tolist()
@@ -194,19 +280,22 @@ class LLMEngine:
                 outputs.append(_output(request, prompt_logprobs=lps))
         return outputs
 
-    def _build(self, step_id: int, items: list) -> StepInput:
+    def _build(self, step_id: int, items: list,
+               in_flight_rows: dict[Request, int] | None = None) -> StepInput:
         return build_step_input(step_id, SchedulerOutput(list(items)),
                                 self.scheduler.blocks.block_size, self.eos_ids,
-                                self.config.num_speculative_tokens, self.max_model_len)
+                                self.config.num_speculative_tokens, self.max_model_len,
+                                in_flight_rows)
 
-    def _fail_unbuildable(self, items: list) -> list[RequestOutput]:
+    def _fail_unbuildable(self, items: list,
+                          in_flight_rows: dict[Request, int] | None) -> list[RequestOutput]:
         """A step input could not be built: build each request alone and fail (ERROR) the
-        ones that cannot be, freeing their resources. Nothing ran, so the others are
-        scheduled again by the next step as if this one had not happened."""
+        ones that cannot be, freeing their resources. Nothing ran (nor was committed), so the
+        others are scheduled again by the next step as if this one had not happened."""
         failed = []
         for item in items:
             try:
-                self._build(-1, [item])
+                self._build(-1, [item], in_flight_rows)
             except Exception as exc:  # noqa: BLE001 - this request's own fault
                 request = item.request
                 logger.exception("request %s cannot be run; failing it", request.request_id)
@@ -222,6 +311,7 @@ class LLMEngine:
         """The workers are gone: finish every request with an error; refuse new ones."""
         logger.error(message)
         self.dead = message
+        self._in_flight = None  # its result, if any, belongs to requests ended here
         failed = []
         now = time.monotonic()
         for request in list(self.scheduler.requests.values()):
