@@ -191,3 +191,79 @@ def test_step_n_plus_1_is_submitted_before_step_n_is_read():
     for step_id in submitted[1:]:
         assert log.index(("submit", step_id)) < log.index(("result", step_id - 1)), log
     assert log.count(("result", submitted[-1])) == 1  # the last one is read too (drained)
+
+
+class _CountingExecutor:
+    """The in-process executor with the runner's decode graphs emulated (capture=False), so
+    uniform steps take the static-buffer path on CPU; counts steps with placeholders on each
+    path."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        from glm53.raycluster.executor import InProcessExecutor
+
+        self.inner = InProcessExecutor(config)
+        self.runner = self.inner.runner
+        self.runner.graphs = self.runner.make_graphs(capture=False)
+        self.model_config, self.cache_plan = self.inner.model_config, self.inner.cache_plan
+        self.filled = {"graph": 0, "eager": 0}
+
+    def _count(self, step: StepInput) -> None:
+        if step.placeholder_rows is not None:
+            self.filled["graph" if self.runner.graphs.bucket(step) else "eager"] += 1
+
+    def execute(self, step: StepInput) -> StepOutput:
+        return self.inner.execute(step)
+
+    def submit(self, step: StepInput):
+        self._count(step)
+        return self.inner.submit(step)
+
+    def shutdown(self) -> None:
+        self.inner.shutdown()
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    from glm53.deployments.tiny_model import make_tiny
+
+    return str(make_tiny(tmp_path_factory.mktemp("overlap"), seed=5, layers=4, mtp=True,
+                         index_topk=8))
+
+
+def _tiny_workload(stops: dict[str, int] | None = None):
+    rng = random.Random(1)
+    out = []
+    for i in range(7):
+        sampled = i % 3 == 2
+        params = SamplingParams(max_tokens=rng.randint(3, 9), temperature=0.8 if sampled else 0,
+                                seed=i if sampled else None, ignore_eos=True,
+                                stop_token_ids=(stops[f"t{i}"],) if stops and f"t{i}" in stops
+                                else ())
+        prompt = [rng.randrange(272) for _ in range(rng.randint(1, 20))]
+        out.append((i // 2, f"t{i}", prompt, params, 2 if i == 3 else 0))
+    return out
+
+
+@pytest.mark.parametrize("num_spec", [0, 2])
+def test_overlapped_engine_equals_the_synchronous_one_on_the_tiny_model(tiny, num_spec):
+    """Greedy and seeded requests, stop tokens, an abort while a step is in flight and a cache
+    tight enough to preempt: the same tokens and finish reasons; without speculation the
+    placeholders were filled on the device on both the eager and the graph path."""
+    spec = dict(speculative_method="mtp", num_speculative_tokens=num_spec) if num_spec else {}
+
+    def engine(overlap: bool) -> LLMEngine:
+        config = EngineConfig(model=tiny, num_blocks=5, max_num_seqs=4,
+                              max_num_batched_tokens=16, async_scheduling=overlap, **spec)
+        return LLMEngine(config, _CountingExecutor(config))
+
+    probe = _drive(engine(False), _tiny_workload())  # the third token of some becomes a stop
+    stops = {rid: tokens[2] for rid, (tokens, _) in probe.items() if rid in ("t0", "t4")}
+    sync = _drive(engine(False), _tiny_workload(stops))
+    overlapped = engine(True)
+    assert _drive(overlapped, _tiny_workload(stops)) == sync
+    assert {reason for _, reason in sync.values()} >= {FinishReason.STOP, FinishReason.ABORT,
+                                                      FinishReason.LENGTH}
+    assert overlapped.num_preemptions > 0
+    filled = overlapped.executor.filled
+    assert (filled["graph"] > 0 and filled["eager"] > 0) == (num_spec == 0), filled
+    overlapped.shutdown()
