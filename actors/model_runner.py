@@ -162,7 +162,10 @@ class ModelRunner:
         rows = logits_row_index(np.concatenate([step.sample_rows, step.prompt_logprob_rows]),
                           self.device)
         fill = self._placeholder_fill(step)
-        key = self.graphs.bucket(step) if self.graphs is not None else None
+        key = None
+        if self.graphs is not None:
+            self.graphs.static.update_tables(step)  # eager steps too: the rows stay current
+            key = self.graphs.bucket(step)
         if key is not None:
             batch = None  # built only if a verify step must commit its KDA states
             hidden, taps, all_logits = self.graphs.run(step, key, fill)

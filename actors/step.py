@@ -165,6 +165,11 @@ class StepInput:
     # the device, so the engine never waits for them)
     placeholder_rows: np.ndarray | None = None  # [P] int64
     placeholder_sources: np.ndarray | None = None  # [P] int64
+    # what changed in the block tables the workers keep per state slot since the last step:
+    # slots whose row is reset (a new owner), then (slot, column, block) entries set. None:
+    # none kept by the sender; a worker that keeps them writes the whole block_tables rows
+    block_table_resets: np.ndarray | None = None  # [S] int64
+    block_table_updates: np.ndarray | None = None  # [D, 3] int64
 
     @property
     def num_tokens(self) -> int:

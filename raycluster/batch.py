@@ -61,6 +61,7 @@ def build_step_input(step_id: int, out: SchedulerOutput, block_size: int,
         table = s.request.block_table()
         tables[i, : len(table)] = table
     query_seq = np.repeat(np.arange(len(scheduled)), lengths)
+    resets, updates = _block_table_delta(scheduled)
 
     sample_rows, sample_seqs, sampling_rows, constrained = [], [], [], []
     for i, s in enumerate(scheduled):
@@ -125,8 +126,25 @@ def build_step_input(step_id: int, out: SchedulerOutput, block_size: int,
         prompt_logprob_k=cat(pl_k, np.int32),
         placeholder_rows=np.asarray(fill_rows, dtype=np.int64) if fill_rows else None,
         placeholder_sources=np.asarray(fill_sources, dtype=np.int64) if fill_rows else None,
+        block_table_resets=resets,
+        block_table_updates=updates,
         **(_speculation(scheduled, num_spec, max_model_len) if num_spec else {}),
     )
+
+
+def _block_table_delta(scheduled) -> tuple[np.ndarray, np.ndarray]:
+    """(state slots whose workers' row restarts, (slot, column, block) rows): each request's
+    blocks past those its slot's row already holds (commit records them as sent)."""
+    resets, updates = [], []
+    for s in scheduled:
+        r = s.request
+        sent = r.num_blocks_sent
+        if sent == 0:
+            resets.append(r.state_slot)
+        for col in range(sent, len(r.block_ids)):
+            updates.append((r.state_slot, col, r.block_ids[col]))
+    return (np.asarray(resets, dtype=np.int64),
+            np.asarray(updates, dtype=np.int64).reshape(-1, 3))
 
 
 def _speculation(scheduled, num_spec: int, max_model_len: int) -> dict[str, np.ndarray]:

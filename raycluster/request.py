@@ -65,6 +65,9 @@ class Request:
     draft_ids: list[int] = field(default_factory=list)  # proposed tokens awaiting verification
     # tokens sampled by a step in flight, not yet known here (they follow output_ids)
     num_placeholders: int = 0
+    # block_ids[:num_blocks_sent] are in the workers' block-table row of state_slot (0: the
+    # row is to be reset; the step builder sends the rest as a delta)
+    num_blocks_sent: int = 0
     constraint: RequestConstraint | None = None  # grammar / thinking budget state
     # block_ids as int32 for the step's block table, and the list it mirrors
     _table: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32), init=False,

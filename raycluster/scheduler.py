@@ -7,7 +7,8 @@ the most recently admitted request is preempted (blocks and state slot freed, co
 requeued at the front) and recomputed later. Never touches tensors.
 
 A step goes schedule -> (the engine builds its input) -> commit -> (it runs) -> update. `commit`
-advances the counters as if the step had run and stands a placeholder in for each token it will
+advances the counters as if the step had run (the workers' block tables included: the next step
+sends only blocks added since) and stands a placeholder in for each token it will
 sample, so the next step can be scheduled before this one's result is known (overlapped
 scheduling); `update` replaces the placeholders by the sampled tokens, rolls back rejected
 drafts and applies the stop rules. A request preempted or finished in between keeps nothing of
@@ -172,6 +173,7 @@ class Scheduler:
         if request.block_ids:
             self.blocks.free(request.block_ids)
             request.block_ids = []
+        request.num_blocks_sent = 0
         if request.state_slot is not None:
             self.slots.free(request.state_slot)
             request.state_slot = None
@@ -192,6 +194,7 @@ class Scheduler:
         for item in scheduled:
             request = item.request
             request.num_computed_tokens += item.num_tokens
+            request.num_blocks_sent = len(request.block_ids)
             request.draft_ids = []  # the step verifies them: they are placeholders now
             if item.samples:
                 request.num_placeholders += 1 + item.num_drafts

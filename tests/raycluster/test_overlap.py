@@ -10,6 +10,7 @@ import random
 
 import numpy as np
 import pytest
+import torch
 
 from glm53.actors.caches import CachePlan
 from glm53.actors.config import ModelConfig
@@ -267,3 +268,39 @@ def test_overlapped_engine_equals_the_synchronous_one_on_the_tiny_model(tiny, nu
     filled = overlapped.executor.filled
     assert (filled["graph"] > 0 and filled["eager"] > 0) == (num_spec == 0), filled
     overlapped.shutdown()
+
+
+class _TableCheckingExecutor(ToyExecutor):
+    """The toy, plus the workers' persistent block tables: each step's delta is applied, and
+    the rows of its state slots must then hold exactly its block tables (zero-padded)."""
+
+    def __init__(self, num_blocks: int) -> None:
+        super().__init__(num_blocks)
+        from glm53.actors.cuda_graphs import StaticInputs
+
+        self.static = StaticInputs(max_seqs=6, max_width=3, max_blocks=8, block_size=4,
+                                   pad_slot=self.cache_plan.num_slots, device=torch.device("cpu"))
+        self.resets = 0
+
+    def execute(self, step: StepInput) -> StepOutput:
+        self.static.update_tables(step)
+        self.resets += len(step.block_table_resets)
+        want = np.zeros((len(step.state_ids), self.static.max_blocks), np.int64)
+        want[:, :step.block_tables.shape[1]] = step.block_tables
+        assert np.array_equal(self.static.tables[torch.from_numpy(step.state_ids)].numpy(),
+                              want), step.step_id
+        assert not self.static.tables[self.static.pad_slot].any()
+        return super().execute(step)
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_block_table_deltas_keep_the_workers_rows_exact(overlap):
+    """Slots change hands (finish, abort, preemption, re-admission) and requests gain blocks:
+    the deltas the engine sends keep every row the workers read equal to the full table."""
+    for seed in range(20):
+        config = EngineConfig(model="toy", block_size=4, max_num_seqs=5,
+                              max_num_batched_tokens=20, max_model_len=32,
+                              async_scheduling=overlap)
+        engine = LLMEngine(config, _TableCheckingExecutor(9 + seed % 8))
+        _drive(engine, _workload(seed))
+    assert engine.executor.resets > 0
