@@ -280,11 +280,12 @@ class _TableCheckingExecutor(ToyExecutor):
 
         self.static = StaticInputs(max_seqs=6, max_width=3, max_blocks=8, block_size=4,
                                    pad_slot=self.cache_plan.num_slots, device=torch.device("cpu"))
-        self.resets = 0
+        self.resets = self.blocks_sent = 0
 
     def execute(self, step: StepInput) -> StepOutput:
         self.static.update_tables(step)
         self.resets += len(step.block_table_resets)
+        self.blocks_sent += len(step.block_table_updates)
         want = np.zeros((len(step.state_ids), self.static.max_blocks), np.int64)
         want[:, :step.block_tables.shape[1]] = step.block_tables
         assert np.array_equal(self.static.tables[torch.from_numpy(step.state_ids)].numpy(),
@@ -296,11 +297,20 @@ class _TableCheckingExecutor(ToyExecutor):
 @pytest.mark.parametrize("overlap", [False, True])
 def test_block_table_deltas_keep_the_workers_rows_exact(overlap):
     """Slots change hands (finish, abort, preemption, re-admission) and requests gain blocks:
-    the deltas the engine sends keep every row the workers read equal to the full table."""
+    the deltas the engine sends keep every row the workers read equal to the full table, and
+    each block handed to a request crosses once."""
     for seed in range(20):
         config = EngineConfig(model="toy", block_size=4, max_num_seqs=5,
                               max_num_batched_tokens=20, max_model_len=32,
                               async_scheduling=overlap)
         engine = LLMEngine(config, _TableCheckingExecutor(9 + seed % 8))
+        pool, allocate, allocated = engine.scheduler.blocks, engine.scheduler.blocks.allocate, []
+
+        def counted(n: int, allocate=allocate, allocated=allocated) -> list[int]:
+            ids = allocate(n)
+            allocated.extend(ids)
+            return ids
+
+        pool.allocate = counted
         _drive(engine, _workload(seed))
-    assert engine.executor.resets > 0
+        assert engine.executor.resets > 0 and engine.executor.blocks_sent == len(allocated)
