@@ -9,7 +9,8 @@ On CUDA, uniform decode / verify steps replay a captured graph of the forward + 
 The sampled ids of the last step stay on the device: a step scheduled before that one's result
 reached the engine (overlapped scheduling) names the tokens it needs by their sample rows
 (`StepInput.placeholder_rows` / `placeholder_sources`), and they are copied there on the device,
-after the step's own inputs."""
+after the step's own inputs. A speculative step scheduled so (`previous_seqs`) is settled on the
+host from the last step's output, which acceptance has brought there anyway (overlap.py)."""
 
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ from .cuda_graphs import DecodeGraphs, batch_buckets
 from .forward_batch import ForwardBatch
 from .loader import DTYPES, load_model
 from .memory_plan import MemoryPlan, plan_memory
+from .overlap import resolve_after
 from .parallel import ParallelState
 from .sampler import Sampler, gather_logprobs
 from .speculative.dflash import DFlashProposer
@@ -107,6 +109,8 @@ class ModelRunner:
         # [R] sampled ids of the last step, on the device (None after a speculative step,
         # whose emitted tokens are settled on the host: such steps are never overlapped)
         self.last_sampled: torch.Tensor | None = None
+        # the last step as it ran and its output (every rank), for a step that continues it
+        self.last_step: tuple[StepInput, StepOutput] | None = None
 
     def allocate_caches(self, num_blocks: int) -> CachePlan:
         """Allocate the caches with `num_blocks` blocks (<= this rank's plan)."""
@@ -158,6 +162,10 @@ class ModelRunner:
         """Run one step; rank 0 returns the StepOutput, other ranks None. Every rank samples
         (the gathered logits are identical), so acceptance, the KDA commit and the MTP drafts
         agree everywhere without a broadcast."""
+        if step.previous_seqs is not None:
+            if self.last_step is None:
+                raise RuntimeError(f"step {step.step_id} continues a step that did not run")
+            step = resolve_after(step, *self.last_step, self.plan.block_size)
         n_sample = len(step.sample_rows)
         rows = logits_row_index(np.concatenate([step.sample_rows, step.prompt_logprob_rows]),
                           self.device)
@@ -203,6 +211,8 @@ class ModelRunner:
                     torch.tensor(1 + num_accepted, device=self.device))
             if self.proposer is not None:
                 drafts = self._propose(step, hidden, taps, num_accepted, emitted)
+        self.last_step = (step, StepOutput(step.step_id, sampled, num_accepted=num_accepted,
+                                           draft_ids=drafts))
         if self.ps.rank != 0:
             return None
         prompt_logprobs = None

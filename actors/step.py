@@ -165,6 +165,9 @@ class StepInput:
     # the device, so the engine never waits for them)
     placeholder_rows: np.ndarray | None = None  # [P] int64
     placeholder_sources: np.ndarray | None = None  # [P] int64
+    # overlapped speculative steps: the sequence of the step before that each sequence
+    # continues (-1: none); its tokens and positions are settled by actors/overlap.py
+    previous_seqs: np.ndarray | None = None  # [N] int64
     # what changed in the block tables the workers keep per state slot since the last step:
     # slots whose row is reset (a new owner), then (slot, column, block) entries set. None:
     # none kept by the sender; a worker that keeps them writes the whole block_tables rows

@@ -2,7 +2,9 @@
 slots, sampling arrays and logits rows, as numpy (a pure function of the scheduled requests).
 
 A token still in flight (a placeholder: the step before samples it, overlapped scheduling) goes
-in as -1 with the previous step's sample row that holds it; the worker fills it on the device."""
+in as -1 with the previous step's sample row that holds it; the worker fills it on the device.
+In a speculative engine the sequence names the previous step's sequence it continues instead,
+and the worker settles its tokens and positions (actors/overlap.py)."""
 
 from __future__ import annotations
 
@@ -30,15 +32,16 @@ def _banned(request, eos_ids: tuple[int, ...], n_out: int) -> tuple[int, ...]:
 def build_step_input(step_id: int, out: SchedulerOutput, block_size: int,
                      eos_ids: tuple[int, ...] = (), num_spec: int = 0,
                      max_model_len: int | None = None,
-                     in_flight_rows: Mapping[Request, int] | None = None) -> StepInput:
+                     in_flight: Mapping[Request, tuple[int, int]] | None = None) -> StepInput:
     """With `num_spec` > 0 every sampling sequence samples each of its 1 + k verify rows (row j
     as output token len(output) + j, after the drafts before it) and asks the proposer for up
-    to num_spec drafts. `in_flight_rows`: for each request with placeholders, its first sample
-    row in the step in flight (whose samples the placeholders are)."""
+    to num_spec drafts. `in_flight`: for each request with placeholders, its sequence index and
+    first sample row in the step in flight (whose samples the placeholders are)."""
     scheduled = out.scheduled
     lengths = np.array([s.num_tokens for s in scheduled], dtype=np.int64)
     cu = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
     token_ids, positions, fill_rows, fill_sources = [], [], [], []
+    previous_seqs = np.full(len(scheduled), -1, dtype=np.int64)
     for i, s in enumerate(scheduled):
         r = s.request
         start = r.num_computed_tokens
@@ -48,11 +51,15 @@ def build_step_input(step_id: int, out: SchedulerOutput, block_size: int,
         first = max(start, r.num_tokens)
         last = min(start + s.num_tokens, r.num_tokens + r.num_placeholders)
         if last > first:
-            if in_flight_rows is None or r not in in_flight_rows:
+            if in_flight is None or r not in in_flight:
                 raise ValueError(f"request {r.request_id} has placeholders but no step in "
                                  f"flight samples them")
+            seq, row = in_flight[r]
+            if num_spec:
+                previous_seqs[i] = seq
+                continue
             fill_rows.extend(range(cu[i] + first - start, cu[i] + last - start))
-            base = in_flight_rows[r] - r.num_tokens
+            base = row - r.num_tokens
             fill_sources.extend(range(base + first, base + last))
     pos = np.concatenate(positions) if positions else np.zeros(0, np.int64)
     width = max((len(s.request.block_ids) for s in scheduled), default=1)
@@ -128,6 +135,7 @@ def build_step_input(step_id: int, out: SchedulerOutput, block_size: int,
         placeholder_sources=np.asarray(fill_sources, dtype=np.int64) if fill_rows else None,
         block_table_resets=resets,
         block_table_updates=updates,
+        previous_seqs=previous_seqs if (previous_seqs >= 0).any() else None,
         **(_speculation(scheduled, num_spec, max_model_len) if num_spec else {}),
     )
 

@@ -10,9 +10,13 @@ Overlapped scheduling (`EngineConfig.async_scheduling`): `step` submits step N+1
 waits for step N, so the workers never wait for the engine's host work (scheduling, building,
 stop rules, outputs). Step N+1 is scheduled as if each sequence sampling in step N had its token
 (a placeholder, filled on the device from step N's samples); once step N's result is in, a
-sequence that finished by it has its step N+1 work dropped, never emitted. A step whose result
-the next step needs on the host (speculative verification, a grammar, penalties) is waited for
-before the next one is scheduled, as in the synchronous loop.
+sequence that finished by it has its step N+1 work dropped, never emitted. With speculation,
+step N+1 verifies the drafts step N proposes, scheduled as if all of step N's drafts were
+accepted; the worker settles tokens and positions from step N's acceptance (actors/overlap.py).
+A step whose result the next step needs on the host is waited for before the next one is
+scheduled, as in the synchronous loop: a grammar or penalties read the sampled tokens, and a
+speculating request near its end (max_tokens, max_model_len) or before min_tokens would get
+draft counts, proposals or banned tokens that depend on the acceptance.
 """
 
 from __future__ import annotations
@@ -96,12 +100,13 @@ class _InFlight:
     items: list[ScheduledRequest]
     result: Future[StepOutput]
 
-    def sample_rows(self) -> dict[Request, int]:
-        """Each sampling request's first sample row (where its placeholders' tokens are)."""
+    def sample_rows(self) -> dict[Request, tuple[int, int]]:
+        """Each sampling request's sequence index and first sample row (where its
+        placeholders' tokens are)."""
         rows, row = {}, 0
-        for item in self.items:
+        for seq, item in enumerate(self.items):
             if item.samples:
-                rows[item.request] = row
+                rows[item.request] = (seq, row)
             row += item.num_sample_rows
         return rows
 
@@ -216,15 +221,24 @@ class LLMEngine:
 
     def _overlappable(self, items: list[ScheduledRequest]) -> bool:
         """Whether the next step can be built before these items' result: only if it needs
-        nothing of it on the host but the sampled tokens, which the workers fill in. Not after
-        a speculative step (acceptance decides the next positions and drafts), nor after a
-        sampling request whose next sampling rows read its outputs (a grammar's bitmask, the
-        penalties' token counts)."""
-        if self.config.num_speculative_tokens:
-            return False
-        return not any(item.samples and (item.request.constraint is not None
-                                         or item.request.params.uses_penalties)
-                       for item in items)
+        nothing of it on the host but what the workers fill in (sampled tokens; with
+        speculation, emitted tokens, drafts and the position shift). Not after a sampling
+        request whose next sampling rows read its outputs (a grammar's bitmask, the penalties'
+        token counts); with speculation, not if a sampling request is within reach of its end
+        over two steps (its draft counts and proposals would depend on the acceptance) or
+        below min_tokens (its banned tokens would)."""
+        k = self.config.num_speculative_tokens
+        for item in items:
+            r = item.request
+            if not item.samples:
+                continue
+            if r.constraint is not None or r.params.uses_penalties:
+                return False
+            if k and (len(r.output_ids) < r.params.min_tokens or min(
+                    r.params.max_tokens - len(r.output_ids),
+                    self.max_model_len - r.num_tokens) <= 3 * (k + 1) + 1):
+                return False
+        return True
 
     def _submit(self, in_flight: _InFlight | None
                 ) -> tuple[_InFlight | None, list[RequestOutput]]:
@@ -251,7 +265,8 @@ class LLMEngine:
             step = self._build(next(self._step_ids), scheduled.scheduled, rows)
         except Exception:  # noqa: BLE001 - one request's data; find it, fail it, run the rest
             return None, self._fail_unbuildable(scheduled.scheduled, rows)
-        self.scheduler.commit(scheduled.scheduled)
+        self.scheduler.commit(scheduled.scheduled,
+                              None if step.propose is None else step.propose.tolist())
         return (step, scheduled.scheduled), []
 
     def _process(self, step: StepInput, items: list[ScheduledRequest],
@@ -281,14 +296,14 @@ class LLMEngine:
         return outputs
 
     def _build(self, step_id: int, items: list,
-               in_flight_rows: dict[Request, int] | None = None) -> StepInput:
+               in_flight_rows: dict[Request, tuple[int, int]] | None = None) -> StepInput:
         return build_step_input(step_id, SchedulerOutput(list(items)),
                                 self.scheduler.blocks.block_size, self.eos_ids,
                                 self.config.num_speculative_tokens, self.max_model_len,
                                 in_flight_rows)
 
-    def _fail_unbuildable(self, items: list,
-                          in_flight_rows: dict[Request, int] | None) -> list[RequestOutput]:
+    def _fail_unbuildable(self, items: list, in_flight_rows: dict[Request, tuple[int, int]] | None
+                          ) -> list[RequestOutput]:
         """A step input could not be built: build each request alone and fail (ERROR) the
         ones that cannot be, freeing their resources. Nothing ran (nor was committed), so the
         others are scheduled again by the next step as if this one had not happened."""

@@ -86,8 +86,8 @@ class Request:
 
     def token_ids(self, start: int, end: int) -> list[int]:
         """Tokens at positions start..end-1 of prompt + output + placeholders (-1) + drafts
-        (copying only those: a decode step asks for one token of a long output). Drafts and
-        placeholders never coexist: speculative steps are not overlapped."""
+        (copying only those: a decode step asks for one token of a long output). Drafts that
+        a step in flight proposes are -1 too."""
         out: list[int] = []
         base = 0
         for part in (self.prompt_ids, self.output_ids, [-1] * self.num_placeholders,

@@ -188,16 +188,22 @@ class Scheduler:
         del self.requests[request.request_id]
 
     # ----- the step is built and sent -----
-    def commit(self, scheduled: list[ScheduledRequest]) -> None:
+    def commit(self, scheduled: list[ScheduledRequest],
+               proposed: list[int] | None = None) -> None:
         """Count the step as computed: its tokens, and a placeholder for each token position it
-        may sample (the target's token after the drafts, which update rolls back as needed)."""
-        for item in scheduled:
+        may sample (the target's token after the drafts, which update rolls back as needed).
+        `proposed`: per scheduled request, how many drafts the step proposes; they stand in as
+        placeholder drafts (-1), so that the next step can verify them before the engine sees
+        them."""
+        for i, item in enumerate(scheduled):
             request = item.request
             request.num_computed_tokens += item.num_tokens
             request.num_blocks_sent = len(request.block_ids)
             request.draft_ids = []  # the step verifies them: they are placeholders now
             if item.samples:
                 request.num_placeholders += 1 + item.num_drafts
+                if proposed is not None:
+                    request.draft_ids = [-1] * proposed[i]
 
     # ----- after the step -----
     def update(self, scheduled: list[ScheduledRequest], sampled: list[int],
@@ -223,6 +229,8 @@ class Scheduler:
             if current:
                 request.num_computed_tokens -= item.num_drafts - accepted
                 request.num_placeholders -= rows
+            # a later step in flight continues the request: it verifies this one's drafts
+            ahead = current and request.num_placeholders > 0
             if not rows:
                 continue
             emitted = []
@@ -236,7 +244,7 @@ class Scheduler:
                     self.finish(request, reason)
                     break
             progressed.append(Progress(request, emitted, first_row))
-            if drafts is not None and current and not request.finished:
+            if drafts is not None and current and not ahead and not request.finished:
                 room = min(request.params.max_tokens - len(request.output_ids),
                            self.max_model_len - request.num_tokens) - 1
                 request.draft_ids = [d for d in drafts[i] if d >= 0][:max(room, 0)]
