@@ -14,9 +14,9 @@ sequence that finished by it has its step N+1 work dropped, never emitted. With 
 step N+1 verifies the drafts step N proposes, scheduled as if all of step N's drafts were
 accepted; the worker settles tokens and positions from step N's acceptance (actors/overlap.py).
 A step whose result the next step needs on the host is waited for before the next one is
-scheduled, as in the synchronous loop: a grammar or penalties read the sampled tokens, and a
-speculating request near its end (max_tokens, max_model_len) or before min_tokens would get
-draft counts, proposals or banned tokens that depend on the acceptance.
+scheduled, as in the synchronous loop, if a grammar or penalties read a sampled token; a
+speculating request near its end (max_tokens, max_model_len) or before min_tokens, whose draft
+counts, proposals or banned tokens would depend on the acceptance, sits the next step out.
 """
 
 from __future__ import annotations
@@ -210,8 +210,9 @@ class LLMEngine:
             if self._in_flight is None:
                 return outputs
         current, self._in_flight = self._in_flight, None
-        if self._overlappable(current.items):  # step N+1 goes before step N's result is read
-            self._in_flight, failed = self._submit(current)
+        hold = self._hold(current.items)
+        if hold is not None:  # step N+1 goes before step N's result is read
+            self._in_flight, failed = self._submit(current, hold)
             outputs += failed
         try:
             result = current.result.result()
@@ -219,41 +220,46 @@ class LLMEngine:
             return outputs + self._fail_all(f"engine step failed: {type(exc).__name__}: {exc}")
         return outputs + self._process(current.step, current.items, result)
 
-    def _overlappable(self, items: list[ScheduledRequest]) -> bool:
-        """Whether the next step can be built before these items' result: only if it needs
-        nothing of it on the host but what the workers fill in (sampled tokens; with
-        speculation, emitted tokens, drafts and the position shift). Not after a sampling
-        request whose next sampling rows read its outputs (a grammar's bitmask, the penalties'
-        token counts); with speculation, not if a sampling request is within reach of its end
-        over two steps (its draft counts and proposals would depend on the acceptance) or
-        below min_tokens (its banned tokens would)."""
+    def _hold(self, items: list[ScheduledRequest]) -> frozenset[Request] | None:
+        """The requests that must sit out a next step built before these items' result, or
+        None if no such step can be built. The next step may only need, of this result, what
+        the workers fill in (sampled tokens; with speculation, emitted tokens, drafts and the
+        position shift). None after a sampling request whose next sampling rows read its
+        outputs (a grammar's bitmask, the penalties' token counts): waiting for one step keeps
+        it at full speed. With speculation, a sampling request sits out if it is within reach
+        of its end over two steps (its draft counts and proposals would depend on the
+        acceptance) or below min_tokens (its banned tokens would); with sampled drafts the
+        step waits instead (the proposer keeps draft distributions for the next step only)."""
         k = self.config.num_speculative_tokens
+        hold = set()
         for item in items:
             r = item.request
             if not item.samples:
                 continue
             if r.constraint is not None or r.params.uses_penalties:
-                return False
+                return None
             if k and (len(r.output_ids) < r.params.min_tokens or min(
                     r.params.max_tokens - len(r.output_ids),
                     self.max_model_len - r.num_tokens) <= 3 * (k + 1) + 1):
-                return False
-        return True
+                if self.config.draft_sampling == "probabilistic":
+                    return None
+                hold.add(r)
+        return frozenset(hold)
 
-    def _submit(self, in_flight: _InFlight | None
+    def _submit(self, in_flight: _InFlight | None, hold: frozenset[Request] = frozenset()
                 ) -> tuple[_InFlight | None, list[RequestOutput]]:
-        prepared, failed = self._prepare(in_flight)
+        prepared, failed = self._prepare(in_flight, hold)
         if prepared is None:
             return None, failed
         step, items = prepared
         return _InFlight(step, items, self.executor.submit(step)), failed
 
-    def _prepare(self, in_flight: _InFlight | None
+    def _prepare(self, in_flight: _InFlight | None, hold: frozenset[Request] = frozenset()
                  ) -> tuple[tuple[StepInput, list[ScheduledRequest]] | None,
                             list[RequestOutput]]:
-        """Schedule, build and commit the next step (None if nothing runs), and the outputs
-        of requests failed because their input could not be built."""
-        scheduled = self.scheduler.schedule()
+        """Schedule (leaving out `hold`), build and commit the next step (None if nothing
+        runs), and the outputs of requests failed because their input could not be built."""
+        scheduled = self.scheduler.schedule(hold)
         self.num_preemptions += len(scheduled.preempted)
         if not scheduled.scheduled:
             return None, []

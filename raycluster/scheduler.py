@@ -109,14 +109,16 @@ class Scheduler:
         return request
 
     # ----- one step -----
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, hold: frozenset[Request] = frozenset()) -> SchedulerOutput:
+        """hold: running requests to leave out of this step (the engine needs the result of
+        the step in flight for them first)."""
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
         for request in list(self.running):
             if budget == 0:
                 break
-            if request.status != RequestStatus.RUNNING:
-                continue  # preempted earlier in this loop
+            if request.status != RequestStatus.RUNNING or request in hold:
+                continue  # preempted earlier in this loop, or held
             if request.num_pending_tokens > budget:
                 request.draft_ids = []  # a verify step is all or nothing
             n = min(request.num_pending_tokens, budget)
