@@ -102,6 +102,8 @@ class ModelRunner:
             memory_plan=self.memory_plan.describe() if self.memory_plan else None)
         self.caches: ModelCaches | None = None
         self.sampler = Sampler()
+        # drafts -> (accepted counts, emitted tokens); a benchmark may put SyntheticAcceptance
+        self.verify_drafts = accept_drafts
         self.graphs: DecodeGraphs | None = None
         self.enforce_eager = enforce_eager or self.device.type != "cuda"
         self.graph_batch_sizes = batch_buckets(num_slots, cuda_graph_batch_sizes)
@@ -193,7 +195,7 @@ class ModelRunner:
         sampled = sampled.cpu().numpy()
         num_accepted = drafts = None
         if step.num_drafts is not None:
-            num_accepted, emitted = accept_drafts(
+            num_accepted, emitted = self.verify_drafts(
                 sampled, step.sample_seqs, step.num_drafts, step.draft_ids, probs, draft_probs,
                 step.sampling.seeds, step.sampling.positions)
             row = 0  # the engine reads each sequence's emitted tokens from its sample rows

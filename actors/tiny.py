@@ -86,25 +86,33 @@ def tiny_text_config(num_layers: int = 5, mtp: bool = False, **overrides: Any) -
     return text
 
 
+# a toy vision tower: transformers always builds one, so its oracle stays small; our engine
+# serves language-only (out_hidden_size is the text model's hidden size)
+TINY_VISION_CONFIG: dict[str, Any] = {
+    "model_type": "glm5_next_vision", "depth": 1, "hidden_size": 32, "num_heads": 2,
+    "intermediate_size": 64, "projection_intermediate_size": 64,
+}
+
+
+def placeholder_token_ids(vocab_size: int) -> dict[str, int]:
+    """Image and video placeholder ids of a tiny config: they must lie inside the vocabulary;
+    the top ids are unused by the tiny tokenizer."""
+    names = ("image_token_id", "video_token_id", "image_start_token_id", "image_end_token_id",
+             "video_start_token_id", "video_end_token_id")
+    return {name: vocab_size - 1 - i for i, name in enumerate(names)}
+
+
 def release_config(text: dict[str, Any], eos_token_ids: list[int], pad_token_id: int,
                    ) -> dict[str, Any]:
     """Wrap a text config into the release `config.json` (with a toy vision config so a
     transformers oracle builds a small tower; our engine serves language-only)."""
     text = {**text, "eos_token_id": eos_token_ids, "pad_token_id": pad_token_id}
-    vocab = text["vocab_size"]
     return {
         "architectures": ["Glm5NextForConditionalGeneration"],
         "model_type": "glm5_next",
         "text_config": text,
-        "vision_config": {
-            "model_type": "glm5_next_vision", "depth": 1, "hidden_size": 32, "num_heads": 2,
-            "intermediate_size": 64, "out_hidden_size": text["hidden_size"],
-            "projection_intermediate_size": 64,
-        },
-        # placeholder ids must lie inside the vocabulary; the top ids are unused by the tokenizer
-        "image_token_id": vocab - 1, "video_token_id": vocab - 2,
-        "image_start_token_id": vocab - 3, "image_end_token_id": vocab - 4,
-        "video_start_token_id": vocab - 5, "video_end_token_id": vocab - 6,
+        "vision_config": {**TINY_VISION_CONFIG, "out_hidden_size": text["hidden_size"]},
+        **placeholder_token_ids(text["vocab_size"]),
         "tie_word_embeddings": False,
         "dtype": text["dtype"],
         "eos_token_id": eos_token_ids,

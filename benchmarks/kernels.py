@@ -5,7 +5,7 @@ bytes it must move and % of the measured copy bandwidth, against the reference a
 Decode-sized calls are timed as CUDA-graph replays (what a graph-captured step pays); prefill
 calls with triton's do_bench (median). Prints a table and writes JSON.
 
-    python benchmarks/kernels.py [--json benchmarks/results/kernels_h200.json] [--quick]
+    python benchmarks/kernels.py [--json benchmarks/results/kernels_h200_<commit>.json] [--quick]
 """
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ call (torch.profiler); --int4-sweep times int4 at each token count under every s
 INT4_SWEEP (the dot-free variant's tiles, warps, K splits and the unsorted-pairs bound), the
 defaults row included, so the module's constants are chosen on measurements.
 
-    python benchmarks/moe_4bit.py [--ep2] [--json benchmarks/results/moe_4bit_h200.json]
+    python benchmarks/moe_4bit.py [--ep2] [--json benchmarks/results/moe_4bit_h200_<commit>.json]
     TRITON_INTERPRET=1 python benchmarks/moe_4bit.py --smoke   # CPU: tiny shapes, no timing
 """
 
@@ -103,8 +103,8 @@ def _exl3_format(n_local, d, inter, rnd, dtype):
 FORMATS = {"bf16": _bf16, "exl3": _exl3_format, "int4": _int4}
 # kernels/int4.py constants swept by --int4-sweep: each entry is one setting (the product of
 # these lists, on top of the module's defaults)
-INT4_SWEEP = {"PAIRS_MAX_TOKENS": [0, 16], "GEMV_BN13": [32, 64, 128], "GEMV_BN2": [64, 128, 256],
-              "GEMV_WARPS": [4, 8], "GEMV_PROGRAMS_PER_SM": [4, 8]}
+INT4_SWEEP = {"GEMV_BN13": [32, 64, 128], "GEMV_BN2": [64, 128, 256], "GEMV_WARPS": [4, 8],
+              "GEMV_PROGRAMS_PER_SM": [4, 8], "GEMV_AHEAD": [1, 2]}
 
 
 def int4_sweep(op, routes, replays: int, repeats: int) -> list[dict]:

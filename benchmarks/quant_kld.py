@@ -7,7 +7,7 @@ vocabulary), so top-1 flips far more easily than on a trained model: these numbe
 mechanism's error, they do not predict the real model's quality (that needs `glm53 kld` on real
 weights).
 
-    python benchmarks/quant_kld.py [--json benchmarks/results/quant_kld_cpu.json]
+    python benchmarks/quant_kld.py [--json benchmarks/results/quant_kld_cpu_<commit>.json]
 """
 
 from __future__ import annotations

@@ -15,6 +15,7 @@ the capacity is reported separately).
 
     python benchmarks/rank0.py [--json benchmarks/results/rank0_h200_<commit>.json]
         [--commit SHA] [--decode 1x8192,...] [--experts exl3|int4] [--utilization 0.9]
+        [--profile]
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import traceback
 from datetime import UTC, datetime
 
 import torch
+from bench_common import kernel_profile
 from slice import BLOCK, _timed, engine_step_ms
 
 from glm53.actors.caches import ModelCaches, cache_bytes
@@ -96,7 +98,10 @@ def reps_for(ms: float, budget_ms: float = 3000.0) -> int:
     return int(min(20, max(3, budget_ms // max(ms, 1e-3))))
 
 
-def graph_replay_ms(model, caches, batch: int, context: int, tables) -> float:
+def graph_replay_ms(model, caches, batch: int, context: int, tables,
+                    profile: bool = False) -> tuple[float, dict | None]:
+    """(ms of one replay of the captured decode step, its kernels' device time profiled on one
+    eager step when `profile`)."""
     ids = torch.randint(0, model.config.vocab_size, (batch,), device=DEV)
     fb = ForwardBatch.build([context - 1] * batch, [1] * batch, list(range(batch)), tables,
                             BLOCK, device=DEV)
@@ -115,7 +120,7 @@ def graph_replay_ms(model, caches, batch: int, context: int, tables) -> float:
         step()
     ms = _timed(graph.replay, reps_for(_timed(graph.replay, 1)))
     del graph
-    return ms
+    return ms, kernel_profile(step, top=40) if profile else None
 
 
 def main() -> None:
@@ -127,6 +132,8 @@ def main() -> None:
     ap.add_argument("--utilization", type=float, default=0.9)
     ap.add_argument("--layers", type=int, default=None,
                     help="only the first N trunk layers (to debug a failing case quickly)")
+    ap.add_argument("--profile", action="store_true",
+                    help="device time per kernel of one eager decode step per case")
     args = ap.parse_args()
     cases = [tuple(int(v) for v in c.split("x")) for c in args.decode.split(",") if c]
     cfg = emulation_config(args.experts, args.layers)
@@ -173,7 +180,10 @@ def main() -> None:
             row = dict(phase="decode", batch=batch, context=context, kv_shared=shared)
             row.update({k: round(v, 4) for k, v in step_bytes(model, batch, context).items()})
             try:
-                row["graph_ms"] = graph_replay_ms(model, caches, batch, context, tables)
+                row["graph_ms"], prof = graph_replay_ms(model, caches, batch, context, tables,
+                                                         args.profile)
+                if prof:
+                    row["profile"] = prof
                 row["pct_bandwidth"] = round(
                     row["total_gb"] * 1e9 / (row["graph_ms"] * 1e-3) / HBM_BYTES_PER_S * 100, 1)
             except Exception:  # noqa: BLE001 - a failed case is recorded, not fatal

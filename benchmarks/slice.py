@@ -12,7 +12,7 @@ Ours decodes over a cache of the stated context (zero-filled: the kernels read t
 whatever the values); transformers decodes after a real prefill of that context (skipped
 where its eager DSA attention would not fit). Prints a table and writes JSON.
 
-    python benchmarks/slice.py [--json benchmarks/results/slice_h200.json] [--commit SHA]
+    python benchmarks/slice.py [--json benchmarks/results/slice_h200_<commit>.json] [--commit SHA]
         [--decode 1x2048,...] [--hf-decode 1x2048,...] [--prefill 4096,...] [--no-graphs]
         [--no-transformers] [--profile]
 """

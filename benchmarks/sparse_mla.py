@@ -15,7 +15,7 @@ constants at 32K follows (for retuning). Every sequence owns its blocks, so read
 HBM, not L2. Before timing, each case checks its selection against torch.topk of the same
 scores and its attention against the torch reference (`check_case`).
 
-    python benchmarks/sparse_mla.py [--json benchmarks/results/sparse_mla_h200.json]
+    python benchmarks/sparse_mla.py [--json benchmarks/results/sparse_mla_h200_<commit>.json]
         [--commit X] [--quick | --sweep-only]
 """
 

@@ -1,5 +1,5 @@
-"""The `glm53` command line: build tiny checkpoints, generate text through the engine, and
-serve the OpenAI-compatible API on Ray Serve."""
+"""The `glm53` command line: build tiny checkpoints, generate text through the engine, serve
+the OpenAI-compatible API on Ray Serve, and benchmark both (`glm53 bench`)."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import re
 import sys
 from pathlib import Path
 
+from .bench_cli import add_bench_parser, run_bench
 from .config import CPU_CACHE_BYTES  # default KV/state budget on CPU when no size is given
 
 
@@ -133,6 +134,7 @@ def _parser() -> argparse.ArgumentParser:
     _serve_parser(sub)
     _plan_parser(sub)
     _verify_parser(sub)
+    add_bench_parser(sub, _parse_speculative, _parse_bytes, QUANTIZE_HELP)
     return parser
 
 
@@ -395,19 +397,38 @@ def proxy_options(args: argparse.Namespace) -> dict:
     return options
 
 
-def _start_ray():
-    """Joins the cluster named by RAY_ADDRESS; otherwise starts a private one on this machine
-    whose Ray listeners (GCS, raylet, workers, agents) bind 127.0.0.1 only."""
+def local_placement(config, has_cuda: bool) -> tuple[str, int | None]:
+    """(device, fake GPUs) of a private Ray on this machine. A multi-GPU engine on CPU places
+    its ranks exactly as on a pair: Ray gets one fake GPU per rank of every replica, so the
+    replicas' placement groups reserve their GPU bundles, and the workers run on CPU (gloo).
+    Without fake GPUs those bundles could never be placed. None: Ray counts the real GPUs."""
+    device = config.device or ("cuda" if has_cuda else "cpu")
+    if device.startswith("cuda") or config.world_size == 1:
+        return device, None
+    return device, config.world_size * config.num_replicas
+
+
+def _joining() -> bool:
     import os
 
-    joining = bool(os.environ.get("RAY_ADDRESS"))
+    return bool(os.environ.get("RAY_ADDRESS"))
+
+
+def _start_ray(num_gpus: int | None = None):
+    """Joins the cluster named by RAY_ADDRESS; otherwise starts a private one on this machine
+    whose Ray listeners (GCS, raylet, workers, agents) bind 127.0.0.1 only, with `num_gpus`
+    fake GPUs if given (`local_placement`)."""
+    import os
+
+    joining = _joining()
     if not joining:
         # Ray binds its listeners to the node IP, which it takes from the network unless this
         # switch (Ray's own, for single-machine use) is off; it is read when ray is imported
         os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
     import ray
 
-    ray.init(address=None if joining else "local", include_dashboard=False)
+    ray.init(address=None if joining else "local", num_gpus=None if joining else num_gpus,
+             include_dashboard=False)
     if not joining and ray.util.get_node_ip_address() != "127.0.0.1":
         logging.getLogger(__name__).warning(
             "the local Ray listens on %s, not only loopback (ray was imported before "
@@ -431,7 +452,14 @@ def _serve(args: argparse.Namespace) -> int:
         raise SystemExit(f"error: {exc}") from exc
     for warning in exposure_warnings(args, config):
         print(f"warning: {warning}", file=sys.stderr, flush=True)
-    ray = _start_ray()
+    fake_gpus = None
+    if not _joining():
+        # the device is fixed before Ray starts: fake GPUs would read as CUDA to build_app
+        import torch
+
+        device, fake_gpus = local_placement(config, torch.cuda.is_available())
+        config = config.model_copy(update={"device": device})
+    ray = _start_ray(fake_gpus)
     from ray import serve
 
     from .app import build_app
@@ -569,6 +597,8 @@ def main(argv: list[str] | None = None) -> int:
         return _plan_memory(args)
     if args.command == "verify":
         return _verify(args)
+    if args.command == "bench":
+        return run_bench(args)
     return _generate(args)
 
 

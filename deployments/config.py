@@ -24,6 +24,7 @@ if TYPE_CHECKING:  # imported where used: the CLI reads this module and should s
 
 CPU_CACHE_BYTES = 256 * 2**20  # default KV/state budget on CPU when no size is given
 DEFAULT_PROFILE = "lang-mtp3"
+ENGINE_CPUS = 1  # the placement-group bundle of a multi-GPU replica's engine (bundle 0)
 TINY_MODEL_NAME = "glm53-tiny"
 
 
@@ -261,13 +262,23 @@ class ServingConfig(BaseModel):
     def server_deployment_options(self, device: str) -> dict[str, Any]:
         """Ray Serve options of the LLM-server deployment on `device` (resolved by the caller:
         the driver may sit on a GPU-less head node). One engine per replica. A single-GPU
-        engine runs in the replica, which holds the GPU; a multi-GPU engine's executor places
-        its workers in its own STRICT_PACK placement group, so the replica asks for no GPU."""
+        engine runs in the replica, which holds the GPU. A multi-GPU replica reserves its whole
+        pair: Serve creates one STRICT_PACK placement group per replica, the replica itself in
+        bundle 0 (the engine: CPU only) and one GPU bundle per rank after it, which the
+        executor finds and fills with its workers. So the engine and its workers share a node
+        (the shared-memory step channel needs it), are scheduled all or nothing, and go away
+        together when Serve replaces the replica. On CPU the GPUs are Ray's fake ones."""
         options: dict[str, Any] = {"num_replicas": self.num_replicas,
                                    "max_ongoing_requests": self.max_ongoing_requests,
                                    "health_check_period_s": 10, "health_check_timeout_s": 30,
                                    **graceful_shutdown_options(self.drain_timeout_s)}
-        if device.startswith("cuda") and self.world_size == 1:
+        if self.world_size > 1:
+            # the step loop keeps one core busy; bundle 0 must hold the replica's own request
+            options["ray_actor_options"] = {"num_cpus": ENGINE_CPUS}
+            options["placement_group_bundles"] = [{"CPU": ENGINE_CPUS}] + [
+                {"GPU": 1}] * self.world_size
+            options["placement_group_strategy"] = "STRICT_PACK"
+        elif device.startswith("cuda"):
             options["ray_actor_options"] = {"num_cpus": 1, "num_gpus": 1}
         else:
             options["ray_actor_options"] = {"num_cpus": 0}

@@ -22,8 +22,9 @@ expert has at most T rows), table DECODE_GEMV:
   group). Products stay per K lane in registers and are reduced once at the end: no
   shared-memory round trip, no 16-row padding. The next step's words and scales are loaded
   before this step's arithmetic. w2 is also split along K (atomics are there anyway) until
-  ~GEMV_PROGRAMS_PER_SM programs per SM: at T = 1, 8 experts give 256 w13 programs (BN 64:
-  128 rows x 4096 columns each) and 256 x 2 w2 programs. sm_90 SASS per K step and thread:
+  ~GEMV_PROGRAMS_PER_SM programs per SM, and w13's columns per program are halved while its
+  programs would fill under half of that: at T = 1, 8 experts give 512 w13 programs (BN 32:
+  64 rows x 4096 columns each) and 256 x 2 w2 programs. sm_90 SASS per K step and thread:
   128 weights for ~600 instructions (~4.7 a weight, 128 registers, no spills); at 4 warps and
   ~4 programs an SM that is ~1.5x the issue rate 4.3 TB/s of int4 needs, hence >= 50% of it
   expected at T = 1 (to be measured). BM rows share the unpacking (one FMA a row a weight):
@@ -87,12 +88,15 @@ DECODE_GEMV = ((16, 1), (64, 2), (128, 4))
 # block, quartered at 4: registers), words of 8 codes per K step (at most; inside one group),
 # warps
 GEMV_BN13, GEMV_BN2, GEMV_BKW, GEMV_WARPS = 64, 128, 16, 4
+# steps of words loaded ahead of the arithmetic (1 or 2; `gemv_rows`)
+GEMV_AHEAD = 1
 # w2's K split: None picks it (programs per SM of the blocks that can hold rows, K steps kept
 # per split); an int forces that many splits (at most, a power of two dividing the steps)
 GEMV_W2_SPLIT: int | None = None
 GEMV_PROGRAMS_PER_SM, GEMV_MIN_STEPS = 4, 4
 # up to this many tokens (and one row per block) the dot-free variant runs on the unsorted
-# (token, expert) pairs: no sort, searchsorted or align launch (`_moe_decode_pairs`)
+# (token, expert) pairs: no sort, searchsorted or align launch (`_moe_decode_pairs`); on an
+# H200 (moe_4bit_h200_8fdaacd.json) 0.069 ms against 0.131 sorted at 1 token, 0.40 vs 0.72 at 8
 PAIRS_MAX_TOKENS = 16
 ONE_F32_BITS = 0x3F800000
 
@@ -258,15 +262,16 @@ def nibble_f32(w, one, I: tl.constexpr):
 
 @triton.jit
 def gemv_rows(p_w, p_s, p_z, p_x0, p_x1, p_x2, p_x3, w0, n_steps, GW, one, BM: tl.constexpr,
-              BN: tl.constexpr, BKW: tl.constexpr):
+              BN: tl.constexpr, BKW: tl.constexpr, AHEAD: tl.constexpr):
     """y_m[n] = sum over n_steps * BKW words from word w0 of x_m . W[n] for the BM <= 4 input
     rows m, without tl.dot: W's codes and x meet in fp32 registers (FMAs), reduced over K once
     at the end. p_w, p_s, p_z: [BN] pointers to each weight row's word w0 (int32, 8 codes) and
     to its first scale / zero; p_xm: row m's input at column 8 w0. Each step of BKW words lies
     inside one group (GW words), so a row has one (scale, zero) per step, and
     x . (code * s + z) = 16 s (x . (1 + code / 16)) + (z - 16 s) sum(x): the codes enter as
-    `nibble_f32`, the scale and zero once per step per row. The next step's words and scales
-    are loaded before this step's arithmetic (in flight while it runs)."""
+    `nibble_f32`, the scale and zero once per step per row. The words and scales of the step
+    AHEAD (1 or 2) steps on are loaded before this step's arithmetic (in flight while it runs:
+    two keep twice the bytes in flight per program at the cost of one more step of registers)."""
     c = tl.arange(0, BKW)
     a0 = tl.zeros([BN, BKW], dtype=tl.float32)
     a1 = tl.zeros([BN, BKW], dtype=tl.float32)
@@ -275,11 +280,16 @@ def gemv_rows(p_w, p_s, p_z, p_x0, p_x1, p_x2, p_x3, w0, n_steps, GW, one, BM: t
     w = tl.load(p_w[:, None] + c[None, :])
     s = tl.load(p_s + w0 // GW).to(tl.float32)
     z = tl.load(p_z + w0 // GW).to(tl.float32)
+    # the step after this one (unused when AHEAD is 1)
+    w_1 = tl.load(p_w[:, None] + (BKW + c)[None, :], mask=(n_steps > 1) & (AHEAD > 1), other=0)
+    s_1 = tl.load(p_s + (w0 + BKW) // GW, mask=(n_steps > 1) & (AHEAD > 1), other=0.0)
+    z_1 = tl.load(p_z + (w0 + BKW) // GW, mask=(n_steps > 1) & (AHEAD > 1), other=0.0)
+    s_1, z_1 = s_1.to(tl.float32), z_1.to(tl.float32)
     for t in range(n_steps):
         kw = t * BKW
-        more = t + 1 < n_steps
-        w_nx = tl.load(p_w[:, None] + (kw + BKW + c)[None, :], mask=more, other=0)
-        g_nx = (w0 + kw + BKW) // GW
+        more = t + AHEAD < n_steps
+        w_nx = tl.load(p_w[:, None] + (kw + AHEAD * BKW + c)[None, :], mask=more, other=0)
+        g_nx = (w0 + kw + AHEAD * BKW) // GW
         s_nx = tl.load(p_s + g_nx, mask=more, other=0.0).to(tl.float32)
         z_nx = tl.load(p_z + g_nx, mask=more, other=0.0).to(tl.float32)
         s16 = (16.0 * s)[:, None]
@@ -315,7 +325,10 @@ def gemv_rows(p_w, p_s, p_z, p_x0, p_x1, p_x2, p_x3, w0, n_steps, GW, one, BM: t
         if BM > 2:
             a2 += s16 * p2 + z16 * x2s[None, :]
             a3 += s16 * p3 + z16 * x3s[None, :]
-        w, s, z = w_nx, s_nx, z_nx
+        if AHEAD > 1:
+            w, s, z, w_1, s_1, z_1 = w_1, s_1, z_1, w_nx, s_nx, z_nx
+        else:
+            w, s, z = w_nx, s_nx, z_nx
     return tl.sum(a0, 1), tl.sum(a1, 1), tl.sum(a2, 1), tl.sum(a3, 1)
 
 
@@ -357,7 +370,7 @@ def swiglu_store(h, act, r, ok, o_n, m_n, INTER, limit, BN: tl.constexpr):
 @triton.jit
 def w13_gemv_kernel(x, q, scale, zero, blocks, sorted_tok, act, stride_x, INTER, KW, NG, limit,
                     GW, one, K, e_off, E, BM: tl.constexpr, BN: tl.constexpr, BKW: tl.constexpr,
-                    PAIRS: tl.constexpr):
+                    PAIRS: tl.constexpr, AHEAD: tl.constexpr):
     """w13_swiglu_kernel for blocks of BM <= 4 rows, dot-free (`gemv_rows`): one program
     computes gate and up (rows interleaved in one [2 BN] tile) for BN output columns.
     q: int32 words [E, 2I, D/8]. PAIRS (BM = 1): unsorted, see `pair_block`."""
@@ -378,7 +391,7 @@ def w13_gemv_kernel(x, q, scale, zero, blocks, sorted_tok, act, stride_x, INTER,
     p_x2 = x + row_token(sorted_tok, tl.minimum(r0 + 2, r1 - 1), K, PAIRS) * stride_x
     p_x3 = x + row_token(sorted_tok, tl.minimum(r0 + 3, r1 - 1), K, PAIRS) * stride_x
     h0, h1, h2, h3 = gemv_rows(p_w, p_s, p_z, p_x0, p_x1, p_x2, p_x3, 0, KW // BKW, GW, one, BM,
-                               2 * BN, BKW)
+                               2 * BN, BKW, AHEAD)
     swiglu_store(h0, act, r0, r0 < r1, o_n, m_n, INTER, limit, BN)
     if BM > 1:
         swiglu_store(h1, act, r0 + 1, r0 + 1 < r1, o_n, m_n, INTER, limit, BN)
@@ -390,7 +403,7 @@ def w13_gemv_kernel(x, q, scale, zero, blocks, sorted_tok, act, stride_x, INTER,
 @triton.jit
 def w2_gemv_kernel(act, q, scale, zero, blocks, sorted_tok, sorted_w, out, D, INTER, KW, NG, GW,
                    STEPS, one, K, e_off, E, BM: tl.constexpr, BN: tl.constexpr,
-                   BKW: tl.constexpr, PAIRS: tl.constexpr):
+                   BKW: tl.constexpr, PAIRS: tl.constexpr, AHEAD: tl.constexpr):
     """w2_kernel for blocks of BM <= 4 rows, dot-free (`gemv_rows`), split along K: program
     (block, n, s) covers the STEPS * BKW words from s * STEPS * BKW and adds its part of
     weight * y into out with atomics. q: int32 words [E, D, I/8]. PAIRS (BM = 1): unsorted,
@@ -411,7 +424,7 @@ def w2_gemv_kernel(act, q, scale, zero, blocks, sorted_tok, sorted_w, out, D, IN
                                ra + tl.minimum(r0 + 1, r1 - 1) * INTER,
                                ra + tl.minimum(r0 + 2, r1 - 1) * INTER,
                                ra + tl.minimum(r0 + 3, r1 - 1) * INTER, w0, STEPS, GW, one, BM, BN,
-                               BKW)
+                               BKW, AHEAD)
     tok = row_token(sorted_tok, r0, K, PAIRS)
     tl.atomic_add(out + tok * D + o_n, y0 * tl.load(sorted_w + r0), mask=m_n)
     if BM > 1:
@@ -497,6 +510,18 @@ def _w2_split(steps: int, programs: int, device: torch.device) -> int:
     return split
 
 
+def _w13_columns(inter: int, bm: int, blocks: int, device: torch.device) -> int:
+    """Output columns per dot-free w13 program: GEMV_BN13 (halved at 2 rows per block,
+    quartered at 4), halved again down to 16 while the `blocks` that can hold rows would fill
+    under half of GEMV_PROGRAMS_PER_SM per SM (measured on an H200 at 1 token: BN 32 0.069 ms
+    vs BN 64 0.072 ms; at 8 and 16 tokens BN 64 is best)."""
+    bn = max(8, min(GEMV_BN13 >> bm // 2, next_pow2(inter)))
+    while bn > 16 and 2 * blocks * triton.cdiv(inter, bn) <= \
+            GEMV_PROGRAMS_PER_SM * _num_sms(device):
+        bn //= 2
+    return bn
+
+
 def _gemv_launch(x, w13, w2, g13, g2, bm, blocks, tok32, wts, n_blk, n_hit, limit, out, *,
                  pairs=None) -> None:
     """The dot-free variant's two launches over n_blk blocks of bm rows (n_hit: experts that
@@ -509,12 +534,12 @@ def _gemv_launch(x, w13, w2, g13, g2, bm, blocks, tok32, wts, n_blk, n_hit, limi
     k, e_off, n_local = pairs or (1, 0, q13.shape[0])
     # words (8 codes) per group; steps of BKW words inside one group
     gw13, gw2 = g13 // 8, g2 // 8
-    bn = max(8, min(GEMV_BN13 >> bm // 2, next_pow2(inter)))
+    bn = _w13_columns(inter, bm, min(n_blk, n_hit), x.device)
     bkw = min(GEMV_BKW, gw13 & -gw13)
     w13_gemv_kernel[(n_blk, triton.cdiv(inter, bn))](
         x, q13.view(torch.int32), s13, z13, blocks, tok32, act, x.stride(0), inter, d // 8,
         s13.shape[-1], float(limit), gw13, ONE_F32_BITS, k, e_off, n_local, BM=bm, BN=bn,
-        BKW=bkw, PAIRS=pairs is not None, num_warps=GEMV_WARPS)
+        BKW=bkw, PAIRS=pairs is not None, AHEAD=GEMV_AHEAD, num_warps=GEMV_WARPS)
     bn = max(16, min(GEMV_BN2 >> bm // 2, next_pow2(d)))
     bkw = min(GEMV_BKW, gw2 & -gw2)
     steps = inter // 8 // bkw
@@ -523,7 +548,7 @@ def _gemv_launch(x, w13, w2, g13, g2, bm, blocks, tok32, wts, n_blk, n_hit, limi
     w2_gemv_kernel[(n_blk, n_n, split)](
         act, q2.view(torch.int32), s2, z2, blocks, tok32, wts, out, d, inter, inter // 8,
         s2.shape[-1], gw2, steps // split, ONE_F32_BITS, k, e_off, n_local, BM=bm, BN=bn,
-        BKW=bkw, PAIRS=pairs is not None, num_warps=GEMV_WARPS)
+        BKW=bkw, PAIRS=pairs is not None, AHEAD=GEMV_AHEAD, num_warps=GEMV_WARPS)
 
 
 def _words_aligned(w13, w2) -> bool:

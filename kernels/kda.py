@@ -12,7 +12,7 @@
   sequence's tokens (one output per position, as verification needs) and writes the final state
   back into its slot in place. Prefill (many tokens per sequence) runs a chunked form of the
   same recurrence: fla's `chunk_kda` when fla is installed (2.3-2.5x faster than ours on an
-  H200 at 4K tokens, benchmarks/results/kernels_kda_h200.json), else our own
+  H200 at 4K tokens, benchmarks/results/kernels_kda_h200_7e0edaa.json), else our own
   `kernels/kda_chunk.py` (3.6x faster than the token walk there).
 - `gated_rms_norm`: per-head RMSNorm times sigmoid(gate).
 """

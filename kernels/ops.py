@@ -1,6 +1,7 @@
 """The ops the model calls, with a backend switch: the Triton kernel (`kernels/<module>.py`) on
 CUDA tensors and the pure-torch reference (`kernels/ref/<module>.py`) otherwise, under the same
-names and signatures. An op without a Triton twin always runs its reference.
+names and signatures. An op without a Triton twin yet (sampling, rejection) always runs its
+reference; callers outside kernels/ still go through here, so a twin plugs in without touching them.
 
 The choice is per call, from the device of the op's first argument (`use("auto")`, the
 default); `use("triton")` forces the kernels (CPU tests run them under TRITON_INTERPRET=1) and
@@ -29,7 +30,8 @@ from .ref.kda_mixer import kda_mixer
 from .ref.mhc import hc_post, hc_pre
 from .ref.moe import fused_moe, route_topk, swiglu
 from .ref.norm import rms_norm
-from .ref.sampling import apply_penalties, process_logits, sample
+from .ref.rejection import rejection_sample
+from .ref.sampling import apply_penalties, process_logits, random_uniform, sample
 from .ref.sparse_mla import (
     indexer_topk,
     indexer_update,
@@ -60,6 +62,8 @@ __all__ = [
     "moe_int4",
     "process_logits",
     "quantize_int4",
+    "random_uniform",
+    "rejection_sample",
     "rms_norm",
     "route_topk",
     "sample",

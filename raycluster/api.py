@@ -8,6 +8,9 @@ deltas, each with the engine's `RequestTiming`). Requests are refused with
 raises `EngineDeadError`, its workers `WorkerError`. `OutputConstraints` is built from the
 tokenizer by the serving layer, which owns it.
 
+Benchmarks, for `glm53 bench latency`: `LatencyRunner` measures `LatencyCase`s on one engine
+in this process.
+
 Checkpoints and plans, for the CLI (`generate`, `make-tiny`, `plan-memory`): reading a model
 directory, the tiny random checkpoints, the release configs and the memory planner.
 """
@@ -31,6 +34,7 @@ from .constraints import ConstraintError, OutputConstraints
 from .engine import AsyncEngine, EngineDeadError, LLMEngine, RequestOutput, TokenLogprob
 from .envs import cache_dir
 from .executor import Executor, WorkerError, make_executor
+from .latency import LatencyCase, LatencyResult, LatencyRunner, describe_device
 from .request import FinishReason, RequestTiming
 from .scheduler import RequestRejectedError
 from .stats import EngineStats
@@ -41,6 +45,8 @@ __all__ = [
     "Executor", "FinishReason", "LLMEngine", "OutputConstraints", "RequestOutput",
     "RequestRejectedError", "RequestTiming", "SamplingParams", "StructuredOutput",
     "TokenLogprob", "WorkerError", "make_executor",
+    # benchmarks
+    "LatencyCase", "LatencyResult", "LatencyRunner", "describe_device",
     # checkpoints and plans
     "CheckpointError", "GiB", "MemoryPlanError", "UnsupportedConfigError", "cache_dir",
     "exl3_quantization_config", "exl3_release_config", "plan_for_config", "read_config",

@@ -433,36 +433,44 @@ def _check_pair_pod(template: dict, where: str) -> list[str]:
     return errors
 
 
+def _pod_gpus(group: dict) -> str | None:
+    return group["template"]["spec"]["containers"][0]["resources"]["limits"].get(
+        "nvidia.com/gpu")
+
+
 def check_serve_against_cluster(apps: dict[str, Any], cluster: dict, where: str) -> list[str]:
-    """Each engine replica = one pair pod: parallel size = GPUs per pod, the replica's custom
-    resource is offered by the worker group, autoscaling bounds = the group's bounds."""
+    """Each engine replica = one pair pod: a multi-GPU replica reserves its engine and one GPU
+    per rank in one STRICT_PACK placement group (so all of it lands on one GPU pod, never on
+    the GPU-less head), every GPU worker group's pods offer exactly that many GPUs (one replica
+    per pod), and the autoscaling bounds = the group's bounds."""
     errors = []
-    groups = cluster.get("workerGroupSpecs", [])
+    groups = [g for g in cluster.get("workerGroupSpecs", []) if _pod_gpus(g)]
     for app_name, (config, infos) in apps.items():
         for name, info in infos.items():
             if not name.startswith("LLMServer:"):
                 continue
             dw = f"{where}: application {app_name!r} deployment {name!r}"
-            resources = (info.replica_config.ray_actor_options or {}).get("resources") or {}
-            group = next((g for g in groups if all(
-                f'\\"{r}\\"' in g.get("rayStartParams", {}).get("resources", "") or
-                f'"{r}"' in g.get("rayStartParams", {}).get("resources", "")
-                for r in resources)), None) if resources else None
-            if group is None:
-                errors.append(f"{dw}: ray_actor_options.resources {resources} are offered by no "
-                              "worker group (the engine could land on the head)")
-                continue
-            gpus = group["template"]["spec"]["containers"][0]["resources"]["limits"].get(
-                "nvidia.com/gpu")
-            if str(config.world_size) != gpus:
-                errors.append(f"{dw}: engine world size {config.world_size} != GPUs per pod "
-                              f"{gpus}")
-            auto = info.deployment_config.autoscaling_config
-            if auto is not None and (auto.min_replicas, auto.max_replicas) != (
-                    group.get("minReplicas", 0), group.get("maxReplicas")):
-                errors.append(f"{dw}: autoscaling {auto.min_replicas}..{auto.max_replicas} != "
-                              f"worker group {group.get('minReplicas', 0)}.."
-                              f"{group.get('maxReplicas')}")
+            replica = info.replica_config
+            bundles = replica.placement_group_bundles or []
+            if config.world_size > 1 and (
+                    replica.placement_group_strategy != "STRICT_PACK"
+                    or sum(b.get("GPU", 0) for b in bundles) != config.world_size):
+                errors.append(f"{dw}: the replica must reserve its engine and "
+                              f"{config.world_size} GPUs in one STRICT_PACK placement group "
+                              f"(placement_group_bundles), not {bundles} "
+                              f"{replica.placement_group_strategy}")
+            if not groups:
+                errors.append(f"{dw}: no worker group offers GPUs")
+            for group in groups:
+                if str(config.world_size) != _pod_gpus(group):
+                    errors.append(f"{dw}: engine world size {config.world_size} != GPUs per "
+                                  f"pod {_pod_gpus(group)} of group {group.get('groupName')}")
+                auto = info.deployment_config.autoscaling_config
+                if auto is not None and (auto.min_replicas, auto.max_replicas) != (
+                        group.get("minReplicas", 0), group.get("maxReplicas")):
+                    errors.append(f"{dw}: autoscaling {auto.min_replicas}..{auto.max_replicas} "
+                                  f"!= worker group {group.get('minReplicas', 0)}.."
+                                  f"{group.get('maxReplicas')}")
     return errors
 
 

@@ -5,6 +5,8 @@ below it. Relative imports are resolved to absolute names first, so `from ..depl
 inside actors/ counts, and so do `importlib.import_module("glm53...")` calls with literal names.
 The serving layer (deployments/) sees the engine through one door, `glm53.raycluster.api`: it
 imports public names of that module only, and nothing from actors/ or kernels/ directly.
+Likewise the kernels have one door, `glm53.kernels.ops`: runtime code outside kernels/ never
+imports the references under `glm53.kernels.ref` (tests and benchmarks may, to compare).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ REPO = Path(__file__).resolve().parents[1]
 LAYERS = ("kernels", "actors", "raycluster", "deployments")  # lowest first
 NAMESPACE = "glm53"
 ENGINE_API = f"{NAMESPACE}.raycluster.api"  # the one module deployments/ imports from below
+KERNEL_REFS = f"{NAMESPACE}.kernels.ref"  # reached only through glm53.kernels.ops outside kernels/
 
 
 def _source_files() -> list[Path]:
@@ -156,6 +159,36 @@ def test_engine_door_checker_sees_violations() -> None:
     flagged = {imp.lineno for imp in _imports(REPO / "deployments" / "mod.py", source)
                if _engine_door_violation(imp)}
     assert flagged == {4, 5, 6, 7, 8, 9}
+
+
+def _reaches_kernel_refs(imp: Imp) -> bool:
+    return imp.target == KERNEL_REFS or imp.target.startswith(KERNEL_REFS + ".")
+
+
+def test_runtime_reaches_kernel_references_only_through_ops() -> None:
+    bad = [
+        f"{_where(path, imp)}: use glm53.kernels.ops"
+        for path in FILES
+        if path.relative_to(REPO).parts[0] != "kernels"
+        for imp in _imports(path)
+        if _reaches_kernel_refs(imp)
+    ]
+    assert not bad, "\n".join(bad)
+
+
+def test_kernel_refs_checker_sees_violations() -> None:
+    # Guard the rule itself: a would-be actors/mod.py, one import per line.
+    source = (
+        "from glm53.kernels import ops\n"  # 1 fine
+        "from glm53.kernels.ops import sample\n"  # 2 fine
+        "from glm53.kernels.ref.sampling import sample\n"  # 3 around the door
+        "from glm53.kernels import ref\n"  # 4 the same, by alias
+        "import glm53.kernels.ref.rejection\n"  # 5 the same, plain import
+        "import glm53.kernels.reference_free\n"  # 6 a different name that starts alike
+    )
+    flagged = {imp.lineno for imp in _imports(REPO / "actors" / "mod.py", source)
+               if _reaches_kernel_refs(imp)}
+    assert flagged == {3, 4, 5}
 
 
 def test_relative_imports_stay_inside_their_layer() -> None:

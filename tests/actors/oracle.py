@@ -7,6 +7,8 @@ from pathlib import Path
 
 import torch
 
+from glm53.actors.tiny import TINY_VISION_CONFIG, placeholder_token_ids
+
 
 def load_hf(model_dir: Path):
     """transformers' Glm5NextForConditionalGeneration in fp32, asserting no text weight is
@@ -23,11 +25,6 @@ def load_hf(model_dir: Path):
     return model.eval()
 
 
-# toy vision tower: transformers always builds one, text-only inputs never run it
-TINY_VISION = dict(depth=1, hidden_size=32, num_heads=2, intermediate_size=64,
-                   projection_intermediate_size=64)
-
-
 @torch.no_grad()
 def save_hf_checkpoint(text: dict, out: Path, seed: int):
     """transformers' own tiny checkpoint: `Glm5NextConfig(text_config=text)`, its model with
@@ -35,14 +32,9 @@ def save_hf_checkpoint(text: dict, out: Path, seed: int):
     its `save_pretrained`. Returns the fp32 model."""
     from transformers import Glm5NextConfig, Glm5NextForConditionalGeneration
 
-    vocab = text["vocab_size"]
-    # placeholder ids must lie inside the vocabulary
-    ids = dict(image_token_id=vocab - 1, video_token_id=vocab - 2, image_start_token_id=vocab - 3,
-               image_end_token_id=vocab - 4, video_start_token_id=vocab - 5,
-               video_end_token_id=vocab - 6)
-    config = Glm5NextConfig(text_config=text,
-                            vision_config={**TINY_VISION, "out_hidden_size": text["hidden_size"]},
-                            **ids)
+    config = Glm5NextConfig(text_config=text, vision_config={
+        **TINY_VISION_CONFIG, "out_hidden_size": text["hidden_size"]},
+        **placeholder_token_ids(text["vocab_size"]))
     model = Glm5NextForConditionalGeneration(config).float().eval()
     gen = torch.Generator().manual_seed(seed)
     for name, p in [*model.named_parameters(), *model.named_buffers()]:

@@ -12,7 +12,6 @@ from glm53.actors.caches import DSAState, KDAState
 from glm53.actors.cuda_graphs import StaticInputs, batch_buckets, uniform_width
 from glm53.actors.model_runner import ModelRunner
 from glm53.actors.step import SamplingParams, StepInput
-from glm53.deployments.tiny_model import make_tiny
 from glm53.raycluster.config import EngineConfig
 from glm53.raycluster.engine import LLMEngine
 from glm53.raycluster.executor import InProcessExecutor
@@ -23,9 +22,8 @@ PARAMS = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, logprob
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    return str(make_tiny(tmp_path_factory.mktemp("graphs"), seed=7, layers=4, mtp=True,
-                         index_topk=8))
+def tiny(tiny_checkpoint):
+    return str(tiny_checkpoint)
 
 
 def _prompts() -> list[list[int]]:

@@ -14,16 +14,14 @@ from glm53.actors.emulation import build_rank0
 from glm53.actors.layers.moe import Router
 from glm53.actors.loader import build_model
 from glm53.actors.parallel import ParallelConfig, ParallelState
-from glm53.deployments.tiny_model import make_tiny
 from tests.naive_runner import SequenceRunner
 
 PLAN = ParallelConfig(tp=2, ep=2, dcp=2)
 
 
 @pytest.fixture(scope="module", params=["dense", "exl3"])
-def cfg(request, tmp_path_factory):
-    path = make_tiny(tmp_path_factory.mktemp(request.param), seed=2, mtp=True,
-                     exl3=request.param == "exl3")
+def cfg(request, tiny_checkpoints):
+    path = tiny_checkpoints(seed=2, mtp=True, exl3=request.param == "exl3")
     return ModelConfig.from_hf(json.loads((path / "config.json").read_text()))
 
 

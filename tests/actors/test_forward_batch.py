@@ -8,7 +8,6 @@ import torch
 
 from glm53.actors.forward_batch import ForwardBatch
 from glm53.actors.loader import load_model
-from glm53.deployments.tiny_model import make_tiny
 from glm53.kernels import ops
 from tests.naive_runner import SequenceRunner
 
@@ -22,8 +21,8 @@ def test_build_keeps_cu_seqlens_on_the_host():
     assert batch.has_initial_state.tolist() == [False, True]
 
 
-def test_kda_layers_pass_the_host_copy(tmp_path, monkeypatch):
-    model = load_model(make_tiny(tmp_path, seed=3, layers=4), progress=False)
+def test_kda_layers_pass_the_host_copy(tiny_checkpoint, monkeypatch):
+    model = load_model(tiny_checkpoint, progress=False)
     kda_layers = len(model.config.kda_layers)
     assert kda_layers
     seen = []

@@ -15,7 +15,6 @@ import pytest
 import torch
 
 from glm53.actors.step import SamplingParams
-from glm53.deployments.tiny_model import make_tiny
 from glm53.raycluster.config import EngineConfig
 from glm53.raycluster.engine import LLMEngine
 
@@ -27,9 +26,8 @@ PARAMS = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, logprob
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    return str(make_tiny(tmp_path_factory.mktemp("graphs"), seed=3, layers=5, mtp=True,
-                         index_topk=8))
+def tiny(tiny_checkpoint):
+    return str(tiny_checkpoint)
 
 
 def _run(engine: LLMEngine) -> list[tuple[list[int], list]]:

@@ -24,7 +24,6 @@ from glm53.actors.memory_plan import (
 )
 from glm53.actors.parallel import ParallelConfig, ParallelState
 from glm53.actors.release import exl3_release_config, release_config
-from glm53.deployments.tiny_model import make_tiny
 
 # ----- model facts (glm53-model.md §1.2, §2) -----
 V, D = 154880, 4096  # vocab, hidden
@@ -254,8 +253,8 @@ def test_int4_fits_an_h200_pair_too(meta_model) -> None:
     assert plan.num_sequences >= 4, plan.describe()
 
 
-def test_load_model_refuses_before_allocating(tmp_path, monkeypatch) -> None:
-    model_dir = make_tiny(tmp_path / "tiny", seed=0)
+def test_load_model_refuses_before_allocating(tiny_checkpoint, monkeypatch) -> None:
+    model_dir = tiny_checkpoint
 
     def check(model):
         plan_memory(model, 1 * MiB, 0.9, block_size=16, num_slots=4).check()

@@ -10,7 +10,6 @@ import pytest
 import torch
 
 from glm53.actors.loader import load_model
-from glm53.deployments.tiny_model import make_tiny
 from tests.naive_runner import SequenceRunner, generate
 
 from .oracle import hf_greedy, hf_logits, load_hf
@@ -39,7 +38,7 @@ CONFIGS = {
 
 
 @pytest.fixture(scope="module", params=sorted(CONFIGS))
-def case(request, tmp_path_factory):
+def case(request, tiny_checkpoints):
     spec = dict(CONFIGS[request.param])
     seq_len = spec.pop("seq_len")
     layers, mtp = spec.pop("layers"), spec.pop("mtp", False)
@@ -48,8 +47,7 @@ def case(request, tmp_path_factory):
                                for i in range(layers)]
     first_dense = spec.get("first_k_dense_replace", 1)
     spec["mlp_layer_types"] = ["dense" if i < first_dense else "sparse" for i in range(layers)]
-    path = make_tiny(tmp_path_factory.mktemp(request.param), seed=7, layers=layers, mtp=mtp,
-                     **spec)
+    path = tiny_checkpoints(seed=7, layers=layers, mtp=mtp, **spec)
     model = load_model(path, progress=False)
     hf = load_hf(path)
     gen = torch.Generator().manual_seed(11)

@@ -15,7 +15,6 @@ from safetensors.torch import load_file
 
 from glm53.actors.forward_batch import ForwardBatch
 from glm53.actors.loader import load_model
-from glm53.deployments.tiny_model import make_tiny
 from tests.naive_runner import SequenceRunner
 
 TOL = 1e-4
@@ -26,8 +25,8 @@ def _rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 @pytest.fixture(scope="module")
-def setup(tmp_path_factory):
-    path = make_tiny(tmp_path_factory.mktemp("mtp"), seed=5, layers=5, mtp=True, index_topk=8)
+def setup(tiny_checkpoints):
+    path = tiny_checkpoints(seed=5, layers=5, mtp=True, index_topk=8)
     model = load_model(path, with_mtp=True, progress=False)
     tensors = load_file(path / "model.safetensors")
     text = json.loads((path / "config.json").read_text())["text_config"]

@@ -34,10 +34,9 @@ TOL = 1e-4
 
 
 @pytest.fixture(scope="module")
-def exl3_tiny(tmp_path_factory):
+def exl3_tiny(tiny_checkpoints):
     # 120 tokens against a 2-pool budget: the DSA selection is really sparse
-    return make_tiny(tmp_path_factory.mktemp("exl3"), seed=5, layers=5, mtp=True, exl3=True,
-                     index_topk=8)
+    return tiny_checkpoints(seed=5, layers=5, mtp=True, exl3=True, index_topk=8)
 
 
 @pytest.fixture(scope="module")
@@ -96,8 +95,8 @@ def test_exl3_needs_hadamard_aligned_widths(tmp_path):
 
 
 @pytest.fixture(scope="module")
-def dense_tiny(tmp_path_factory):
-    return make_tiny(tmp_path_factory.mktemp("dense"), seed=6, layers=5, index_topk=8)
+def dense_tiny(tiny_checkpoints):
+    return tiny_checkpoints(seed=6, layers=5, index_topk=8)
 
 
 def _fake_quantised(src, dst, group: int) -> str:

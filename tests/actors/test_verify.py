@@ -5,10 +5,11 @@ whatever the draft."""
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 
 from glm53.actors.sampler import Sampler, build_sampling_inputs
-from glm53.actors.speculative.verify import accept_drafts
+from glm53.actors.speculative.verify import SyntheticAcceptance, accept_drafts
 from glm53.actors.step import SamplingParams
 
 
@@ -59,3 +60,36 @@ def test_probabilistic_drafts_follow_the_target_distribution():
     p = torch.softmax(logits, -1).double().numpy()
     assert _chi2_ok(np.bincount([e[0] for e in emitted], minlength=vocab), p[0])
     assert 0 < accepted.mean() < 1
+
+
+def _synthetic_step(n: int, k: int, verifying: int):
+    """n sequences, the first `verifying` with k drafts (10 + position), the rest none;
+    sample rows hold 100 + row."""
+    num_drafts = np.array([k] * verifying + [0] * (n - verifying))
+    seqs = np.repeat(np.arange(n), 1 + num_drafts)
+    drafts = np.full((n, k), -1)
+    drafts[:verifying] = 10 + np.arange(k)
+    return 100 + np.arange(len(seqs)), seqs, num_drafts, drafts
+
+
+def test_synthetic_acceptance_emits_accepted_drafts_then_the_targets_sample():
+    sampled, seqs, num_drafts, drafts = _synthetic_step(3, 3, verifying=2)
+    accepted, emitted = SyntheticAcceptance([1.0, 1.0, 0.0])(sampled, seqs, num_drafts, drafts)
+    # sequence 0: rows 0..3, sequence 1: rows 4..7, sequence 2 (no drafts): row 8
+    assert accepted.tolist() == [2, 2, 0]
+    assert emitted == [[10, 11, 102], [10, 11, 106], [108]]
+
+
+def test_synthetic_acceptance_rates_per_position_are_the_given_ones():
+    p = [0.9, 0.6, 0.3]
+    verify = SyntheticAcceptance(p, seed=1)
+    sampled, seqs, num_drafts, drafts = _synthetic_step(4000, 3, verifying=4000)
+    accepted, _ = verify(sampled, seqs, num_drafts, drafts)
+    rates = [(accepted > j).mean() for j in range(3)]
+    assert rates == pytest.approx(p, abs=0.03)
+
+
+@pytest.mark.parametrize("p", [[0.5, 0.7], [1.2], [], [-0.1]])
+def test_synthetic_acceptance_refuses_impossible_probabilities(p):
+    with pytest.raises(ValueError, match="synthetic acceptance"):
+        SyntheticAcceptance(p)

@@ -14,7 +14,6 @@ from safetensors.torch import load_file, save_file
 
 from glm53.actors.loader import build_model, load_model, read_config
 from glm53.actors.weights import CheckpointError, CheckpointReader, export_checkpoint, load_weights
-from glm53.deployments.tiny_model import make_tiny
 
 P = "model.language_model."
 MTP = f"{P}layers.5."  # 5 trunk layers: the MTP layer is index 5
@@ -22,8 +21,8 @@ FILE = "model.safetensors"
 
 
 @pytest.fixture(scope="module")
-def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_tiny(tmp_path_factory.mktemp("ckpt"), seed=2, layers=5, mtp=True)
+def ckpt(tiny_checkpoints) -> Path:
+    return tiny_checkpoints(seed=2, layers=5, mtp=True)
 
 
 @pytest.fixture(scope="module")

@@ -1,7 +1,11 @@
 """Chaos under load, through Serve's HTTP proxy on CPU: 32 streams run while (a) the engine's
-replica is killed, (b) one worker actor of a TP=2 replica is killed. Every stream ends, with
-its finish reason or an SSE error event, and `[DONE]`, within a bound; `/health` turns 503
-and back to 200 once Serve has replaced the replica; new requests are served again."""
+replica is killed, (b) one worker actor of a TP2/EP2/DCP2 replica is killed. Every stream ends,
+with its finish reason or an SSE error event, and `[DONE]`, within a bound; `/health` turns 503
+and back to 200 once Serve has replaced the replica; new requests are served again.
+
+The TP2/EP2/DCP2 replica is what `glm53 serve --tp 2 --ep 2 --dcp 2` runs on a CPU box (fake
+GPUs, gloo), placed as on a pair: its own placement group holds the engine and one worker per
+GPU, and through the `openai` client it answers exactly as the TP1 replica does."""
 
 from __future__ import annotations
 
@@ -13,11 +17,11 @@ import socket
 import time
 
 import httpx
+import openai
 import pytest
 
 from glm53.deployments.app import ingress_app, server_app
 from glm53.deployments.config import ServingConfig
-from glm53.deployments.tiny_model import make_tiny
 
 # the full tier (make test-all, CI): kills parts of a served app, waits for Serve to heal it
 pytestmark = pytest.mark.slow
@@ -34,17 +38,18 @@ def _free_port() -> int:
 
 
 @pytest.fixture(scope="module")
-def base_url(ray_session, tmp_path_factory):
+def base_url(ray_session, tiny_checkpoints):
     from ray import serve
 
-    path = make_tiny(tmp_path_factory.mktemp("chaos") / "tiny", seed=4)
+    path = tiny_checkpoints(seed=4)
     port = _free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     common = dict(model=str(path), device="cpu", max_model_len=512, max_num_seqs=32,
                   num_blocks=1024, speculative="none")
     servers = {"solo": server_app(ServingConfig(served_model_name="solo", **common), "cpu"),
-               "pair": server_app(ServingConfig(served_model_name="pair",
-                                                tensor_parallel_size=2, **common), "cpu")}
+               "pair": server_app(ServingConfig(
+                   served_model_name="pair", tensor_parallel_size=2, expert_parallel_size=2,
+                   decode_context_parallel_size=2, **common), "cpu")}
     serve.run(ingress_app(servers), name="chaos-test", route_prefix="/",
               logging_config={"log_level": "WARNING", "enable_access_log": False})
     yield f"http://127.0.0.1:{port}"
@@ -130,14 +135,59 @@ def test_killed_replica_ends_every_stream_and_is_replaced(base_url):
     _recovers(base_url, "solo")
 
 
-def test_killed_worker_of_a_tp2_replica_ends_every_stream(base_url):
+def _client(base_url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0,
+                         timeout=STREAM_BOUND_S)
+
+
+def test_pair_replica_holds_its_engine_and_workers_in_one_placement_group(base_url):
+    """Serve reserves the pair replica's placement group (one per replica, STRICT_PACK): the
+    replica with its engine takes bundle 0, rank r takes bundle r + 1; the executor makes no
+    group of its own. The TP1 replica and the ingress need none."""
+    import ray
+
+    groups = [g for g in ray.util.placement_group_table().values() if g["state"] == "CREATED"]
+    assert [(g["bundles"], g["strategy"]) for g in groups] == [
+        ({0: {"CPU": 1.0}, 1: {"GPU": 1.0}, 2: {"GPU": 1.0}}, "STRICT_PACK")]
+    pg = groups[0]["placement_group_id"]
+    free = ray.available_resources()
+    for bundle in (f"CPU_group_0_{pg}", f"GPU_group_1_{pg}", f"GPU_group_2_{pg}"):
+        assert free.get(bundle, 0) == 0, bundle  # held by the replica, rank 0, rank 1
+
+
+def test_pair_greedy_output_equals_tp1_through_openai(base_url):
+    client = _client(base_url)
+    prompts = ["the pair and the solo", "agree token for token on every prompt"]
+
+    def greedy(model: str) -> list[str]:
+        out = client.completions.create(model=model, prompt=prompts, max_tokens=24,
+                                        temperature=0, extra_body={"ignore_eos": True})
+        assert [c.finish_reason for c in out.choices] == ["length"] * len(prompts)
+        return [c.text for c in sorted(out.choices, key=lambda c: c.index)]
+
+    assert greedy("pair") == greedy("solo")
+
+
+def test_killed_worker_of_a_pair_replica_ends_every_stream(base_url):
+    """Also through the `openai` client: a stream in flight when the worker dies raises an
+    APIError that says the engine is being restarted (not a hang, not a bare disconnect), and
+    once Serve has replaced the replica (its health check fails) the client is served."""
     pids = _worker_pids()
     assert len(pids) == 2
+    client = _client(base_url)
+    in_flight = client.completions.create(model="pair", prompt="in flight", max_tokens=400,
+                                          stream=True, extra_body={"ignore_eos": True})
+    next(iter(in_flight))  # it is running
     outcomes = asyncio.run(_under_load(
         base_url, "pair", lambda: os.kill(pids[1], signal.SIGKILL)))
     assert "error" in outcomes
+    with pytest.raises(openai.APIError, match="engine is unavailable and being restarted"):
+        for _ in in_flight:
+            pass
     _recovers(base_url, "pair")
     assert set(_worker_pids()).isdisjoint(pids)  # a new replica with new workers
+    again = client.completions.create(model="pair", prompt="again", max_tokens=4)
+    assert again.choices[0].text and again.usage.completion_tokens >= 1
 
 
 def test_killed_ingress_aborts_its_requests_in_the_engine(base_url):

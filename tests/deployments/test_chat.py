@@ -14,8 +14,6 @@ from glm53.deployments.chat import (
     ToolCallParser,
     parse_tool_call,
 )
-from glm53.deployments.tiny_tokenizer import write_tiny_tokenizer
-from glm53.deployments.tokenizer import load_tokenizer
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "Weather of a city",
@@ -24,10 +22,8 @@ WEATHER = {"type": "function", "function": {
 
 
 @pytest.fixture(scope="module")
-def template(tmp_path_factory):
-    out = tmp_path_factory.mktemp("tok")
-    write_tiny_tokenizer(out)
-    return ChatTemplate(load_tokenizer(out))
+def template(tiny_tokenizer):
+    return ChatTemplate(tiny_tokenizer)
 
 
 def splits(text: str):

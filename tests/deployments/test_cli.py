@@ -275,18 +275,36 @@ def test_plan_memory_of_the_release(capsys: pytest.CaptureFixture[str]) -> None:
         main(["plan-memory", "--release", "exl3", "--speculative", "dflash:/nowhere"])
 
 
+@pytest.mark.parametrize("flags, has_cuda, placement", [
+    (["--tp", "2", "--ep", "2", "--dcp", "2"], False, ("cpu", 2)),
+    (["--tp", "2", "--num-replicas", "2"], False, ("cpu", 4)),
+    (["--dcp", "2", "--device", "cpu"], True, ("cpu", 2)),
+    (["--tp", "2"], True, ("cuda", None)),  # Ray counts the real GPUs
+    ([], False, ("cpu", None)),  # one rank runs in the replica: no GPU to reserve
+])
+def test_serve_on_cpu_gives_each_rank_a_fake_gpu(flags, has_cuda, placement):
+    """`glm53 serve --tp 2` on a machine without GPUs: its private Ray gets one fake GPU per
+    rank of every replica, so the replicas' GPU bundles can be placed (they never could)."""
+    from glm53.deployments.cli import _parser, local_placement, serving_config
+
+    config = serving_config(_parser().parse_args(["serve", "--speculative", "none", *flags]))
+    assert local_placement(config, has_cuda) == placement
+
+
 @pytest.mark.slow  # starts a private Ray in a subprocess
 def test_serve_starts_a_private_ray_on_loopback():
     """Without RAY_ADDRESS, `glm53 serve` starts its own Ray whose listeners (GCS, raylet,
     workers) bind 127.0.0.1, not the machine's network address (a fresh process: the switch
-    is read when ray is imported)."""
+    is read when ray is imported), with the fake GPUs it is given."""
     env = {k: v for k, v in os.environ.items()
            if k not in ("RAY_ADDRESS", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER")}
     code = ("from glm53.deployments.cli import _start_ray\n"
-            "ray = _start_ray()\n"
-            "print(ray.util.get_node_ip_address(), ray.get_runtime_context().gcs_address)\n"
+            "ray = _start_ray(num_gpus=2)\n"
+            "print(ray.util.get_node_ip_address(), ray.get_runtime_context().gcs_address,\n"
+            "      ray.cluster_resources().get('GPU'))\n"
             "ray.shutdown()\n")
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                          timeout=300, check=True).stdout.split()
-    node_ip, gcs = out[-2:]
+    node_ip, gcs, gpus = out[-3:]
     assert node_ip == "127.0.0.1" and gcs.startswith("127.0.0.1:"), out
+    assert gpus == "2.0", out

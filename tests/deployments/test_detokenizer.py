@@ -9,15 +9,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from glm53.deployments.detokenizer import IncrementalDetokenizer, StopStrings
-from glm53.deployments.tiny_tokenizer import write_tiny_tokenizer
-from glm53.deployments.tokenizer import decode, load_tokenizer
+from glm53.deployments.tokenizer import decode
 
 
 @pytest.fixture(scope="module")
-def tok(tmp_path_factory):
-    out = tmp_path_factory.mktemp("tok")
-    write_tiny_tokenizer(out)
-    return load_tokenizer(out)
+def tok(tiny_tokenizer):
+    return tiny_tokenizer
 
 
 def stream(tok, ids: list[int], splits: list[int]) -> list[str]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import shutil
 import socket
 import time
 
@@ -22,7 +23,6 @@ from prometheus_client.parser import text_string_to_metric_families
 from glm53.deployments.app import ingress_app, server_app
 from glm53.deployments.config import ServingConfig
 from glm53.deployments.provenance import read_manifest, write_manifest
-from glm53.deployments.tiny_model import make_tiny
 from glm53.deployments.tokenizer import decode, load_tokenizer
 from tests.deployments.scripted_engine import ScriptedEngine
 
@@ -39,10 +39,12 @@ def _free_port() -> int:
 
 
 @pytest.fixture(scope="module")
-def base_url(ray_session, tmp_path_factory):
+def base_url(ray_session, tmp_path_factory, tiny_checkpoints):
     from ray import serve
 
-    path = make_tiny(tmp_path_factory.mktemp("serve") / "tiny", seed=0, mtp=True)
+    # a copy: the manifest written into it must not reach the other tests
+    path = tmp_path_factory.mktemp("serve") / "tiny"
+    shutil.copytree(tiny_checkpoints(seed=0, mtp=True), path)
     write_manifest(path, progress=False)
     port = _free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
@@ -52,7 +54,7 @@ def base_url(ray_session, tmp_path_factory):
                          num_blocks=512, speculative="mtp:2", verify=True, **common)
     scripted = ServingConfig(served_model_name="scripted", max_waiting_requests=2,
                              speculative="none", **common)
-    exl3_path = make_tiny(tmp_path_factory.mktemp("serve") / "exl3", seed=1, mtp=True, exl3=True)
+    exl3_path = tiny_checkpoints(seed=1, mtp=True, exl3=True)
     exl3 = ServingConfig(served_model_name="exl3", model=str(exl3_path), device="cpu",
                          max_model_len=128, num_blocks=128, speculative="mtp:2")
     app = ingress_app({"tiny": server_app(tiny, "cpu"), "exl3": server_app(exl3, "cpu"),

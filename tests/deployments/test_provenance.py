@@ -24,16 +24,11 @@ from glm53.deployments.provenance import (
 from tests.deployments.scripted_engine import ScriptedEngine
 
 
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tiny_model.make_tiny(tmp_path_factory.mktemp("prov") / "tiny", seed=2, layers=4)
-
-
 @pytest.fixture
-def ckpt(tiny: Path, tmp_path: Path) -> Path:
+def ckpt(tiny_checkpoint: Path, tmp_path: Path) -> Path:
     """A fresh copy with a manifest, free to be tampered with."""
     out = tmp_path / "ckpt"
-    shutil.copytree(tiny, out)
+    shutil.copytree(tiny_checkpoint, out)
     (out / "sub").mkdir()
     (out / "sub" / "extra.json").write_text("{}")
     write_manifest(out, progress=False)
@@ -96,10 +91,11 @@ def test_a_missing_or_edited_manifest_is_refused(ckpt: Path, tmp_path: Path):
         read_manifest(ckpt)
 
 
-def test_glm53_verify_command(tiny: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]):
+def test_glm53_verify_command(tiny_checkpoint: Path, tmp_path: Path,
+                              capsys: pytest.CaptureFixture[str]):
     model, draft = tmp_path / "model", tmp_path / "draft"
-    shutil.copytree(tiny, model)
-    shutil.copytree(tiny, draft)
+    shutil.copytree(tiny_checkpoint, model)
+    shutil.copytree(tiny_checkpoint, draft)
     assert main(["verify", "--write", str(model), str(draft)]) == 0
     digest = read_manifest(model).digest
     assert f"sha256 {digest}" in capsys.readouterr().out
@@ -151,9 +147,9 @@ def test_serve_verify_refuses_a_tampered_checkpoint_before_loading(ckpt: Path):
     assert len(built) == 1
 
 
-def test_verify_covers_the_dflash_draft(ckpt: Path, tiny: Path, tmp_path: Path):
+def test_verify_covers_the_dflash_draft(ckpt: Path, tiny_checkpoint: Path, tmp_path: Path):
     draft = tmp_path / "draft"
-    shutil.copytree(tiny, draft)
+    shutil.copytree(tiny_checkpoint, draft)
     config = ServingConfig(model=str(ckpt), verify=True, speculative={
         "method": "dflash", "draft_model": str(draft)})
     with pytest.raises(ProvenanceError, match="draft.*has no manifest"):

@@ -80,12 +80,18 @@ def test_engine_config_and_deployment_options():
     mtp = ServingConfig().engine_config("/ckpt", "cpu")
     assert (mtp.speculative_method, mtp.num_speculative_tokens, mtp.with_mtp) == ("mtp", 3, True)
     assert c.engine_config("/ckpt", "cuda").cache_bytes is None  # sized from GPU memory
-    assert c.server_deployment_options("cpu")["ray_actor_options"] == {"num_cpus": 0}
-    # a pair's executor places its GPU workers itself (STRICT_PACK placement group)
-    assert c.server_deployment_options("cuda")["ray_actor_options"] == {"num_cpus": 0}
+    # a pair replica reserves the engine (bundle 0, where Serve puts the replica) and one GPU
+    # per rank in one STRICT_PACK group, on GPUs and on CPU (fake GPUs) alike
+    for device in ("cpu", "cuda"):
+        pair = c.server_deployment_options(device)
+        assert pair["ray_actor_options"] == {"num_cpus": 1}
+        assert pair["placement_group_bundles"] == [{"CPU": 1}, {"GPU": 1}, {"GPU": 1}]
+        assert pair["placement_group_strategy"] == "STRICT_PACK"
     single = ServingConfig(speculative="none").server_deployment_options("cuda")
     assert single["ray_actor_options"]["num_gpus"] == 1
     assert "placement_group_bundles" not in single
+    assert ServingConfig(speculative="none").server_deployment_options("cpu")[
+        "ray_actor_options"] == {"num_cpus": 0}
 
 
 def test_model_name():
@@ -215,11 +221,10 @@ def test_probabilistic_mtp_drafts_are_selectable():
         serving_config(_parser().parse_args(["serve", "--draft-sampling", "greedy"]))
 
 
-def test_probabilistic_mtp_reaches_the_served_engine(tmp_path):
+def test_probabilistic_mtp_reaches_the_served_engine(tiny_checkpoint):
     from glm53.deployments.engine_client import LocalEngine
-    from glm53.deployments.tiny_model import make_tiny
 
-    path = make_tiny(tmp_path / "tiny", seed=0, layers=4, mtp=True)
+    path = tiny_checkpoint
     config = ServingConfig(model=str(path), device="cpu", num_blocks=64, max_model_len=128,
                            speculative="mtp:2:probabilistic")
     engine = LocalEngine(config, path, "cpu")

@@ -14,7 +14,6 @@ import pytest
 
 from glm53.deployments.app import ingress_app, server_app
 from glm53.deployments.config import ServingConfig
-from glm53.deployments.tiny_model import make_tiny
 
 # the full tier (make test-all, CI): serves through Ray Serve, samples 70 constrained answers
 pytestmark = pytest.mark.slow
@@ -48,10 +47,10 @@ def _free_port() -> int:
 
 
 @pytest.fixture(scope="module")
-def client(ray_session, tmp_path_factory):
+def client(ray_session, tiny_checkpoints):
     from ray import serve
 
-    path = make_tiny(tmp_path_factory.mktemp("structured") / "tiny", seed=2, mtp=True)
+    path = tiny_checkpoints(seed=2, mtp=True)
     port = _free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     config = ServingConfig(served_model_name="tiny", model=str(path), device="cpu",

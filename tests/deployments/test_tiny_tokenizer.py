@@ -16,7 +16,7 @@ from glm53.deployments.tiny_tokenizer import (
     TokenizerIds,
     write_tiny_tokenizer,
 )
-from glm53.deployments.tokenizer import apply_chat_template, decode, load_tokenizer
+from glm53.deployments.tokenizer import apply_chat_template, decode
 
 TEXTS = [
     "Hello from glm53",
@@ -28,15 +28,13 @@ TEXTS = [
 
 
 @pytest.fixture(scope="module")
-def tok_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("tiny_tok")
-    write_tiny_tokenizer(out)
-    return out
+def tok_dir(tiny_tokenizer_dir: Path) -> Path:
+    return tiny_tokenizer_dir
 
 
 @pytest.fixture(scope="module")
-def tok(tok_dir: Path):
-    return load_tokenizer(tok_dir)
+def tok(tiny_tokenizer):
+    return tiny_tokenizer
 
 
 def test_ids_returned(tmp_path: Path) -> None:

@@ -254,10 +254,26 @@ def test_engine_size_must_match_the_pair(vk):
     serve["applications"][0]["args"]["tensor_parallel_size"] = 4
     report = vk.check_document(_with_serve(doc, serve), "typo")
     assert any("engine world size 4 != GPUs per pod 2" in e for e in report.errors)
-    serve["applications"][0]["args"]["tensor_parallel_size"] = 2
-    serve["applications"][0]["deployments"][0]["ray_actor_options"] = {"num_cpus": 0}
+
+
+@pytest.mark.parametrize("override", [
+    {"placement_group_strategy": "PACK"},  # the engine and its GPUs could span nodes
+    {"placement_group_bundles": [{"CPU": 1}, {"GPU": 1}]},  # one GPU short of the pair
+])
+def test_the_replica_reserves_its_pair_in_one_strict_pack_group(vk, override):
+    """The app gives a pair replica [{CPU: 1}, {GPU: 1} x 2], STRICT_PACK (Serve's
+    placement_group_bundles): engine and workers on one pair pod, never the head. A manifest
+    whose override breaks that fails."""
+    doc = _doc("ray-service.lang-mtp3.yaml")
+    _, apps = vk.check_serve_config(_serve(doc), "x")
+    replica = apps["glm53"][1]["LLMServer:glm-5.3-flash"].replica_config
+    assert (replica.placement_group_bundles, replica.placement_group_strategy) == (
+        [{"CPU": 1}, {"GPU": 1}, {"GPU": 1}], "STRICT_PACK")
+    serve = _serve(doc)
+    serve["applications"][0]["deployments"][0].update(override)
     report = vk.check_document(_with_serve(doc, serve), "typo")
-    assert any("offered by no worker group" in e for e in report.errors)
+    assert any("must reserve its engine and 2 GPUs in one STRICT_PACK placement group" in e
+               for e in report.errors), report.errors
 
 
 def test_yaml_lint_catches_duplicate_keys(vk):

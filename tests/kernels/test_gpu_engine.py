@@ -22,7 +22,6 @@ import torch
 
 from glm53.actors.loader import load_model
 from glm53.actors.step import SamplingParams
-from glm53.deployments.tiny_model import make_tiny
 from glm53.raycluster.config import EngineConfig
 from glm53.raycluster.engine import LLMEngine
 from tests.naive_runner import SequenceRunner
@@ -44,8 +43,8 @@ def _cpu_logits(model, prompt, tokens):
     return runner.step_logits({0: prompt + tokens})[len(prompt) - 1:]
 
 
-def _engines(tmp_path, dtype):
-    path = make_tiny(tmp_path / "tiny", seed=3, layers=5, index_topk=8)
+def _engines(tiny_checkpoints, dtype):
+    path = tiny_checkpoints(seed=3, layers=5, index_topk=8)
     gen = torch.Generator().manual_seed(0)
     lengths = [1, 5, 17, 40, 3, 64]
     prompts = [torch.randint(0, 272, (n,), generator=gen).tolist() for n in lengths]
@@ -55,15 +54,15 @@ def _engines(tmp_path, dtype):
     return path, prompts, cpu, gpu
 
 
-def test_gpu_fp32_engine_equals_cpu_fp32(tmp_path):
+def test_gpu_fp32_engine_equals_cpu_fp32(tiny_checkpoints):
     """Every Triton kernel (chunked prefill, fused KDA mixer, sparse MLA, router, MoE, mHC)
     and CUDA-graph decode in fp32: the same greedy tokens as the CPU references."""
-    _, _, cpu, gpu = _engines(tmp_path, "float32")
+    _, _, cpu, gpu = _engines(tiny_checkpoints, "float32")
     assert gpu == cpu
 
 
-def test_gpu_bf16_engine_greedy_matches_cpu_fp32(tmp_path):
-    path, prompts, cpu, gpu = _engines(tmp_path, "bfloat16")
+def test_gpu_bf16_engine_greedy_matches_cpu_fp32(tiny_checkpoints):
+    path, prompts, cpu, gpu = _engines(tiny_checkpoints, "bfloat16")
     fp32 = load_model(path, progress=False, dtype=torch.float32)
     ref_bf16 = load_model(path, progress=False, dtype=torch.bfloat16)
     gpu_bf16 = load_model(path, progress=False, dtype=torch.bfloat16, device="cuda")
@@ -84,14 +83,14 @@ def test_gpu_bf16_engine_greedy_matches_cpu_fp32(tmp_path):
             assert gap < max(NEAR_TIE, 2 * noise), (prompt, split, gap, noise)
 
 
-def test_transformers_oracle_on_gpu_agrees(tmp_path):
+def test_transformers_oracle_on_gpu_agrees(tiny_checkpoints):
     """Full-prompt logits of one 37-token prompt against ours in fp32 on the CPU: ours in fp32
     on the GPU within 1e-4 relative error (measured < 5e-6 on an H200); in bf16, ours no
     further from fp32 than transformers' own Glm5Next (eager, bf16, GPU) is, within a margin:
     bf16 moves this tiny random model's logits by several percent, whoever computes them."""
     from tests.actors.oracle import hf_logits, load_hf
 
-    path = make_tiny(tmp_path / "tiny", seed=11, layers=5, index_topk=8)
+    path = tiny_checkpoints(seed=11, layers=5, index_topk=8)
     ids = torch.randint(0, 272, (37,), generator=torch.Generator().manual_seed(1)).tolist()
 
     def logits(dtype, device):

@@ -97,7 +97,10 @@ def test_switch_rule_and_bad_path(monkeypatch):
         int4.moe_int4_on_path(*args, 7.0, 0, 32, path="gemv")
 
 
-GEMV = {"dot": (), "gemv1": ((10**9, 1),), "gemv2": ((10**9, 2),), "gemv4": ((10**9, 4),)}
+# variant: (DECODE_GEMV table, GEMV_AHEAD)
+GEMV = {"dot": ((), 1), "gemv1": (((10**9, 1),), 1), "gemv2": (((10**9, 2),), 1),
+        "gemv4": (((10**9, 4),), 1), "gemv1-ahead2": (((10**9, 1),), 2),
+        "gemv4-ahead2": (((10**9, 4),), 2)}
 
 
 @pytest.mark.parametrize("variant", list(GEMV))
@@ -108,7 +111,8 @@ GEMV = {"dot": (), "gemv1": ((10**9, 1),), "gemv2": ((10**9, 2),), "gemv4": ((10
 def test_decode_variants(monkeypatch, variant, d, inter, group_size, t, k, n_local, split):
     from glm53.kernels import int4
 
-    monkeypatch.setattr(int4, "DECODE_GEMV", GEMV[variant])
+    monkeypatch.setattr(int4, "DECODE_GEMV", GEMV[variant][0])
+    monkeypatch.setattr(int4, "GEMV_AHEAD", GEMV[variant][1])
     monkeypatch.setattr(int4, "GEMV_W2_SPLIT", split)
     x, packed, wts, ids = _case(d, inter, group_size, t, k, n_local, seed=t + inter)
     want = ref_int4.moe_int4(x, *packed, wts, ids, 7.0, 2, group_size)
@@ -127,6 +131,10 @@ def test_decode_variant_choice(monkeypatch):
     assert int4._gemv_rows_per_block(1, 12, 128) == 0
     cpu = torch.device("cpu")
     assert int4._w2_split(16, 256, cpu) == 2  # T = 1: 8 experts x 32 column tiles
+    # w13 columns: halved while under half of 4 programs x 132 SMs
+    assert int4._w13_columns(2048, 1, 8, cpu) == 32  # T = 1: 512 programs
+    assert int4._w13_columns(2048, 1, 64, cpu) == 64  # T = 8: 2048 programs
+    assert int4._w13_columns(2048, 2, 128, cpu) == 32  # 2 rows a block: half the columns
     assert int4._w2_split(16, 4096, cpu) == 1
     monkeypatch.setattr(int4, "GEMV_W2_SPLIT", 8)
     assert int4._w2_split(12, 1, cpu) == 4 and int4._w2_split(16, 1, cpu) == 8
@@ -137,7 +145,8 @@ def test_decode_group_not_multiple_of_8(monkeypatch, variant):
     """Group 12: the dot-free variant is skipped (tl.dot with per-element scales)."""
     from glm53.kernels import int4
 
-    monkeypatch.setattr(int4, "DECODE_GEMV", GEMV[variant])
+    monkeypatch.setattr(int4, "DECODE_GEMV", GEMV[variant][0])
+    monkeypatch.setattr(int4, "GEMV_AHEAD", GEMV[variant][1])
     x, packed, wts, ids = _case(48, 24, 12, 5, 2, 3, seed=5)
     want = ref_int4.moe_int4(x, *packed, wts, ids, 7.0, 0, 12)
     out = int4.moe_int4_on_path(*(a.to(DEVICE) for a in (x, *packed, wts, ids)), 7.0, 0, 12,

@@ -11,7 +11,6 @@ import pytest
 import torch
 
 from glm53.actors.loader import load_model
-from glm53.deployments.tiny_model import make_tiny
 from glm53.kernels import ops
 from tests.naive_runner import SequenceRunner
 
@@ -21,8 +20,8 @@ pytestmark = needs_triton
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    path = make_tiny(tmp_path_factory.mktemp("triton_model"), seed=5, layers=4, index_topk=8)
+def tiny(tiny_checkpoints):
+    path = tiny_checkpoints(seed=5, layers=4, index_topk=8)
     return load_model(path, progress=False, device=DEVICE)
 
 

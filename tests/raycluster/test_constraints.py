@@ -12,9 +12,8 @@ import numpy as np
 import pytest
 
 from glm53.actors.step import SamplingParams, StructuredOutput
-from glm53.deployments.tiny_model import make_tiny
 from glm53.deployments.tiny_tokenizer import SPECIAL_TOKEN_IDS
-from glm53.deployments.tokenizer import decode, load_tokenizer
+from glm53.deployments.tokenizer import decode
 from glm53.raycluster.config import EngineConfig
 from glm53.raycluster.constraints import ConstraintError, OutputConstraints
 from glm53.raycluster.engine import LLMEngine
@@ -39,14 +38,13 @@ JSON_SCHEMA = StructuredOutput("json_schema", json.dumps(SCHEMA))
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    return str(make_tiny(tmp_path_factory.mktemp("constraints"), seed=3, layers=5, mtp=True,
-                         index_topk=8))
+def tiny(tiny_checkpoint):
+    return str(tiny_checkpoint)
 
 
 @pytest.fixture(scope="module")
-def tokenizer(tiny):
-    return load_tokenizer(tiny)
+def tokenizer(tiny_tokenizer):
+    return tiny_tokenizer
 
 
 def _engine(tiny, tokenizer, k: int = 0, **kw) -> LLMEngine:

@@ -12,7 +12,6 @@ from glm53.actors.loader import read_config
 from glm53.actors.speculative.dflash_model import DFlashConfig, load_draft
 from glm53.actors.step import SamplingParams
 from glm53.actors.tiny import write_tiny_draft
-from glm53.deployments.tiny_model import make_tiny
 from glm53.raycluster.config import EngineConfig
 from glm53.raycluster.engine import LLMEngine
 
@@ -20,9 +19,9 @@ GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
-def checkpoints(tmp_path_factory):
+def checkpoints(tmp_path_factory, tiny_checkpoints):
     root = tmp_path_factory.mktemp("dflash")
-    target = make_tiny(root / "target", seed=6, layers=5, index_topk=8)
+    target = tiny_checkpoints(seed=6, layers=5, index_topk=8)
     draft = write_tiny_draft(root / "draft", read_config(target), seed=2)
     return str(target), str(draft)
 

@@ -12,7 +12,6 @@ import torch
 
 from glm53.actors.loader import load_model
 from glm53.actors.step import SamplingParams
-from glm53.deployments.tiny_model import make_tiny
 from glm53.raycluster.config import EngineConfig
 from glm53.raycluster.engine import AsyncEngine, LLMEngine
 from glm53.raycluster.request import FinishReason
@@ -24,8 +23,8 @@ GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    path = make_tiny(tmp_path_factory.mktemp("engine"), seed=3, layers=5, index_topk=8)
+def tiny(tiny_checkpoint):
+    path = tiny_checkpoint
     return path, load_model(path, progress=False)
 
 

@@ -11,7 +11,6 @@ import math
 import pytest
 
 from glm53.actors.step import SamplingParams
-from glm53.deployments.tiny_model import make_tiny
 from glm53.raycluster.config import EngineConfig
 from glm53.raycluster.engine import AsyncEngine, EngineDeadError, LLMEngine
 from glm53.raycluster.request import FinishReason
@@ -21,8 +20,8 @@ PARAMS = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
-def tiny_path(tmp_path_factory):
-    return make_tiny(tmp_path_factory.mktemp("isolation"), seed=3, layers=5, index_topk=8)
+def tiny_path(tiny_checkpoint):
+    return tiny_checkpoint
 
 
 @pytest.fixture

@@ -12,7 +12,6 @@ import numpy as np
 import pytest
 
 from glm53.actors.step import SamplingParams
-from glm53.deployments.tiny_model import make_tiny
 from glm53.raycluster.config import EngineConfig
 from glm53.raycluster.engine import EngineDeadError, LLMEngine
 from glm53.raycluster.executor import RayExecutor, WorkerError
@@ -26,8 +25,8 @@ LAYOUTS = {"tp2": (2, 1, 1), "ep2": (1, 2, 1), "dcp2": (1, 1, 2), "tp2-ep2-dcp2"
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    return str(make_tiny(tmp_path_factory.mktemp("parallel"), seed=4, layers=5, index_topk=8))
+def tiny(tiny_checkpoints):
+    return str(tiny_checkpoints(seed=4, layers=5, index_topk=8))
 
 
 def _config(path: str, tp: int = 1, ep: int = 1, dcp: int = 1, **kw) -> EngineConfig:
@@ -103,9 +102,8 @@ def test_each_rank_holds_only_its_shard(ray_session, tiny):
             assert per_rank == [size] * 2, name  # replicated: norms, mHC, router, indexer
 
 
-def test_indivisible_sizes_are_a_clear_error(ray_session, tmp_path):
-    odd = str(make_tiny(tmp_path / "odd", layers=4, num_attention_heads=3,
-                        num_key_value_heads=3))
+def test_indivisible_sizes_are_a_clear_error(ray_session, tiny_checkpoints):
+    odd = str(tiny_checkpoints(layers=4, num_attention_heads=3, num_key_value_heads=3))
     with pytest.raises(WorkerError, match=r"rank \d failed to start.*num_attention_heads \(3\) "
                                           r"is not divisible by the parallel size 2"):
         RayExecutor(_config(odd, tp=2), channel="ray")

@@ -7,7 +7,6 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from glm53.deployments.tiny_model import make_tiny
 from glm53.raycluster.engine import LLMEngine
 from glm53.raycluster.executor import RayExecutor
 
@@ -23,17 +22,16 @@ INT4_LAYOUTS = {"tp2": (2, 1, 1), "ep2": (1, 2, 1), "tp2-ep2-dcp2": (2, 2, 2)}
 
 
 @pytest.fixture(scope="module")
-def exl3_tiny(tmp_path_factory):
-    return str(make_tiny(tmp_path_factory.mktemp("exl3-parallel"), seed=8, layers=5,
-                         index_topk=8, exl3=True, moe_intermediate_size=256))
+def exl3_tiny(tiny_checkpoints):
+    return str(tiny_checkpoints(seed=8, layers=5, index_topk=8, exl3=True,
+                                moe_intermediate_size=256))
 
 
 @pytest.fixture(scope="module")
-def dense_tiny(tmp_path_factory):
+def dense_tiny(tiny_checkpoints):
     # expert width 128: int4 groups (64, the hidden size) stay whole when TP halves the down
     # projection's input
-    return str(make_tiny(tmp_path_factory.mktemp("int4-parallel"), seed=9, layers=5,
-                         index_topk=8, moe_intermediate_size=128))
+    return str(tiny_checkpoints(seed=9, layers=5, index_topk=8, moe_intermediate_size=128))
 
 
 def _reference(path: str, **kw):

@@ -13,7 +13,6 @@ import torch
 
 from glm53.actors.caches import cache_bytes
 from glm53.actors.step import SamplingParams
-from glm53.deployments.tiny_model import make_tiny
 from glm53.kernels.ref.rejection import rejection_sample
 from glm53.raycluster.config import EngineConfig
 from glm53.raycluster.engine import LLMEngine
@@ -22,9 +21,8 @@ GREEDY = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    return str(make_tiny(tmp_path_factory.mktemp("spec"), seed=5, layers=5, mtp=True,
-                         index_topk=8))
+def tiny(tiny_checkpoints):
+    return str(tiny_checkpoints(seed=5, layers=5, mtp=True, index_topk=8))
 
 
 def _prompts(n: int = 8) -> list[list[int]]:
