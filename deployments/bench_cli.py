@@ -74,6 +74,8 @@ def add_bench_parser(sub, parse_speculative, parse_bytes, quantize_help: str) ->
     eng.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     eng.add_argument("--quantize-experts", choices=["int4"], default=None, help=quantize_help)
     eng.add_argument("--enforce-eager", action="store_true")
+    eng.add_argument("--async-scheduling", action="store_true",
+                     help="schedule step N+1 while step N runs (overlapped host work)")
 
     srv = kinds.add_parser(
         "serve", help="TTFT, inter-token latency and tok/s of a running server",
@@ -152,7 +154,7 @@ def bench_latency(args: argparse.Namespace) -> int:
                 gpu_memory_utilization=args.gpu_memory_utilization,
                 quantize_experts=args.quantize_experts, speculative_method=method,
                 num_speculative_tokens=k, draft_model=draft, enforce_eager=args.enforce_eager,
-                seed=args.seed)
+                async_scheduling=args.async_scheduling, seed=args.seed)
             runner = LatencyRunner(config, seed=args.seed, synthetic_acceptance=(
                 args.synthetic_acceptance if method is not None else None))
         except (FileNotFoundError, CheckpointError, UnsupportedConfigError, ValueError) as exc:
