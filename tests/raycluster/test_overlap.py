@@ -253,11 +253,8 @@ class _CountingExecutor:
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    from glm53.deployments.tiny_model import make_tiny
-
-    return str(make_tiny(tmp_path_factory.mktemp("overlap"), seed=5, layers=4, mtp=True,
-                         index_topk=8))
+def tiny(tiny_checkpoint):
+    return str(tiny_checkpoint)
 
 
 def _tiny_workload(stops: dict[str, int] | None = None, lengths: tuple[int, int] = (3, 9)):
@@ -281,13 +278,21 @@ def test_overlapped_engine_equals_the_synchronous_one_on_the_tiny_model(tiny, dr
     tight enough to preempt, without speculation and with MTP (greedy or sampled drafts): the
     same tokens and finish reasons. Without speculation the placeholders were filled on the
     device on both the eager and the graph path; with it, steps verified drafts the engine had
-    not seen yet (speculating requests overlap only far from their end: longer outputs)."""
+    not seen yet (speculating requests overlap only far from their end: longer outputs).
+
+    Sampled drafts give the same distribution whenever they are verified, but not the same
+    tokens: a request preempted (its drafts dropped) or left without token budget for its
+    drafts at another step than in the synchronous run samples differently. That run gets a
+    cache and budget where neither happens."""
     spec = dict(speculative_method="mtp", num_speculative_tokens=2,
                 draft_sampling=drafts) if drafts else {}
+    sampled_drafts = drafts == "probabilistic"
 
     def engine(overlap: bool) -> LLMEngine:
-        config = EngineConfig(model=tiny, num_blocks=6 if drafts else 5, max_num_seqs=4,
-                              max_num_batched_tokens=16, async_scheduling=overlap, **spec)
+        config = EngineConfig(model=tiny, num_blocks=64 if sampled_drafts else 6 if drafts
+                              else 5, max_num_seqs=4,
+                              max_num_batched_tokens=64 if sampled_drafts else 16,
+                              async_scheduling=overlap, **spec)
         return LLMEngine(config, _CountingExecutor(config))
 
     lengths = (12, 20) if drafts else (3, 9)
@@ -298,7 +303,7 @@ def test_overlapped_engine_equals_the_synchronous_one_on_the_tiny_model(tiny, dr
     assert _drive(overlapped, _tiny_workload(stops, lengths)) == sync
     assert {reason for _, reason in sync.values()} >= {FinishReason.STOP, "abort point",
                                                       FinishReason.LENGTH}
-    assert overlapped.num_preemptions > 0
+    assert (overlapped.num_preemptions > 0) != sampled_drafts
     executor = overlapped.executor
     if drafts:
         assert executor.continued > 0
