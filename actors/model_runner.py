@@ -108,8 +108,8 @@ class ModelRunner:
         self.enforce_eager = enforce_eager or self.device.type != "cuda"
         self.graph_batch_sizes = batch_buckets(num_slots, cuda_graph_batch_sizes)
         self.max_model_len = max_model_len or self.config.max_position_embeddings
-        # [R] sampled ids of the last step, on the device (None after a speculative step,
-        # whose emitted tokens are settled on the host: such steps are never overlapped)
+        # [R] sampled ids of the last step, on the device (None after a speculative step: a
+        # step continuing one is settled on the host from last_step instead)
         self.last_sampled: torch.Tensor | None = None
         # the last step as it ran and its output (every rank), for a step that continues it
         self.last_step: tuple[StepInput, StepOutput] | None = None
