@@ -14,7 +14,11 @@ blocks up to its position; table padding is masked by position).
 
 Block tables are `max_blocks` wide in every graph (the longest sequence the caches can hold), so
 one graph serves every context length: the kernels size their grids from shapes only and read
-lengths from device tensors (no host sync on the CUDA path).
+lengths from device tensors (no host sync on the CUDA path). They live on the device, one row
+per state slot, for as long as the slot's request runs: the engine sends only what changed
+(a row reset when a slot changes hands, the blocks a request gained), every step, graph or
+eager, applies it, and a graph gathers its rows by state slot as its first node. A step without
+a delta (built by hand) has its whole tables written into its rows instead.
 
 Eligibility (anything else runs eagerly): the runner is on CUDA without enforce_eager and
 capture succeeded; every sequence computes w tokens with w = 1, or w = 1 + num_spec and every
@@ -76,11 +80,14 @@ class _Graph:
 
 
 class StaticInputs:
-    """The device buffers every graph reads, with a host mirror (pinned on CUDA).
+    """The device buffers every graph reads, with a host mirror (pinned on CUDA), and the
+    persistent block tables.
 
     int64 buffer: token_ids, positions, query_seq, slot_mapping [T_max] each, cu_seqlens
-    [N_max + 1], state_ids [N_max], then block_tables [N_max, max_blocks] last (a step copies
-    only the rows it uses). bool buffer: has_initial_state, defer_state [N_max] each.
+    [N_max + 1], state_ids [N_max]. bool buffer: has_initial_state, defer_state [N_max] each.
+    `tables` [pad_slot + 1, max_blocks] int64: row s is the block table of the request in state
+    slot s (the pad slot's row stays all null block 0); a step sends only its changes
+    (`update_tables`), not the 1.6 MB of 64 sequences x 202K context.
     """
 
     def __init__(self, max_seqs: int, max_width: int, max_blocks: int, block_size: int,
@@ -89,19 +96,16 @@ class StaticInputs:
         self.block_size, self.pad_slot, self.device = block_size, pad_slot, device
         t, n = max_seqs * max_width, max_seqs
         sizes = dict(token_ids=t, positions=t, query_seq=t, slot_mapping=t, cu_seqlens=n + 1,
-                     state_ids=n, block_tables=n * max_blocks)
+                     state_ids=n)
         pin = device.type == "cuda"
         total = sum(sizes.values())
         self.host = torch.zeros(total, dtype=torch.int64, pin_memory=pin)
         self.dev = torch.zeros(total, dtype=torch.int64, device=device)
         self.host_flags = torch.zeros(2, n, dtype=torch.bool, pin_memory=pin)
         self.dev_flags = torch.zeros(2, n, dtype=torch.bool, device=device)
+        self.tables = torch.zeros(pad_slot + 1, max_blocks, dtype=torch.int64, device=device)
         self._host_np = self.host.numpy()
         self._flags_np = self.host_flags.numpy()
-        # host block-table entries outside [:rows, :cols] are zero: a step re-zeroes only what
-        # the last one wrote beyond its own tables (the full buffer is max_seqs x max_blocks,
-        # 1.6 MB at 64 sequences x 202K context)
-        self._tables_written = (0, 0)
         self.offsets: dict[str, int] = {}
         start = 0
         for name, size in sizes.items():
@@ -115,54 +119,72 @@ class StaticInputs:
         return self.dev[self.offsets[name]:self.offsets[name] + size]
 
     def views(self, b: int, w: int) -> tuple[torch.Tensor, ForwardBatch]:
-        """(token ids [b*w], ForwardBatch of b sequences of w tokens) over the buffers."""
+        """(token ids [b*w], ForwardBatch of b sequences of w tokens) over the buffers; the
+        block tables are gathered from `tables` by state slot (a node of the graph)."""
         t = b * w
+        state_ids = self._dev("state_ids", b)
         return self._dev("token_ids", t), ForwardBatch(
             positions=self._dev("positions", t),
             query_seq=self._dev("query_seq", t),
             cu_seqlens=self._dev("cu_seqlens", b + 1),
-            state_ids=self._dev("state_ids", b),
+            state_ids=state_ids,
             has_initial_state=self.dev_flags[0, :b],
-            block_tables=self._dev("block_tables", b * self.max_blocks).view(b, self.max_blocks),
+            block_tables=self.tables.index_select(0, state_ids),
             slot_mapping=self._dev("slot_mapping", t),
             defer_state=self.dev_flags[1, :b] if w > 1 else None,
         )
 
-    def load(self, step: StepInput | None, b: int, w: int) -> None:
+    def update_tables(self, step: StepInput) -> None:
+        """Bring the rows of `step`'s state slots up to date: its delta (rows reset, then
+        (slot, column, block) entries set) in one small copy, or without one its whole tables.
+        Every step the runner executes comes here, so the rows never go stale."""
+        if step.block_table_updates is None:
+            rows = torch.from_numpy(np.asarray(step.state_ids, np.int64)).to(self.device)
+            width = step.block_tables.shape[1]
+            self.tables[rows] = 0
+            self.tables[rows, :width] = torch.from_numpy(
+                step.block_tables.astype(np.int64)).to(self.device)
+            return
+        resets, updates = step.block_table_resets, step.block_table_updates
+        if not len(resets) and not len(updates):
+            return
+        packed = torch.from_numpy(np.concatenate([resets, updates.T.reshape(-1)])).to(
+            self.device, non_blocking=True)
+        r = len(resets)
+        self.tables[packed[:r]] = 0
+        slots, cols, blocks = packed[r:].view(3, -1)
+        self.tables[slots, cols] = blocks
+
+    def load(self, step: StepInput | None, b: int, w: int,
+             fill: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
         """Copy `step` (n <= b sequences of w tokens; None = all padding) into the buffers,
-        padded to b sequences that start at position 0 in the pad slot over the null block."""
+        padded to b sequences that start at position 0 in the pad slot over the null block;
+        `fill` (device token rows, ids) then overwrites the step's placeholder tokens."""
         n = 0 if step is None else len(step.state_ids)
         t, real = b * w, n * w
         pad_pos = np.tile(np.arange(w, dtype=np.int64), b - n)
         token_ids, positions = self._host("token_ids", t), self._host("positions", t)
         slots, cu = self._host("slot_mapping", t), self._host("cu_seqlens", b + 1)
         state_ids = self._host("state_ids", b)
-        tables = self._host("block_tables", self.max_seqs * self.max_blocks).reshape(
-            self.max_seqs, self.max_blocks)
         token_ids[real:] = 0
         positions[real:] = pad_pos
         slots[real:] = pad_pos % self.block_size  # block 0: the null block
         state_ids[n:] = self.pad_slot
         self._host("query_seq", t)[:] = np.repeat(np.arange(b), w)
         cu[:] = np.arange(b + 1) * w
-        rows, cols = self._tables_written
-        width = 0 if step is None else step.block_tables.shape[1]
-        tables[n:rows, :cols] = 0
-        tables[:min(n, rows), width:cols] = 0
-        self._tables_written = (n, width)
         self._flags_np[:, :b] = False
         if n:
             token_ids[:real] = step.token_ids
             positions[:real] = step.positions
             slots[:real] = step.slot_mapping
             state_ids[:n] = step.state_ids
-            tables[:n, :width] = step.block_tables
             self._flags_np[0, :n] = step.positions[step.cu_seqlens[:-1]] > 0
             if step.num_drafts is not None:
                 self._flags_np[1, :n] = step.num_drafts > 0
-        used = self.offsets["block_tables"] + b * self.max_blocks
-        self.dev[:used].copy_(self.host[:used], non_blocking=True)
+        self.dev.copy_(self.host, non_blocking=True)
         self.dev_flags.copy_(self.host_flags, non_blocking=True)
+        if fill is not None:  # stream-ordered after the copy
+            self._dev("token_ids", t)[fill[0]] = fill[1]
 
 
 class DecodeGraphs:
@@ -199,10 +221,12 @@ class DecodeGraphs:
             return None
         return next(b for b in self.batch_sizes if b >= n), w
 
-    def run(self, step: StepInput, key: tuple[int, int]
+    def run(self, step: StepInput, key: tuple[int, int],
+            fill: tuple[torch.Tensor, torch.Tensor] | None = None,
             ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+        """`fill`: (device token rows, ids) of the step's placeholder tokens."""
         b, w = key
-        self.static.load(step, b, w)
+        self.static.load(step, b, w, fill)
         self.num_replays += 1
         if not self.graphs:  # emulation: the same padded forward, eagerly
             g = self._forward(b, w)

@@ -4,7 +4,13 @@ rank runs the same forward (the collectives need all of them) and samples the sa
 only rank 0 answers with the StepOutput.
 
 On CUDA, uniform decode / verify steps replay a captured graph of the forward + lm_head
-(cuda_graphs.py); every other step, and every step under `enforce_eager`, runs eagerly."""
+(cuda_graphs.py); every other step, and every step under `enforce_eager`, runs eagerly.
+
+The sampled ids of the last step stay on the device: a step scheduled before that one's result
+reached the engine (overlapped scheduling) names the tokens it needs by their sample rows
+(`StepInput.placeholder_rows` / `placeholder_sources`), and they are copied there on the device,
+after the step's own inputs. A speculative step scheduled so (`previous_seqs`) is settled on the
+host from the last step's output, which acceptance has brought there anyway (overlap.py)."""
 
 from __future__ import annotations
 
@@ -20,6 +26,7 @@ from .forward_batch import ForwardBatch
 from .kv_scale_bank import bank_path, load_scale_bank
 from .loader import DTYPES, load_model
 from .memory_plan import MemoryPlan, plan_memory
+from .overlap import resolve_after
 from .parallel import ParallelState
 from .sampler import Sampler, gather_logprobs
 from .speculative.dflash import DFlashProposer
@@ -115,6 +122,11 @@ class ModelRunner:
         self.max_model_len = max_model_len or self.config.max_position_embeddings
         # embeddings of images whose prefill continues in a later chunk, by StepImage.key
         self.image_embeds: dict[str, torch.Tensor] = {}
+        # [R] sampled ids of the last step, on the device (None after a speculative step: a
+        # step continuing one is settled on the host from last_step instead)
+        self.last_sampled: torch.Tensor | None = None
+        # the last step as it ran and its output (every rank), for a step that continues it
+        self.last_step: tuple[StepInput, StepOutput] | None = None
 
     def allocate_caches(self, num_blocks: int) -> CachePlan:
         """Allocate the caches with `num_blocks` blocks (<= this rank's plan)."""
@@ -170,18 +182,26 @@ class ModelRunner:
         """Run one step; rank 0 returns the StepOutput, other ranks None. Every rank samples
         (the gathered logits are identical), so acceptance, the KDA commit and the MTP drafts
         agree everywhere without a broadcast."""
+        if step.previous_seqs is not None:
+            if self.last_step is None:
+                raise RuntimeError(f"step {step.step_id} continues a step that did not run")
+            step = resolve_after(step, *self.last_step, self.plan.block_size)
         n_sample = len(step.sample_rows)
         rows = logits_row_index(np.concatenate([step.sample_rows, step.prompt_logprob_rows]),
                           self.device)
-        # a chunk of image placeholders is never a decode step, whatever its width
-        key = self.graphs.bucket(step) if self.graphs is not None and not step.images else None
+        fill = self._placeholder_fill(step)
+        key = None
+        if self.graphs is not None:
+            self.graphs.static.update_tables(step)  # eager steps too: the rows stay current
+            # a chunk of image placeholders is never a decode step, whatever its width
+            key = None if step.images else self.graphs.bucket(step)
         if key is not None:
             batch = None  # built only if a verify step must commit its KDA states
-            hidden, taps, all_logits = self.graphs.run(step, key)
+            hidden, taps, all_logits = self.graphs.run(step, key, fill)
             logits = all_logits[rows]
         else:
             batch = self._batch(step)
-            hidden, taps = self._forward(step, batch)
+            hidden, taps = self._forward(step, batch, fill)
             logits = self.model.compute_logits(hidden[rows])
         draft_probs = self._draft_probs(step)
         if draft_probs is None:
@@ -190,6 +210,7 @@ class ModelRunner:
         else:
             sampled, logprobs, probs = self.sampler(logits[:n_sample], step.sampling,
                                                     with_probs=True)
+        self.last_sampled = sampled if step.num_drafts is None else None
         sampled = sampled.cpu().numpy()
         num_accepted = drafts = None
         if step.num_drafts is not None:
@@ -211,6 +232,8 @@ class ModelRunner:
                     torch.tensor(1 + num_accepted, device=self.device))
             if self.proposer is not None:
                 drafts = self._propose(step, hidden, taps, num_accepted, emitted)
+        self.last_step = (step, StepOutput(step.step_id, sampled, num_accepted=num_accepted,
+                                           draft_ids=drafts))
         if self.ps.rank != 0:
             return None
         prompt_logprobs = None
@@ -226,10 +249,24 @@ class ModelRunner:
                                         step.slot_mapping, step.state_ids, self.device,
                                         step.num_drafts)
 
-    def _forward(self, step: StepInput, batch: ForwardBatch
+    def _placeholder_fill(self, step: StepInput) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(token rows, their ids from the last step's samples), on the device, or None."""
+        if step.placeholder_rows is None:
+            return None
+        if self.last_sampled is None:
+            raise RuntimeError(f"step {step.step_id} has placeholders, but the step before it "
+                               f"left no samples on the device (none ran, or it speculated)")
+        sources = torch.from_numpy(step.placeholder_sources).to(self.device, non_blocking=True)
+        rows = torch.from_numpy(step.placeholder_rows).to(self.device, non_blocking=True)
+        return rows, self.last_sampled[sources]
+
+    def _forward(self, step: StepInput, batch: ForwardBatch,
+                 fill: tuple[torch.Tensor, torch.Tensor] | None = None,
                  ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The eager forward: (hidden [T, D], tap states [T, n_taps * D] or None)."""
         tokens = torch.tensor(step.token_ids, device=self.device)
+        if fill is not None:
+            tokens[fill[0]] = fill[1]
         tap_layers = getattr(self.proposer, "tap_layers", ())
         hidden = self.model(tokens, batch, self.caches, tap_layers,
                             image_embeds=self._image_embeds(step))

@@ -187,6 +187,19 @@ class StepInput:
     next_tokens: np.ndarray | None = None  # [N] int64
     propose: np.ndarray | None = None  # [N] int64
     images: tuple[StepImage, ...] = ()  # image embeddings that replace placeholder rows
+    # overlapped scheduling: token rows whose ids (-1 in token_ids) are samples of the step
+    # executed just before this one, and those samples' rows in it (the worker keeps them on
+    # the device, so the engine never waits for them)
+    placeholder_rows: np.ndarray | None = None  # [P] int64
+    placeholder_sources: np.ndarray | None = None  # [P] int64
+    # overlapped speculative steps: the sequence of the step before that each sequence
+    # continues (-1: none); its tokens and positions are settled by actors/overlap.py
+    previous_seqs: np.ndarray | None = None  # [N] int64
+    # what changed in the block tables the workers keep per state slot since the last step:
+    # slots whose row is reset (a new owner), then (slot, column, block) entries set. None:
+    # none kept by the sender; a worker that keeps them writes the whole block_tables rows
+    block_table_resets: np.ndarray | None = None  # [S] int64
+    block_table_updates: np.ndarray | None = None  # [D, 3] int64
 
     @property
     def num_tokens(self) -> int:

@@ -81,6 +81,8 @@ def add_bench_parser(sub, parse_speculative, parse_bytes, quantize_help: str) ->
     eng.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     eng.add_argument("--quantize-experts", choices=["int4"], default=None, help=quantize_help)
     eng.add_argument("--enforce-eager", action="store_true")
+    eng.add_argument("--async-scheduling", action="store_true",
+                     help="schedule step N+1 while step N runs (overlapped host work)")
 
     srv = kinds.add_parser(
         "serve", help="TTFT, inter-token latency and tok/s of a running server",
@@ -163,7 +165,7 @@ def bench_latency(args: argparse.Namespace) -> int:
                 num_speculative_tokens=k, draft_model=draft, enforce_eager=args.enforce_eager,
                 adaptive_drafts=adaptive, draft_cost_table=(
                     str(args.draft_cost_table) if adaptive and args.draft_cost_table else None),
-                seed=args.seed)
+                async_scheduling=args.async_scheduling, seed=args.seed)
             runner = LatencyRunner(config, seed=args.seed, synthetic_acceptance=(
                 args.synthetic_acceptance if method is not None else None))
         except (FileNotFoundError, CheckpointError, UnsupportedConfigError, ValueError) as exc:

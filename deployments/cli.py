@@ -79,6 +79,9 @@ class _AppendPrompt(argparse.Action):
         setattr(namespace, self.dest, [*prompts, (kind, values)])
 
 
+ASYNC_SCHEDULING_HELP = ("schedule step N+1 while step N runs (overlapped host work; off by "
+                         "default until measured on a GPU; steps after speculative, grammar "
+                         "or penalised sampling still wait)")
 QUANTIZE_HELP = ("quantise the routed experts of a BF16/FP8 checkpoint while loading: int4 = "
                  "4-bit codes with an fp16 scale and zero per 128 input columns (about 4.25 "
                  "bits per weight; lets the release fit a GPU pair)")
@@ -139,6 +142,8 @@ def _parser() -> argparse.ArgumentParser:
                      help="nvfp4 outer scales (default: kv_scales_nvfp4.json in the checkpoint)")
     eng.add_argument("--enforce-eager", action="store_true",
                      help="no CUDA graphs for decode steps (every step runs eagerly)")
+    eng.add_argument("--async-scheduling", action="store_true",
+                     help=ASYNC_SCHEDULING_HELP)
     par = gen.add_argument_group("parallelism (one Ray actor per GPU; fake GPUs on CPU)")
     par.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
     par.add_argument("--ep", type=int, default=1, help="expert-parallel size")
@@ -351,6 +356,8 @@ def _serve_parser(sub) -> None:
     eng.add_argument("--quantize-experts", choices=["int4"], default=None, help=QUANTIZE_HELP)
     eng.add_argument("--enforce-eager", action="store_true", default=None,
                      help="no CUDA graphs for decode steps (every step runs eagerly)")
+    eng.add_argument("--async-scheduling", action="store_true", default=None,
+                     help=ASYNC_SCHEDULING_HELP)
     eng.add_argument("--verify", action="store_true", default=None,
                      help="check the checkpoint (and DFlash draft) against its SHA-256 "
                           "manifest before loading; refuse to start on a mismatch")
@@ -392,7 +399,8 @@ SERVE_FIELDS = ("model", "served_model_name", "profile", "tensor_parallel_size",
                 "vision", "kv_cache_dtype", "kv_scale_bank", "dtype", "device", "max_model_len",
                 "max_num_batched_tokens", "max_num_seqs", "block_size", "max_waiting_requests",
                 "seed", "num_blocks", "cache_bytes", "gpu_memory_utilization", "enforce_eager",
-                "quantize_experts", "verify", "thinking_token_budget", "drain_timeout_s")
+                "async_scheduling", "quantize_experts", "verify", "thinking_token_budget",
+                "drain_timeout_s")
 
 
 def serving_config(args: argparse.Namespace):
@@ -627,7 +635,8 @@ def _generate(args: argparse.Namespace) -> int:
             expert_parallel_size=args.ep, decode_context_parallel_size=args.dcp,
             speculative_method=args.speculative.method,
             num_speculative_tokens=args.speculative.k, draft_model=args.speculative.draft,
-            adaptive_drafts=args.speculative.adaptive, enforce_eager=args.enforce_eager)
+            adaptive_drafts=args.speculative.adaptive, enforce_eager=args.enforce_eager,
+            async_scheduling=args.async_scheduling)
         engine = LLMEngine(config, make_executor(config, progress=not args.json))
         try:
             outputs = engine.generate(prompts, params)

@@ -192,6 +192,8 @@ class ServingConfig(BaseModel):
     # routed experts of a BF16/FP8 checkpoint quantised to 4 bits while loading
     quantize_experts: Literal["int4"] | None = None
     enforce_eager: bool = False  # no CUDA graphs for decode steps
+    # schedule step N+1 while step N runs (raycluster/engine.py); off until measured on a GPU
+    async_scheduling: bool = False
     # check the checkpoint (and DFlash draft) against its SHA-256 manifest before loading
     verify: bool = False
     cache_bytes: int | None = Field(None, gt=0)  # KV + state budget (CPU default 256 MiB)
@@ -320,6 +322,7 @@ class ServingConfig(BaseModel):
             expert_parallel_size=self.expert_parallel_size,
             decode_context_parallel_size=self.decode_context_parallel_size,
             max_waiting_requests=self.max_waiting_requests, enforce_eager=self.enforce_eager,
+            async_scheduling=self.async_scheduling,
             **({"draft_model": self.speculative.draft_model}
                if self.speculative.method == "dflash" else {}))
 

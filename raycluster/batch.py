@@ -1,7 +1,14 @@
 """SchedulerOutput -> StepInput: flat token ids, positions, block tables, slot mapping, state
-slots, sampling arrays and logits rows, as numpy (a pure function of the scheduled requests)."""
+slots, sampling arrays and logits rows, as numpy (a pure function of the scheduled requests).
+
+A token still in flight (a placeholder: the step before samples it, overlapped scheduling) goes
+in as -1 with the previous step's sample row that holds it; the worker fills it on the device.
+In a speculative engine the sequence names the previous step's sequence it continues instead,
+and the worker settles its tokens and positions (actors/overlap.py)."""
 
 from __future__ import annotations
+
+from collections.abc import Mapping
 
 import numpy as np
 
@@ -10,6 +17,7 @@ from glm53.actors.sampler import build_sampling_inputs
 from glm53.actors.step import StepImage, StepInput
 
 from .constraints import fold_banned
+from .request import Request
 from .scheduler import SchedulerOutput
 
 
@@ -24,18 +32,37 @@ def _banned(request, eos_ids: tuple[int, ...], n_out: int) -> tuple[int, ...]:
 def build_step_input(step_id: int, out: SchedulerOutput, block_size: int,
                      eos_ids: tuple[int, ...] = (), num_spec: int = 0,
                      max_model_len: int | None = None,
+                     in_flight: Mapping[Request, tuple[int, int]] | None = None,
                      num_propose: int | None = None) -> StepInput:
     """With `num_spec` > 0 every sampling sequence samples each of its 1 + k verify rows (row j
     as output token len(output) + j, after the drafts before it) and asks the proposer for up
-    to `num_propose` (default num_spec) drafts."""
+    to `num_propose` (default num_spec) drafts. `in_flight`: for each request with
+    placeholders, its sequence index and first sample row in the step in flight (whose samples
+    the placeholders are)."""
     scheduled = out.scheduled
     lengths = np.array([s.num_tokens for s in scheduled], dtype=np.int64)
     cu = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
-    token_ids, positions = [], []
-    for s in scheduled:
-        start = s.request.num_computed_tokens
-        token_ids.extend(s.request.token_ids(start, start + s.num_tokens))
+    token_ids, positions, fill_rows, fill_sources = [], [], [], []
+    previous_seqs = np.full(len(scheduled), -1, dtype=np.int64)
+    for i, s in enumerate(scheduled):
+        r = s.request
+        start = r.num_computed_tokens
+        token_ids.extend(r.token_ids(start, start + s.num_tokens))
         positions.append(np.arange(start, start + s.num_tokens, dtype=np.int64))
+        # placeholders are at positions num_tokens .. num_tokens + num_placeholders - 1
+        first = max(start, r.num_tokens)
+        last = min(start + s.num_tokens, r.num_tokens + r.num_placeholders)
+        if last > first:
+            if in_flight is None or r not in in_flight:
+                raise ValueError(f"request {r.request_id} has placeholders but no step in "
+                                 f"flight samples them")
+            seq, row = in_flight[r]
+            if num_spec:
+                previous_seqs[i] = seq
+                continue
+            fill_rows.extend(range(cu[i] + first - start, cu[i] + last - start))
+            base = row - r.num_tokens
+            fill_sources.extend(range(base + first, base + last))
     pos = np.concatenate(positions) if positions else np.zeros(0, np.int64)
     width = max((len(s.request.block_ids) for s in scheduled), default=1)
     tables = np.zeros((len(scheduled), width), dtype=np.int32)  # block 0 = null (padding)
@@ -43,6 +70,7 @@ def build_step_input(step_id: int, out: SchedulerOutput, block_size: int,
         table = s.request.block_table()
         tables[i, : len(table)] = table
     query_seq = np.repeat(np.arange(len(scheduled)), lengths)
+    resets, updates = _block_table_delta(scheduled)
 
     sample_rows, sample_seqs, sampling_rows, constrained = [], [], [], []
     for i, s in enumerate(scheduled):
@@ -52,7 +80,7 @@ def build_step_input(step_id: int, out: SchedulerOutput, block_size: int,
         if r.constraint is not None:
             constrained.append((r, len(sample_rows), r.draft_ids[:k]))
         for j in range(k + 1):
-            n_out = len(r.output_ids) + j
+            n_out = len(r.output_ids) + r.num_placeholders + j
             sample_rows.append(cu[i + 1] - 1 - k + j)
             sample_seqs.append(i)
             # the output so far only matters to penalties (copying it is O(output) a row)
@@ -105,6 +133,11 @@ def build_step_input(step_id: int, out: SchedulerOutput, block_size: int,
         prompt_logprob_targets=cat(pl_targets, np.int64),
         prompt_logprob_seqs=cat(pl_seqs, np.int64),
         prompt_logprob_k=cat(pl_k, np.int32),
+        placeholder_rows=np.asarray(fill_rows, dtype=np.int64) if fill_rows else None,
+        placeholder_sources=np.asarray(fill_sources, dtype=np.int64) if fill_rows else None,
+        block_table_resets=resets,
+        block_table_updates=updates,
+        previous_seqs=previous_seqs if (previous_seqs >= 0).any() else None,
         images=_images(scheduled, cu),
         **(_speculation(scheduled, num_spec, max_model_len,
                         num_spec if num_propose is None else num_propose) if num_spec else {}),
@@ -125,6 +158,21 @@ def _images(scheduled, cu: np.ndarray) -> tuple[StepImage, ...]:
                 out.append(StepImage(f"{s.request.request_id}/{k}", image, lo - image.offset,
                                      hi - image.offset, cu[i] + np.arange(lo, hi) - start))
     return tuple(out)
+
+
+def _block_table_delta(scheduled) -> tuple[np.ndarray, np.ndarray]:
+    """(state slots whose workers' row restarts, (slot, column, block) rows): each request's
+    blocks past those its slot's row already holds (commit records them as sent)."""
+    resets, updates = [], []
+    for s in scheduled:
+        r = s.request
+        sent = r.num_blocks_sent
+        if sent == 0:
+            resets.append(r.state_slot)
+        for col in range(sent, len(r.block_ids)):
+            updates.append((r.state_slot, col, r.block_ids[col]))
+    return (np.asarray(resets, dtype=np.int64),
+            np.asarray(updates, dtype=np.int64).reshape(-1, 3))
 
 
 def _speculation(scheduled, num_spec: int, max_model_len: int,

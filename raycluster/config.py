@@ -43,6 +43,9 @@ class EngineConfig:
     # its step times: a `glm53 bench latency --json` record; None = the documented default
     draft_cost_table: str | None = None
     enforce_eager: bool = False  # no CUDA graphs: every step runs eagerly
+    # overlapped scheduling: step N+1 is scheduled and sent while step N runs (engine.py); off
+    # until measured on a GPU
+    async_scheduling: bool = False
     # decode batch sizes with a CUDA graph (capped at max_num_seqs, which is always one);
     # None = actors/cuda_graphs.py DEFAULT_BATCH_SIZES
     cuda_graph_batch_sizes: tuple[int, ...] | None = None
@@ -79,6 +82,9 @@ class EngineConfig:
             (0 <= self.num_speculative_tokens <= 8, "num_speculative_tokens must be in 0..8"),
             (not self.adaptive_drafts or self.speculative_method is not None,
              "adaptive draft length needs a speculative method"),
+            (not (self.adaptive_drafts and self.async_scheduling),
+             "adaptive draft length with overlapped scheduling is not supported yet (the "
+             "width is chosen from drafts the step in flight has not settled)"),
             (self.draft_cost_table is None or self.adaptive_drafts,
              "draft_cost_table is for adaptive draft length"),
             (self.draft_sampling in ("greedy", "probabilistic"),

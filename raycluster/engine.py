@@ -1,10 +1,22 @@
 """The engine: requests in, token deltas out.
 
-`LLMEngine` is the synchronous core (add_request / abort / step / stats). `AsyncEngine` runs
+`LLMEngine` is the single-threaded core (add_request / abort / step / stats). `AsyncEngine` runs
 its step loop in a worker thread and streams per-request deltas to asyncio consumers; requests
 and aborts from the event loop are queued and applied between steps, so the core stays
 single-threaded. Each delta carries its request's timing (queued, first scheduled, first
 token, finished), stamped by the engine as the step loop reaches each milestone.
+
+Overlapped scheduling (`EngineConfig.async_scheduling`): `step` submits step N+1 before it
+waits for step N, so the workers never wait for the engine's host work (scheduling, building,
+stop rules, outputs). Step N+1 is scheduled as if each sequence sampling in step N had its token
+(a placeholder, filled on the device from step N's samples); once step N's result is in, a
+sequence that finished by it has its step N+1 work dropped, never emitted. With speculation,
+step N+1 verifies the drafts step N proposes, scheduled as if all of step N's drafts were
+accepted; the worker settles tokens and positions from step N's acceptance (actors/overlap.py).
+A step whose result the next step needs on the host is waited for before the next one is
+scheduled, as in the synchronous loop, if a grammar or penalties read a sampled token; a
+speculating request near its end (max_tokens, max_model_len) or before min_tokens, whose draft
+counts, proposals or banned tokens would depend on the acceptance, sits the next step out.
 """
 
 from __future__ import annotations
@@ -16,9 +28,10 @@ import random
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass
 
-from glm53.actors.step import ImageInput, Logprobs, SamplingParams, StepInput
+from glm53.actors.step import ImageInput, Logprobs, SamplingParams, StepInput, StepOutput
 
 from .batch import build_step_input
 from .block_pool import BlockPool
@@ -28,7 +41,7 @@ from .draft_policy import DraftLengthPolicy, StepCostModel
 from .executor import Executor, make_executor
 from .images import check_images
 from .request import FinishReason, Request, RequestTiming
-from .scheduler import RequestRejectedError, Scheduler, SchedulerOutput
+from .scheduler import RequestRejectedError, ScheduledRequest, Scheduler, SchedulerOutput
 from .state_slots import StateSlotPool
 from .stats import EngineStats, SpecStats
 
@@ -81,6 +94,25 @@ class EngineDeadError(RuntimeError):
     """The engine's workers failed; start a new engine."""
 
 
+@dataclass(frozen=True)
+class _InFlight:
+    """A committed step the workers run while the engine prepares the next one."""
+
+    step: StepInput
+    items: list[ScheduledRequest]
+    result: Future[StepOutput]
+
+    def sample_rows(self) -> dict[Request, tuple[int, int]]:
+        """Each sampling request's sequence index and first sample row (where its
+        placeholders' tokens are)."""
+        rows, row = {}, 0
+        for seq, item in enumerate(self.items):
+            if item.samples:
+                rows[item.request] = (seq, row)
+            row += item.num_sample_rows
+        return rows
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig, executor: Executor | None = None,
                  constraints: OutputConstraints | None = None) -> None:
@@ -109,6 +141,7 @@ class LLMEngine:
         self._rng = random.Random(config.seed)
         self._ids = itertools.count()
         self._step_ids = itertools.count()
+        self._in_flight: _InFlight | None = None  # overlapped scheduling only
         logger.info(plan.describe(self.max_model_len))
 
     def add_request(self, prompt_ids: list[int], params: SamplingParams,
@@ -151,7 +184,8 @@ class LLMEngine:
 
     @property
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished
+        """Requests to run, or a step in flight whose result is still to be taken."""
+        return self.scheduler.has_unfinished or self._in_flight is not None
 
     def stats(self) -> EngineStats:
         scheduler, spec = self.scheduler, self.spec_stats
@@ -168,23 +202,96 @@ class LLMEngine:
             if self.draft_policy is not None else ())
 
     def step(self) -> list[RequestOutput]:
-        num_drafts = self._choose_draft_length()
-        scheduled = self.scheduler.schedule()
-        self.num_preemptions += len(scheduled.preempted)
-        if not scheduled.scheduled:
-            return []
-        now = time.monotonic()
-        for item in scheduled.scheduled:
-            item.request.mark_scheduled(now)
-        try:
-            step = self._build(next(self._step_ids), scheduled.scheduled, num_drafts)
-        except Exception:  # noqa: BLE001 - one request's data; find it, fail it, run the rest
-            return self._fail_unbuildable(scheduled.scheduled)
+        """Run one step; return the outputs of the step that completed (with overlapped
+        scheduling, the one submitted by the call before, or this one when none was)."""
+        if self.config.async_scheduling:
+            return self._step_overlapped()
+        prepared, failed = self._prepare(None)
+        if prepared is None:
+            return failed
+        step, items = prepared
         try:
             result = self.executor.execute(step)
         except Exception as exc:  # noqa: BLE001 - every request must end, with the reason
             return self._fail_all(f"engine step failed: {type(exc).__name__}: {exc}")
-        items = scheduled.scheduled
+        return self._process(step, items, result)
+
+    def _step_overlapped(self) -> list[RequestOutput]:
+        outputs: list[RequestOutput] = []
+        if self._in_flight is None:
+            self._in_flight, outputs = self._submit(None)
+            if self._in_flight is None:
+                return outputs
+        current, self._in_flight = self._in_flight, None
+        hold = self._hold(current.items)
+        if hold is not None:  # step N+1 goes before step N's result is read
+            self._in_flight, failed = self._submit(current, hold)
+            outputs += failed
+        try:
+            result = current.result.result()
+        except Exception as exc:  # noqa: BLE001 - every request must end, with the reason
+            return outputs + self._fail_all(f"engine step failed: {type(exc).__name__}: {exc}")
+        return outputs + self._process(current.step, current.items, result)
+
+    def _hold(self, items: list[ScheduledRequest]) -> frozenset[Request] | None:
+        """The requests that must sit out a next step built before these items' result, or
+        None if no such step can be built. The next step may only need, of this result, what
+        the workers fill in (sampled tokens; with speculation, emitted tokens, drafts and the
+        position shift). None after a sampling request whose next sampling rows read its
+        outputs (a grammar's bitmask, the penalties' token counts): waiting for one step keeps
+        it at full speed. With speculation, a sampling request sits out if it is within reach
+        of its end over two steps (its draft counts and proposals would depend on the
+        acceptance) or below min_tokens (its banned tokens would); with sampled drafts the
+        step waits instead (the proposer keeps draft distributions for the next step only)."""
+        k = self.config.num_speculative_tokens
+        hold = set()
+        for item in items:
+            r = item.request
+            if not item.samples:
+                continue
+            if r.constraint is not None or r.params.uses_penalties:
+                return None
+            if k and (len(r.output_ids) < r.params.min_tokens or min(
+                    r.params.max_tokens - len(r.output_ids),
+                    self.max_model_len - r.num_tokens) <= 3 * (k + 1) + 1):
+                if self.config.draft_sampling == "probabilistic":
+                    return None
+                hold.add(r)
+        return frozenset(hold)
+
+    def _submit(self, in_flight: _InFlight | None, hold: frozenset[Request] = frozenset()
+                ) -> tuple[_InFlight | None, list[RequestOutput]]:
+        prepared, failed = self._prepare(in_flight, hold)
+        if prepared is None:
+            return None, failed
+        step, items = prepared
+        return _InFlight(step, items, self.executor.submit(step)), failed
+
+    def _prepare(self, in_flight: _InFlight | None, hold: frozenset[Request] = frozenset()
+                 ) -> tuple[tuple[StepInput, list[ScheduledRequest]] | None,
+                            list[RequestOutput]]:
+        """Schedule (leaving out `hold`), build and commit the next step (None if nothing
+        runs), and the outputs of requests failed because their input could not be built."""
+        num_drafts = self._choose_draft_length()
+        scheduled = self.scheduler.schedule(hold)
+        self.num_preemptions += len(scheduled.preempted)
+        if not scheduled.scheduled:
+            return None, []
+        now = time.monotonic()
+        for item in scheduled.scheduled:
+            item.request.mark_scheduled(now)
+        rows = None if in_flight is None else in_flight.sample_rows()
+        try:
+            step = self._build(next(self._step_ids), scheduled.scheduled, rows, num_drafts)
+        except Exception:  # noqa: BLE001 - one request's data; find it, fail it, run the rest
+            return None, self._fail_unbuildable(scheduled.scheduled, rows)
+        self.scheduler.commit(scheduled.scheduled,
+                              None if step.propose is None else step.propose.tolist())
+        return (step, scheduled.scheduled), []
+
+    def _process(self, step: StepInput, items: list[ScheduledRequest],
+                 result: StepOutput) -> list[RequestOutput]:
+        """Apply a step's result: tokens, stop rules, drafts, and the outputs it gives."""
         prompt_lps = self._prompt_logprobs(step, result.prompt_logprobs, items)
         accepted = None if result.num_accepted is None else result.num_accepted.tolist()
         drafts = None if result.draft_ids is None else result.draft_ids.tolist()
@@ -227,20 +334,23 @@ class LLMEngine:
         self.spec_stats.record_draft_length(width)
         return width
 
-    def _build(self, step_id: int, items: list, num_drafts: int | None = None) -> StepInput:
+    def _build(self, step_id: int, items: list,
+               in_flight_rows: dict[Request, tuple[int, int]] | None = None,
+               num_drafts: int | None = None) -> StepInput:
         return build_step_input(step_id, SchedulerOutput(list(items)),
                                 self.scheduler.blocks.block_size, self.eos_ids,
                                 self.config.num_speculative_tokens, self.max_model_len,
-                                num_drafts)
+                                in_flight_rows, num_drafts)
 
-    def _fail_unbuildable(self, items: list) -> list[RequestOutput]:
+    def _fail_unbuildable(self, items: list, in_flight_rows: dict[Request, tuple[int, int]] | None
+                          ) -> list[RequestOutput]:
         """A step input could not be built: build each request alone and fail (ERROR) the
-        ones that cannot be, freeing their resources. Nothing ran, so the others are
-        scheduled again by the next step as if this one had not happened."""
+        ones that cannot be, freeing their resources. Nothing ran (nor was committed), so the
+        others are scheduled again by the next step as if this one had not happened."""
         failed = []
         for item in items:
             try:
-                self._build(-1, [item])
+                self._build(-1, [item], in_flight_rows)
             except Exception as exc:  # noqa: BLE001 - this request's own fault
                 request = item.request
                 logger.exception("request %s cannot be run; failing it", request.request_id)
@@ -256,6 +366,7 @@ class LLMEngine:
         """The workers are gone: finish every request with an error; refuse new ones."""
         logger.error(message)
         self.dead = message
+        self._in_flight = None  # its result, if any, belongs to requests ended here
         failed = []
         now = time.monotonic()
         for request in list(self.scheduler.requests.values()):

@@ -4,11 +4,17 @@
 benchmarks); `RayExecutor` places one worker actor per GPU and talks to them through a
 shared-memory step channel. Ray places, starts and supervises the workers; it is not on the
 per-step path.
+
+`execute` runs a step and waits for it; `submit` hands it to one background thread that runs
+the steps in submission order and returns at once, so the engine can schedule and build the
+next step while this one runs (overlapped scheduling).
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Protocol
 
 from glm53.actors.caches import CachePlan
@@ -30,7 +36,29 @@ class Executor(Protocol):
 
     def execute(self, step: StepInput) -> StepOutput: ...
 
+    def submit(self, step: StepInput) -> Future[StepOutput]: ...
+
     def shutdown(self) -> None: ...
+
+
+class StepThread:
+    """One thread that runs `execute` on submitted steps, one at a time, in order (a step's
+    placeholders name the samples of the step submitted just before it). Started on the first
+    submit, so engines that never overlap have no thread."""
+
+    def __init__(self, execute: Callable[[StepInput], StepOutput]) -> None:
+        self._execute = execute
+        self._pool: ThreadPoolExecutor | None = None
+
+    def submit(self, step: StepInput) -> Future[StepOutput]:
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="glm53-step")
+        return self._pool.submit(self._execute, step)
+
+    def shutdown(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)
+            self._pool = None
 
 
 def runner_kwargs(config: EngineConfig) -> dict:
@@ -60,11 +88,16 @@ class InProcessExecutor:
         self.runner = ModelRunner(config.model, progress=progress, **runner_kwargs(config))
         self.model_config = self.runner.config
         self.cache_plan = self.runner.allocate_caches(self.runner.plan.num_blocks)
+        self._thread = StepThread(self.execute)
 
     def execute(self, step: StepInput) -> StepOutput:
         return self.runner.execute(step)
 
+    def submit(self, step: StepInput) -> Future[StepOutput]:
+        return self._thread.submit(step)
+
     def shutdown(self) -> None:
+        self._thread.shutdown()
         del self.runner
 
 
@@ -103,6 +136,8 @@ class RayExecutor:
             for rank, bundle in enumerate(bundles)]
         self.channel: StepChannel | None = None
         self._loops: list = []
+        # one step on the channel at a time: submitted steps go through execute in order
+        self._thread = StepThread(self.execute)
         try:
             address = ray.get(self.workers[0].rendezvous_address.remote())
             kwargs = runner_kwargs(config)
@@ -174,12 +209,16 @@ class RayExecutor:
             raise WorkerError(str(out))
         return out
 
+    def submit(self, step: StepInput) -> Future[StepOutput]:
+        return self._thread.submit(step)
+
     def parameter_bytes(self) -> list[dict[str, int]]:
         """Per rank: bytes of each parameter (only valid with channel="ray")."""
         return self._gather([w.parameter_bytes.remote() for w in self.workers])
 
     def shutdown(self) -> None:
         ray = self._ray
+        self._thread.shutdown()
         if self.channel is not None:
             self.channel.send(STOP)
             try:

@@ -2,7 +2,9 @@
 
 The scheduler's single rule works on counters: a request is "behind" by
 `num_tokens - num_computed_tokens` tokens (a prompt chunk, the last sampled token, later the
-draft tokens to verify), and each step moves it forward within the token budget.
+draft tokens to verify), and each step moves it forward within the token budget. With
+overlapped scheduling a step is scheduled before the previous one's sampled token is known:
+that token is a placeholder (`num_placeholders`), counted for scheduling, filled on the device.
 """
 
 from __future__ import annotations
@@ -61,6 +63,11 @@ class Request:
     # prompt positions whose next-token logprob has been reported (not repeated on recompute)
     num_prompt_logprobs_done: int = 0
     draft_ids: list[int] = field(default_factory=list)  # proposed tokens awaiting verification
+    # tokens sampled by a step in flight, not yet known here (they follow output_ids)
+    num_placeholders: int = 0
+    # block_ids[:num_blocks_sent] are in the workers' block-table row of state_slot (0: the
+    # row is to be reset; the step builder sends the rest as a delta)
+    num_blocks_sent: int = 0
     constraint: RequestConstraint | None = None  # grammar / thinking budget state
     images: tuple[ImageInput, ...] = ()  # in prompt order; their placeholders are prompt ids
     # block_ids as int32 for the step's block table, and the list it mirrors
@@ -93,15 +100,18 @@ class Request:
 
     @property
     def num_pending_tokens(self) -> int:
-        """Tokens to compute before the next sample (drafts included)."""
-        return self.num_tokens + len(self.draft_ids) - self.num_computed_tokens
+        """Tokens to compute before the next sample (placeholders and drafts included)."""
+        return (self.num_tokens + self.num_placeholders + len(self.draft_ids)
+                - self.num_computed_tokens)
 
     def token_ids(self, start: int, end: int) -> list[int]:
-        """Tokens at positions start..end-1 of prompt + output + drafts (copying only those:
-        a decode step asks for one token of a long output)."""
+        """Tokens at positions start..end-1 of prompt + output + placeholders (-1) + drafts
+        (copying only those: a decode step asks for one token of a long output). Drafts that
+        a step in flight proposes are -1 too."""
         out: list[int] = []
         base = 0
-        for part in (self.prompt_ids, self.output_ids, self.draft_ids):
+        for part in (self.prompt_ids, self.output_ids, [-1] * self.num_placeholders,
+                     self.draft_ids):
             out += part[max(start - base, 0):max(end - base, 0)]
             base += len(part)
         return out

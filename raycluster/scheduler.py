@@ -5,6 +5,14 @@ within `max_num_batched_tokens`; then admits waiting requests while the budget, 
 free blocks and free state slots allow. When a running request cannot get the blocks it needs,
 the most recently admitted request is preempted (blocks and state slot freed, counters reset,
 requeued at the front) and recomputed later. Never touches tensors.
+
+A step goes schedule -> (the engine builds its input) -> commit -> (it runs) -> update. `commit`
+advances the counters as if the step had run (the workers' block tables included: the next step
+sends only blocks added since) and stands a placeholder in for each token it will
+sample, so the next step can be scheduled before this one's result is known (overlapped
+scheduling); `update` replaces the placeholders by the sampled tokens, rolls back rejected
+drafts and applies the stop rules. A request preempted or finished in between keeps nothing of
+the counters of the step in flight (its `num_preemptions` tells the incarnation apart).
 """
 
 from __future__ import annotations
@@ -26,13 +34,16 @@ class ScheduledRequest:
     request: Request
     num_tokens: int  # tokens computed this step, from request.num_computed_tokens
     num_drafts: int = 0  # the last num_drafts of them are drafts to verify
+    # the step reaches the request's last token, so its logits sample the next one (and with
+    # drafts, every draft row is sampled too)
+    samples: bool = False
+    incarnation: int = 0  # request.num_preemptions when scheduled
 
-    @property
-    def samples(self) -> bool:
-        """The step reaches the request's last token, so its logits sample the next one (and
-        with drafts, every draft row is sampled too)."""
-        r = self.request
-        return r.num_computed_tokens + self.num_tokens == r.num_tokens + self.num_drafts
+    @classmethod
+    def of(cls, request: Request, num_tokens: int, num_drafts: int = 0) -> ScheduledRequest:
+        end = request.num_computed_tokens + num_tokens
+        samples = end == request.num_tokens + request.num_placeholders + num_drafts
+        return cls(request, num_tokens, num_drafts, samples, request.num_preemptions)
 
     @property
     def num_sample_rows(self) -> int:
@@ -100,14 +111,16 @@ class Scheduler:
         return request
 
     # ----- one step -----
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, hold: frozenset[Request] = frozenset()) -> SchedulerOutput:
+        """hold: running requests to leave out of this step (the engine needs the result of
+        the step in flight for them first)."""
         out = SchedulerOutput()
         budget, pixels = self.max_num_batched_tokens, self.max_step_image_bytes
         for request in list(self.running):
             if budget == 0:
                 break
-            if request.status != RequestStatus.RUNNING:
-                continue  # preempted earlier in this loop
+            if request.status != RequestStatus.RUNNING or request in hold:
+                continue  # preempted earlier in this loop, or held
             if request.num_pending_tokens > budget:
                 request.draft_ids = []  # a verify step is all or nothing
             n = min(request.num_pending_tokens, budget)
@@ -118,7 +131,7 @@ class Scheduler:
                 pixels -= carried
             if not self._grow(request, request.num_computed_tokens + n, out):
                 continue
-            out.scheduled.append(ScheduledRequest(request, n, len(request.draft_ids)))
+            out.scheduled.append(ScheduledRequest.of(request, n, len(request.draft_ids)))
             budget -= n
         while self.waiting and budget > 0 and not out.preempted and (
                 len(self.running) < self.max_num_seqs):
@@ -137,7 +150,7 @@ class Scheduler:
             request.state_slot = self.slots.allocate()
             request.status = RequestStatus.RUNNING
             self.running.append(request)
-            out.scheduled.append(ScheduledRequest(request, n))
+            out.scheduled.append(ScheduledRequest.of(request, n))
             budget -= n
         return out
 
@@ -163,7 +176,7 @@ class Scheduler:
     def _preempt(self, request: Request) -> None:
         self._release(request)
         request.status = RequestStatus.WAITING
-        request.num_computed_tokens = 0
+        request.num_computed_tokens = request.num_placeholders = 0
         request.draft_ids = []
         request.num_preemptions += 1
         self.waiting.appendleft(request)
@@ -174,6 +187,7 @@ class Scheduler:
         if request.block_ids:
             self.blocks.free(request.block_ids)
             request.block_ids = []
+        request.num_blocks_sent = 0
         if request.state_slot is not None:
             self.slots.free(request.state_slot)
             request.state_slot = None
@@ -187,25 +201,50 @@ class Scheduler:
         request.finish_reason = reason
         del self.requests[request.request_id]
 
+    # ----- the step is built and sent -----
+    def commit(self, scheduled: list[ScheduledRequest],
+               proposed: list[int] | None = None) -> None:
+        """Count the step as computed: its tokens, and a placeholder for each token position it
+        may sample (the target's token after the drafts, which update rolls back as needed).
+        `proposed`: per scheduled request, how many drafts the step proposes; they stand in as
+        placeholder drafts (-1), so that the next step can verify them before the engine sees
+        them."""
+        for i, item in enumerate(scheduled):
+            request = item.request
+            request.num_computed_tokens += item.num_tokens
+            request.num_blocks_sent = len(request.block_ids)
+            request.draft_ids = []  # the step verifies them: they are placeholders now
+            if item.samples:
+                request.num_placeholders += 1 + item.num_drafts
+                if proposed is not None:
+                    request.draft_ids = [-1] * proposed[i]
+
     # ----- after the step -----
     def update(self, scheduled: list[ScheduledRequest], sampled: list[int],
                eos_ids: tuple[int, ...], num_accepted: list[int] | None = None,
                drafts: list[list[int]] | None = None) -> list[Progress]:
-        """Advance counters, append each sampling request's emitted tokens (its target sample,
-        or its accepted drafts then the target's token), apply stop rules, keep the proposer's
-        next drafts, and free finished requests. `sampled` holds every sample row in order;
-        `num_accepted` / `drafts` are per scheduled request (speculative engines)."""
+        """For a committed step: roll back rejected drafts, append each sampling request's
+        emitted tokens (its target sample, or its accepted drafts then the target's token) in
+        place of its placeholders, apply stop rules, keep the proposer's next drafts, and free
+        finished requests. `sampled` holds every sample row in order; `num_accepted` /
+        `drafts` are per scheduled request (speculative engines). A request preempted since
+        the step was scheduled (its counters already reset) still gets its tokens: they are
+        what its recompute would sample."""
         progressed: list[Progress] = []
         row = 0
         for i, item in enumerate(scheduled):
             request = item.request
             first_row, rows = row, item.num_sample_rows
             row += rows
-            if request.status != RequestStatus.RUNNING:
-                continue  # aborted while the step ran
+            if request.finished:
+                continue  # aborted, or stopped by the step before (overlapped scheduling)
             accepted = num_accepted[i] if num_accepted is not None and rows else 0
-            request.num_computed_tokens += item.num_tokens - (item.num_drafts - accepted)
-            request.draft_ids = []
+            current = item.incarnation == request.num_preemptions
+            if current:
+                request.num_computed_tokens -= item.num_drafts - accepted
+                request.num_placeholders -= rows
+            # a later step in flight continues the request: it verifies this one's drafts
+            ahead = current and request.num_placeholders > 0
             if not rows:
                 continue
             emitted = []
@@ -219,7 +258,7 @@ class Scheduler:
                     self.finish(request, reason)
                     break
             progressed.append(Progress(request, emitted, first_row))
-            if drafts is not None and not request.finished:
+            if drafts is not None and current and not ahead and not request.finished:
                 room = min(request.params.max_tokens - len(request.output_ids),
                            self.max_model_len - request.num_tokens) - 1
                 request.draft_ids = [d for d in drafts[i] if d >= 0][:max(room, 0)]

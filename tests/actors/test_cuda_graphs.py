@@ -69,8 +69,10 @@ def test_static_buffers_hold_what_a_fresh_load_writes():
             np.arange(n + 1) * w, rng.integers(1, 50, (n, width)).astype(np.int32),
             rng.integers(0, 99, n * w), np.arange(n), np.arange(n), np.arange(n), None)
         fresh = StaticInputs(**args)
-        kept.load(step, b, w)
-        fresh.load(step, b, w)
+        for static in (kept, fresh):
+            static.load(step, b, w)
+            if step is not None:
+                static.update_tables(step)
         (ids, batch), (ids_f, batch_f) = kept.views(b, w), fresh.views(b, w)
         assert torch.equal(ids, ids_f), i
         for name in ("positions", "query_seq", "cu_seqlens", "state_ids", "has_initial_state",
@@ -131,7 +133,8 @@ class TwinExecutor(InProcessExecutor):
     def execute(self, step: StepInput):
         runner = self.runner
         key = self.graphs.bucket(step)
-        if key is None:
+        if key is None:  # the runner runs without graphs here: keep their block tables current
+            self.graphs.static.update_tables(step)
             return runner.execute(step)
         before = _snapshot(runner.caches)
         eager = runner.execute(step)

@@ -186,6 +186,16 @@ def test_enforce_eager_flag_reaches_the_engine_config():
     assert not _parser().parse_args(gen).enforce_eager
 
 
+def test_async_scheduling_flag_reaches_the_engine_config():
+    overlapped = serving_config(_parser().parse_args(["serve", "--async-scheduling"]))
+    assert overlapped.engine_config("m", "cuda").async_scheduling
+    assert not serving_config(_parser().parse_args(["serve"])).engine_config(
+        "m", "cuda").async_scheduling
+    gen = ["generate", "--prompt-ids", "1", "--max-tokens", "1"]
+    assert _parser().parse_args([*gen, "--async-scheduling"]).async_scheduling
+    assert not _parser().parse_args(gen).async_scheduling
+
+
 def test_probabilistic_mtp_drafts_are_selectable():
     """The reference runtime's MTP profiles drew drafts probabilistically; config, profile,
     shorthand and flag all reach the engine (before, serving always drafted greedily)."""

@@ -96,3 +96,21 @@ def test_dflash_state_per_sequence_within_two_kda_states(checkpoints):
     print(f"GLM-5.3-Flash: KDA state {_kda_state_bytes(real) / 2**20:.1f} MiB, DFlash2 ring "
           f"{real_ring / 2**20:.1f} MiB per sequence")
     assert _kda_state_bytes(real) + real_ring <= 2 * _kda_state_bytes(real)
+
+
+def test_dflash_overlapped_equals_plain_decoding(checkpoints):
+    """Overlapped scheduling: steps verify DFlash drafts before the engine has seen them (the
+    worker settles tokens and positions from the step before); output still equals plain."""
+    target, draft = checkpoints
+    params = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
+    prompts = _prompts()[:4]
+    engine = _engine(target, draft, k=3, async_scheduling=True)
+    submit, continued = engine.executor.submit, []
+
+    def counting(step):
+        continued.append(step.previous_seqs is not None)
+        return submit(step)
+
+    engine.executor.submit = counting
+    assert engine.generate(prompts, params) == _engine(target).generate(prompts, params)
+    assert any(continued)

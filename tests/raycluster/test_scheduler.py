@@ -28,6 +28,7 @@ def _plan(out) -> list[tuple[str, int]]:
 
 def _run(s: Scheduler, token: int = 7):
     out = s.schedule()
+    s.commit(out.scheduled)
     s.update(out.scheduled, [token] * sum(x.samples for x in out.scheduled), eos_ids=(0,))
     return out
 
@@ -73,6 +74,7 @@ def test_stop_rules_and_finish_reasons():
     s.add(_req("ignore", 2, ignore_eos=True, max_tokens=2))
     s.add(_req("stop", 2, stop_token_ids=(0,), min_tokens=1))
     out = s.schedule()
+    s.commit(out.scheduled)
     finished = {r.request_id: r for r in (x.request for x in out.scheduled)}
     s.update(out.scheduled, [0, 0, 0], eos_ids=(0,))
     assert finished["eos"].finish_reason == FinishReason.STOP
@@ -88,6 +90,7 @@ def test_abort_while_the_step_runs_keeps_the_others_aligned():
     s.add(_req("a", 2))
     s.add(_req("b", 2))
     out = s.schedule()
+    s.commit(out.scheduled)
     s.abort("a")
     progressed = s.update(out.scheduled, [11, 12], eos_ids=(0,))
     assert [p.request.request_id for p in progressed] == ["b"] and progressed[0].tokens == [12]
@@ -139,6 +142,7 @@ def test_step_input_carries_outputs_only_for_penalised_rows():
     s.add(_req("penalised", 3, max_tokens=8, repetition_penalty=1.3))
     for token in (7, 9):  # prompts, then one decode step: two outputs each
         out = s.schedule()
+        s.commit(out.scheduled)
         s.update(out.scheduled, [token] * sum(x.samples for x in out.scheduled), eos_ids=(0,))
     step = build_step_input(0, s.schedule(), 4)
     sampling = step.sampling
