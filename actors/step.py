@@ -160,6 +160,9 @@ class StepInput:
     # and how many drafts each sequence wants for its next step
     next_tokens: np.ndarray | None = None  # [N] int64
     propose: np.ndarray | None = None  # [N] int64
+    # KDA state copies (source slot, destination slot), applied in order before the forward:
+    # a prefix-cache checkpoint saved from a sequence's slot, or restored into a new one
+    state_copies: np.ndarray | None = None  # [C, 2] int64
 
     @property
     def num_tokens(self) -> int:

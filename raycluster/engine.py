@@ -16,7 +16,7 @@ import random
 import time
 from collections import deque
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from glm53.actors.step import Logprobs, SamplingParams, StepInput
 
@@ -25,8 +25,10 @@ from .block_pool import BlockPool
 from .config import EngineConfig
 from .constraints import OutputConstraints, RequestConstraint
 from .executor import Executor, make_executor
+from .prefix_cache import PrefixCache, cache_identity
 from .request import FinishReason, Request, RequestTiming
 from .scheduler import RequestRejectedError, Scheduler, SchedulerOutput
+from .state_checkpoints import CheckpointPool
 from .state_slots import StateSlotPool
 from .stats import EngineStats, SpecStats
 
@@ -75,6 +77,15 @@ def _token_logprobs(lp: Logprobs, row: int, k: int, token: int) -> TokenLogprob:
     return TokenLogprob(token, float(lp.token_logprobs[row]), int(lp.ranks[row]), top)
 
 
+def _prefix_cache(config: EngineConfig, blocks: BlockPool, plan) -> PrefixCache | None:
+    if not config.enable_prefix_caching:
+        return None
+    with_mtp = config.with_mtp or config.speculative_method == "mtp"
+    identity = cache_identity(config.model, config.dtype, config.quantize_experts, with_mtp)
+    return PrefixCache(blocks, CheckpointPool(plan.num_checkpoints), plan.checkpoint_slot,
+                       identity, config.prefix_checkpoint_interval, hash_next_token=with_mtp)
+
+
 class EngineDeadError(RuntimeError):
     """The engine's workers failed; start a new engine."""
 
@@ -96,10 +107,12 @@ class LLMEngine:
         if self.max_model_len > limit:
             raise ValueError(f"max_model_len {self.max_model_len} exceeds what the model and "
                              f"cache allow ({limit} tokens)")
+        blocks = BlockPool(plan.num_blocks, plan.block_size,
+                           pool_tokens=self.model_config.index_kpool)
+        self.prefix = _prefix_cache(config, blocks, plan)
         self.scheduler = Scheduler(
-            BlockPool(plan.num_blocks, plan.block_size, pool_tokens=self.model_config.index_kpool),
-            StateSlotPool(plan.num_slots), config.max_num_batched_tokens, config.max_num_seqs,
-            self.max_model_len, config.num_speculative_tokens)
+            blocks, StateSlotPool(plan.num_slots), config.max_num_batched_tokens,
+            config.max_num_seqs, self.max_model_len, config.num_speculative_tokens, self.prefix)
         self.spec_stats = SpecStats(config.num_speculative_tokens)
         self.num_preemptions = 0
         self.eos_ids = self.model_config.eos_token_ids
@@ -166,6 +179,8 @@ class LLMEngine:
             step = self._build(next(self._step_ids), scheduled.scheduled)
         except Exception:  # noqa: BLE001 - one request's data; find it, fail it, run the rest
             return self._fail_unbuildable(scheduled.scheduled)
+        if self.prefix is not None and (copies := self.prefix.take_copies()) is not None:
+            step = replace(step, state_copies=copies)
         try:
             result = self.executor.execute(step)
         except Exception as exc:  # noqa: BLE001 - every request must end, with the reason

@@ -46,7 +46,8 @@ def runner_kwargs(config: EngineConfig) -> dict:
                 num_spec=config.num_speculative_tokens, draft_model=config.draft_model,
                 draft_sampling=config.draft_sampling, enforce_eager=config.enforce_eager,
                 cuda_graph_batch_sizes=config.cuda_graph_batch_sizes,
-                max_model_len=config.max_model_len)
+                max_model_len=config.max_model_len,
+                num_checkpoints=config.num_prefix_checkpoints)
 
 
 class InProcessExecutor:

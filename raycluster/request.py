@@ -62,6 +62,7 @@ class Request:
     num_prompt_logprobs_done: int = 0
     draft_ids: list[int] = field(default_factory=list)  # proposed tokens awaiting verification
     constraint: RequestConstraint | None = None  # grammar / thinking budget state
+    num_cached_tokens: int = 0  # prompt tokens served by the prefix cache at the last admission
     # block_ids as int32 for the step's block table, and the list it mirrors
     _table: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32), init=False,
                                repr=False)
