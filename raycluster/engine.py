@@ -165,7 +165,8 @@ class LLMEngine:
             state_slot_usage=scheduler.slots.num_allocated / scheduler.slots.num_slots,
             num_preemptions=self.num_preemptions, spec_num_drafts=spec.num_verify_steps,
             spec_num_draft_tokens=spec.num_drafts, spec_num_accepted_tokens=spec.num_accepted,
-            spec_accepted_per_pos=tuple(spec.accepted_per_position))
+            spec_accepted_per_pos=tuple(spec.accepted_per_position),
+            **(self.prefix.stats() if self.prefix is not None else {}))
 
     def step(self) -> list[RequestOutput]:
         scheduled = self.scheduler.schedule()

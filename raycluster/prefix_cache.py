@@ -191,6 +191,12 @@ class PrefixCache:
             self._hashes.pop(request, None)
             self._decode_checkpoint.pop(request, None)
 
+    def stats(self) -> dict[str, int]:
+        """The EngineStats fields of the prefix cache."""
+        return dict(prefix_cache_queries=self.queries, prefix_cache_hits=self.hits,
+                    prefix_checkpoint_hits=self.checkpoint_hits,
+                    prefix_checkpoint_evictions=self.checkpoints.num_evictions)
+
     # ----- copies for the workers -----
     def _queue(self, src: int, dst: int, index: int) -> None:
         self._copies.append((src, dst))

@@ -20,6 +20,12 @@ class EngineStats:
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
     spec_accepted_per_pos: tuple[int, ...] = ()
+    # prefix caching, cumulative (vLLM's counters, in tokens): looked up and served from the
+    # cache; admissions that resumed from a KDA checkpoint; checkpoints overwritten
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    prefix_checkpoint_hits: int = 0
+    prefix_checkpoint_evictions: int = 0
 
 
 class SpecStats:

@@ -308,3 +308,15 @@ def test_serve_starts_a_private_ray_on_loopback():
     node_ip, gcs, gpus = out[-3:]
     assert node_ip == "127.0.0.1" and gcs.startswith("127.0.0.1:"), out
     assert gpus == "2.0", out
+
+
+@pytest.mark.parametrize("flags, on", [([], False), (["--enable-prefix-caching"], True),
+                                       (["--no-enable-prefix-caching"], False)])
+def test_serve_prefix_caching_switch_reaches_the_engine(flags, on):
+    from glm53.deployments.cli import _parser, serving_config
+
+    args = ["serve", "--speculative", "none", "--prefix-checkpoints", "3",
+            "--prefix-checkpoint-interval", "64", *flags]
+    engine = serving_config(_parser().parse_args(args)).engine_config("m", "cpu")
+    assert engine.enable_prefix_caching is on
+    assert (engine.num_prefix_checkpoints, engine.prefix_checkpoint_interval) == (3 * on, 64)
