@@ -167,3 +167,17 @@ def test_stats_count_prefix_queries_hits_and_checkpoints(tiny):
     assert (stats.prefix_cache_queries, stats.prefix_cache_hits) == (35 + 37, 32)
     assert stats.prefix_checkpoint_hits == 1
     assert stats.prefix_checkpoint_evictions == 0
+
+
+@pytest.mark.slow  # Ray worker actors, one per fake GPU
+def test_tp2_dcp2_workers_copy_their_own_checkpoint_shards(ray_session, tiny):
+    """The state copies travel in the StepInput through the shared-memory channel; each rank
+    copies its shard of the KDA state (TP splits its heads)."""
+    off = _workload(_engine(tiny, False), seed=3)
+    engine = _engine(tiny, True, tensor_parallel_size=2, decode_context_parallel_size=2)
+    try:
+        on = _workload(engine, seed=3)
+    finally:
+        engine.shutdown()
+    _assert_same(off, on)
+    assert engine.prefix.checkpoint_hits > 5
