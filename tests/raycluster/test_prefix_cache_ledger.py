@@ -117,3 +117,13 @@ def test_block_pool_keeps_freed_cached_blocks_until_handed_out_again():
     assert pool.num_free == 0 and pool.num_evictions == 0
     pool.free([x])
     assert pool.allocate(1) == [x] and pool.lookup(b"x") is None and pool.num_evictions == 1
+
+
+def test_a_superseded_checkpoint_is_dropped_only_when_nobody_holds_it():
+    pool = CheckpointPool(2)
+    a = pool.save(b"a")
+    pool.drop(a)  # its save copy is still queued
+    assert pool.lookup(b"a") == a
+    pool.release(a)
+    pool.drop(a)
+    assert pool.lookup(b"a") is None and pool.save(b"b") == a  # reused first
