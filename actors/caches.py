@@ -157,6 +157,18 @@ class ModelCaches:
         return cls(layers=tuple(layers), mtp=mtp, block_size=block_size)
 
 
+def copy_state_slots(caches: ModelCaches, copies) -> None:
+    """Copy the KDA state (recurrent state + conv windows) of slot src into slot dst for each
+    (src, dst) row of `copies`, in order (a checkpoint is saved before its slot is reused).
+    The DSA open-pool rows are not copied: checkpoints sit at block boundaries, which are pool
+    boundaries, where the open pool is empty. Every rank copies its own shard."""
+    for src, dst in copies.tolist():
+        for state in caches.layers:
+            if isinstance(state, KDAState):
+                state.conv[dst].copy_(state.conv[src])
+                state.recurrent[dst].copy_(state.recurrent[src])
+
+
 def _check_block_size(cfg: ModelConfig, block_size: int, dcp: int) -> None:
     if block_size % cfg.index_kpool or block_size % dcp:
         raise ValueError(f"block_size {block_size} must be a multiple of index_kpool "
@@ -175,6 +187,15 @@ class CachePlan:
     kv_cache_dtype: str = "auto"
     # where the rank's device memory goes (MemoryPlan.describe), when it was planned (CUDA)
     memory_plan: str | None = None
+    # prefix-cache checkpoints of the KDA state: slots after the running ones and the graph
+    # padding slot (num_slots + 1 + i), paid by the same per-slot price
+    num_checkpoints: int = 0
+
+    def checkpoint_slot(self, index: int) -> int:
+        """State slot id of checkpoint `index` (0 <= index < num_checkpoints)."""
+        if not 0 <= index < self.num_checkpoints:
+            raise ValueError(f"checkpoint {index} out of range 0..{self.num_checkpoints - 1}")
+        return self.num_slots + 1 + index
 
     @property
     def num_tokens(self) -> int:
@@ -188,14 +209,16 @@ class CachePlan:
 
     @property
     def total_bytes(self) -> int:
-        return self.num_blocks * self.bytes_per_block + self.num_slots * self.bytes_per_slot
+        return (self.num_blocks * self.bytes_per_block
+                + (self.num_slots + self.num_checkpoints) * self.bytes_per_slot)
 
     def describe(self, max_model_len: int) -> str:
         text = (f"KV cache: {self.num_blocks - 1} blocks x {self.block_size} tokens = "
                 f"{self.num_tokens} tokens ({self.num_tokens // max_model_len} sequences of "
-                f"max_model_len {max_model_len}); {self.num_slots} KDA state slots; "
-                f"{self.total_bytes / 2**20:.1f} MiB; kv_cache_dtype {self.kv_cache_dtype}: "
-                f"{self.tokens_per_gib:,.0f} tokens per GiB")
+                f"max_model_len {max_model_len}); {self.num_slots} KDA state slots"
+                + (f" + {self.num_checkpoints} prefix checkpoints" if self.num_checkpoints
+                   else "") + f"; {self.total_bytes / 2**20:.1f} MiB; kv_cache_dtype "
+                f"{self.kv_cache_dtype}: {self.tokens_per_gib:,.0f} tokens per GiB")
         return f"{text}\n{self.memory_plan}" if self.memory_plan else text
 
 

@@ -20,7 +20,7 @@ import logging
 import numpy as np
 import torch
 
-from .caches import CachePlan, ModelCaches, plan_cache
+from .caches import CachePlan, ModelCaches, copy_state_slots, plan_cache
 from .cuda_graphs import DecodeGraphs, batch_buckets
 from .forward_batch import ForwardBatch
 from .kv_scale_bank import bank_path, load_scale_bank
@@ -50,7 +50,8 @@ class ModelRunner:
                  max_model_len: int | None = None,
                  quantize_experts: str | None = None,
                  max_num_batched_tokens: int = 2048, kv_cache_dtype: str = "auto",
-                 kv_scale_bank: str | None = None, with_vision: bool = False) -> None:
+                 kv_scale_bank: str | None = None, with_vision: bool = False,
+                 num_checkpoints: int = 0) -> None:
         """`block_size` counts logical tokens per block (latent rows per rank x DCP size).
         Speculation: `num_spec` drafts per step from the MTP layer (`with_mtp`) or from the
         DFlash draft checkpoint `draft_model` (replicated on every rank); with
@@ -67,7 +68,8 @@ class ModelRunner:
         meta-built model is checked before anything is allocated, so a model that cannot fit
         is refused with the numbers; after loading, the KV pool gets the measured free memory
         under `gpu_memory_utilization` (which caps weights, caches, activations and graphs)
-        less the plan's workspace estimate for what is allocated after the caches."""
+        less the plan's workspace estimate for what is allocated after the caches.
+        `num_checkpoints` more state slots hold the engine's prefix-cache KDA checkpoints."""
         self.device = torch.device(device)
         self.ps = ps or ParallelState()
         if draft_sampling not in ("greedy", "probabilistic"):
@@ -108,9 +110,10 @@ class ModelRunner:
         # the budget also pays for the padding slot of the CUDA graphs (see allocate_caches);
         # the engine is told of num_slots
         self.plan: CachePlan = dataclasses.replace(
-            plan_cache(self.config, block_size, num_slots + 1, cache_dtype, with_mtp,
-                       num_blocks=num_blocks, budget_bytes=cache_bytes, ps=self.ps,
+            plan_cache(self.config, block_size, num_slots + 1 + num_checkpoints, cache_dtype,
+                       with_mtp, num_blocks=num_blocks, budget_bytes=cache_bytes, ps=self.ps,
                        num_spec=num_spec, kv_cache_dtype=kv_cache_dtype), num_slots=num_slots,
+            num_checkpoints=num_checkpoints,
             memory_plan=self.memory_plan.describe() if self.memory_plan else None)
         self.caches: ModelCaches | None = None
         self.sampler = Sampler()
@@ -136,7 +139,8 @@ class ModelRunner:
         self.plan = dataclasses.replace(self.plan, num_blocks=num_blocks)
         # one slot more than the engine hands out: padded graph rows run in it
         self.caches = ModelCaches.allocate(
-            self.config, num_blocks, self.plan.block_size, self.plan.num_slots + 1,
+            self.config, num_blocks, self.plan.block_size,
+            self.plan.num_slots + 1 + self.plan.num_checkpoints,
             self.model.embed_tokens.weight.dtype, self.device, self.with_mtp, self.ps,
             self.num_spec, self.kv_cache_dtype, self.kv_scales)
         if self.draft is not None:
@@ -186,6 +190,8 @@ class ModelRunner:
             if self.last_step is None:
                 raise RuntimeError(f"step {step.step_id} continues a step that did not run")
             step = resolve_after(step, *self.last_step, self.plan.block_size)
+        if step.state_copies is not None:
+            copy_state_slots(self.caches, step.state_copies)
         n_sample = len(step.sample_rows)
         rows = logits_row_index(np.concatenate([step.sample_rows, step.prompt_logprob_rows]),
                           self.device)

@@ -200,6 +200,9 @@ class StepInput:
     # none kept by the sender; a worker that keeps them writes the whole block_tables rows
     block_table_resets: np.ndarray | None = None  # [S] int64
     block_table_updates: np.ndarray | None = None  # [D, 3] int64
+    # KDA state copies (source slot, destination slot), applied in order before the forward:
+    # a prefix-cache checkpoint saved from a sequence's slot, or restored into a new one
+    state_copies: np.ndarray | None = None  # [C, 2] int64
 
     @property
     def num_tokens(self) -> int:

@@ -358,6 +358,15 @@ def _serve_parser(sub) -> None:
                      help="no CUDA graphs for decode steps (every step runs eagerly)")
     eng.add_argument("--async-scheduling", action="store_true", default=None,
                      help=ASYNC_SCHEDULING_HELP)
+    eng.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+                     default=None, help="reuse cached prompt blocks and KDA state checkpoints "
+                                        "across requests (default off)")
+    eng.add_argument("--prefix-checkpoints", type=int, default=None, metavar="N",
+                     help="KDA state checkpoints kept for the prefix cache, each one state "
+                          "slot per GPU (default max-num-seqs)")
+    eng.add_argument("--prefix-checkpoint-interval", type=int, default=None, metavar="TOKENS",
+                     help="checkpoint long prefills every TOKENS tokens, a multiple of "
+                          "block-size (default 512)")
     eng.add_argument("--verify", action="store_true", default=None,
                      help="check the checkpoint (and DFlash draft) against its SHA-256 "
                           "manifest before loading; refuse to start on a mismatch")
@@ -400,7 +409,8 @@ SERVE_FIELDS = ("model", "served_model_name", "profile", "tensor_parallel_size",
                 "max_num_batched_tokens", "max_num_seqs", "block_size", "max_waiting_requests",
                 "seed", "num_blocks", "cache_bytes", "gpu_memory_utilization", "enforce_eager",
                 "async_scheduling", "quantize_experts", "verify", "thinking_token_budget",
-                "drain_timeout_s")
+                "drain_timeout_s", "enable_prefix_caching", "prefix_checkpoints",
+                "prefix_checkpoint_interval")
 
 
 def serving_config(args: argparse.Namespace):

@@ -204,6 +204,11 @@ class ServingConfig(BaseModel):
     max_num_batched_tokens: int = Field(2048, ge=1)
     max_num_seqs: int = Field(16, ge=1)
     max_waiting_requests: int = Field(256, ge=1)  # beyond it: 503 + Retry-After
+    # prefix caching: cached blocks + KDA state checkpoints (raycluster/prefix_cache.py); off
+    # until measured on the GPU
+    enable_prefix_caching: bool = False
+    prefix_checkpoints: int | None = Field(None, ge=1)  # default max_num_seqs
+    prefix_checkpoint_interval: int = Field(512, ge=1)  # tokens, a multiple of block_size
     seed: int = 0
     # features
     speculative: SpeculativeConfig = SpeculativeConfig()
@@ -323,6 +328,9 @@ class ServingConfig(BaseModel):
             decode_context_parallel_size=self.decode_context_parallel_size,
             max_waiting_requests=self.max_waiting_requests, enforce_eager=self.enforce_eager,
             async_scheduling=self.async_scheduling,
+            enable_prefix_caching=self.enable_prefix_caching,
+            prefix_checkpoints=self.prefix_checkpoints,
+            prefix_checkpoint_interval=self.prefix_checkpoint_interval,
             **({"draft_model": self.speculative.draft_model}
                if self.speculative.method == "dflash" else {}))
 

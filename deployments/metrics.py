@@ -3,7 +3,8 @@
 Existing vLLM dashboards, Ray's TTFT autoscaling query and gateway tooling read these names, so
 they are kept verbatim (`vllm:` prefix, label `model_name`, counters ending in `_total`,
 seconds). Our own series: `glm53:kda_state_slot_usage_perc` (the second resource ledger) and
-`glm53:kv_cache_tokens_per_gib` (cache capacity under the KV cache dtype).
+`glm53:kv_cache_tokens_per_gib` (cache capacity under the KV cache dtype).;
+the prefix cache's KDA checkpoint hits and evictions (`glm53:prefix_checkpoint_*`).
 Labels stay low-cardinality: model name, finish reason, draft position — never request ids.
 
 Engine gauges are read from the engine when scraped; per-request latencies are observed by the
@@ -128,6 +129,15 @@ class ServingMetrics:
                                ["model_name", "draft_length"], registry=reg)
         self.spec_draft_length = [draft_length.labels(model_name, str(w))
                                   for w in range(num_spec_positions + 1)]
+        # prefix caching (zero with it off)
+        self.prefix_queries = counter("vllm:prefix_cache_queries",
+                                      "Prefix cache queries, in prompt tokens looked up.")
+        self.prefix_hits = counter("vllm:prefix_cache_hits",
+                                   "Prefix cache hits, in prompt tokens served from the cache.")
+        self.checkpoint_hits = counter("glm53:prefix_checkpoint_hits",
+                                       "Requests that resumed from a cached KDA state checkpoint.")
+        self.checkpoint_evictions = counter("glm53:prefix_checkpoint_evictions",
+                                            "KDA state checkpoints evicted for newer ones.")
 
     def set_engine_stats(self, stats: EngineStats) -> None:
         self.running.set(stats.num_running)
@@ -140,6 +150,10 @@ class ServingMetrics:
                   (self.spec_drafts, stats.spec_num_drafts),
                   (self.spec_draft_tokens, stats.spec_num_draft_tokens),
                   (self.spec_accepted, stats.spec_num_accepted_tokens),
+                  (self.prefix_queries, stats.prefix_cache_queries),
+                  (self.prefix_hits, stats.prefix_cache_hits),
+                  (self.checkpoint_hits, stats.prefix_checkpoint_hits),
+                  (self.checkpoint_evictions, stats.prefix_checkpoint_evictions),
                   *zip(self.spec_per_pos, stats.spec_accepted_per_pos, strict=False),
                   *zip(self.spec_drafts_per_pos, stats.spec_draft_tokens_per_pos, strict=False),
                   *zip(self.spec_draft_length, stats.spec_draft_length_steps, strict=False)]

@@ -49,6 +49,13 @@ class EngineConfig:
     # decode batch sizes with a CUDA graph (capped at max_num_seqs, which is always one);
     # None = actors/cuda_graphs.py DEFAULT_BATCH_SIZES
     cuda_graph_batch_sizes: tuple[int, ...] | None = None
+    # prefix caching (raycluster/prefix_cache.py): cached blocks + KDA state checkpoints, each
+    # checkpoint one more state slot per rank (None: max_num_seqs of them), taken every
+    # prefix_checkpoint_interval tokens of a prefill (a multiple of block_size) and at the end
+    # of each prompt and turn
+    enable_prefix_caching: bool = False
+    prefix_checkpoints: int | None = None
+    prefix_checkpoint_interval: int = 512
 
     def __post_init__(self) -> None:
         checks = [
@@ -85,6 +92,11 @@ class EngineConfig:
             (not (self.adaptive_drafts and self.async_scheduling),
              "adaptive draft length with overlapped scheduling is not supported yet (the "
              "width is chosen from drafts the step in flight has not settled)"),
+            (not (self.enable_prefix_caching and self.async_scheduling),
+             "prefix caching with overlapped scheduling is not supported yet"),
+            (not (self.enable_prefix_caching and self.vision),
+             "prefix caching with vision is not supported yet (block hashes do not cover "
+             "images)"),
             (self.draft_cost_table is None or self.adaptive_drafts,
              "draft_cost_table is for adaptive draft length"),
             (self.draft_sampling in ("greedy", "probabilistic"),
@@ -93,10 +105,25 @@ class EngineConfig:
                 len(self.cuda_graph_batch_sizes) > 0
                 and all(s >= 1 for s in self.cuda_graph_batch_sizes)),
              "cuda_graph_batch_sizes must be non-empty and >= 1"),
+            (self.prefix_checkpoints is None or self.prefix_checkpoints >= 1,
+             "prefix_checkpoints must be >= 1"),
+            (self.prefix_checkpoint_interval >= 1
+             and self.prefix_checkpoint_interval % self.block_size == 0,
+             "prefix_checkpoint_interval must be a positive multiple of block_size"),
+            # the DFlash drafter keeps its own per-slot context ring, which no checkpoint holds
+            (not (self.enable_prefix_caching and self.speculative_method == "dflash"),
+             "prefix caching does not support DFlash speculation yet"),
         ]
         for ok, message in checks:
             if not ok:
                 raise ValueError(message)
+
+    @property
+    def num_prefix_checkpoints(self) -> int:
+        """State slots each rank allocates for prefix-cache checkpoints."""
+        if not self.enable_prefix_caching:
+            return 0
+        return self.prefix_checkpoints or self.max_num_seqs
 
     @property
     def world_size(self) -> int:

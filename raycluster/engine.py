@@ -29,7 +29,7 @@ import time
 from collections import deque
 from collections.abc import AsyncIterator, Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from glm53.actors.step import ImageInput, Logprobs, SamplingParams, StepInput, StepOutput
 
@@ -40,8 +40,10 @@ from .constraints import OutputConstraints, RequestConstraint
 from .draft_policy import DraftLengthPolicy, StepCostModel
 from .executor import Executor, make_executor
 from .images import check_images
+from .prefix_cache import PrefixCache, cache_identity
 from .request import FinishReason, Request, RequestTiming
 from .scheduler import RequestRejectedError, ScheduledRequest, Scheduler, SchedulerOutput
+from .state_checkpoints import CheckpointPool
 from .state_slots import StateSlotPool
 from .stats import EngineStats, SpecStats
 
@@ -90,6 +92,15 @@ def _token_logprobs(lp: Logprobs, row: int, k: int, token: int) -> TokenLogprob:
     return TokenLogprob(token, float(lp.token_logprobs[row]), int(lp.ranks[row]), top)
 
 
+def _prefix_cache(config: EngineConfig, blocks: BlockPool, plan) -> PrefixCache | None:
+    if not config.enable_prefix_caching:
+        return None
+    with_mtp = config.with_mtp or config.speculative_method == "mtp"
+    identity = cache_identity(config.model, config.dtype, config.quantize_experts, with_mtp)
+    return PrefixCache(blocks, CheckpointPool(plan.num_checkpoints), plan.checkpoint_slot,
+                       identity, config.prefix_checkpoint_interval, hash_next_token=with_mtp)
+
+
 class EngineDeadError(RuntimeError):
     """The engine's workers failed; start a new engine."""
 
@@ -130,10 +141,13 @@ class LLMEngine:
         if self.max_model_len > limit:
             raise ValueError(f"max_model_len {self.max_model_len} exceeds what the model and "
                              f"cache allow ({limit} tokens)")
+        blocks = BlockPool(plan.num_blocks, plan.block_size,
+                           pool_tokens=self.model_config.index_kpool)
+        self.prefix = _prefix_cache(config, blocks, plan)
         self.scheduler = Scheduler(
-            BlockPool(plan.num_blocks, plan.block_size, pool_tokens=self.model_config.index_kpool),
-            StateSlotPool(plan.num_slots), config.max_num_batched_tokens, config.max_num_seqs,
-            self.max_model_len, config.num_speculative_tokens, config.max_step_image_bytes)
+            blocks, StateSlotPool(plan.num_slots), config.max_num_batched_tokens,
+            config.max_num_seqs, self.max_model_len, config.num_speculative_tokens,
+            config.max_step_image_bytes, self.prefix)
         self.spec_stats = SpecStats(config.num_speculative_tokens)
         self.draft_policy = _draft_policy(config) if config.adaptive_drafts else None
         self.num_preemptions = 0
@@ -199,7 +213,8 @@ class LLMEngine:
             kv_cache_tokens_per_gib=self.executor.cache_plan.tokens_per_gib,
             spec_draft_tokens_per_pos=tuple(spec.drafts_per_position),
             spec_draft_length_steps=tuple(spec.steps_by_draft_length)
-            if self.draft_policy is not None else ())
+            if self.draft_policy is not None else (),
+            **(self.prefix.stats() if self.prefix is not None else {}))
 
     def step(self) -> list[RequestOutput]:
         """Run one step; return the outputs of the step that completed (with overlapped
@@ -285,6 +300,8 @@ class LLMEngine:
             step = self._build(next(self._step_ids), scheduled.scheduled, rows, num_drafts)
         except Exception:  # noqa: BLE001 - one request's data; find it, fail it, run the rest
             return None, self._fail_unbuildable(scheduled.scheduled, rows)
+        if self.prefix is not None and (copies := self.prefix.take_copies()) is not None:
+            step = replace(step, state_copies=copies)
         self.scheduler.commit(scheduled.scheduled,
                               None if step.propose is None else step.propose.tolist())
         return (step, scheduled.scheduled), []

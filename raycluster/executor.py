@@ -77,7 +77,8 @@ def runner_kwargs(config: EngineConfig) -> dict:
                 draft_sampling=config.draft_sampling, enforce_eager=config.enforce_eager,
                 adaptive_drafts=config.adaptive_drafts,
                 cuda_graph_batch_sizes=config.cuda_graph_batch_sizes,
-                max_model_len=config.max_model_len)
+                max_model_len=config.max_model_len,
+                num_checkpoints=config.num_prefix_checkpoints)
 
 
 class InProcessExecutor:

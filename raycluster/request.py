@@ -70,6 +70,7 @@ class Request:
     num_blocks_sent: int = 0
     constraint: RequestConstraint | None = None  # grammar / thinking budget state
     images: tuple[ImageInput, ...] = ()  # in prompt order; their placeholders are prompt ids
+    num_cached_tokens: int = 0  # prompt tokens served by the prefix cache at the last admission
     # block_ids as int32 for the step's block table, and the list it mirrors
     _table: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32), init=False,
                                repr=False)

@@ -4,7 +4,9 @@ Each step gives every running request (in admission order) up to its pending tok
 within `max_num_batched_tokens`; then admits waiting requests while the budget, `max_num_seqs`,
 free blocks and free state slots allow. When a running request cannot get the blocks it needs,
 the most recently admitted request is preempted (blocks and state slot freed, counters reset,
-requeued at the front) and recomputed later. Never touches tensors.
+requeued at the front) and recomputed later. With a prefix cache (prefix_cache.py), admission
+first takes the longest cached prefix, prefill chunks stop at checkpoint positions, and
+completed blocks and checkpoints are recorded after each step. Never touches tensors.
 
 A step goes schedule -> (the engine builds its input) -> commit -> (it runs) -> update. `commit`
 advances the counters as if the step had run (the workers' block tables included: the next step
@@ -21,6 +23,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from .block_pool import BlockPool
+from .prefix_cache import NO_HIT, PrefixCache
 from .request import FinishReason, Request, RequestStatus
 from .state_slots import StateSlotPool
 
@@ -72,8 +75,8 @@ class SchedulerOutput:
 class Scheduler:
     def __init__(self, blocks: BlockPool, slots: StateSlotPool, max_num_batched_tokens: int,
                  max_num_seqs: int, max_model_len: int, num_spec: int = 0,
-                 max_step_image_bytes: int = 24 << 20) -> None:
-        self.blocks, self.slots = blocks, slots
+                 max_step_image_bytes: int = 24 << 20, prefix: PrefixCache | None = None) -> None:
+        self.blocks, self.slots, self.prefix = blocks, slots, prefix
         self.max_step_image_bytes = max_step_image_bytes  # image pixels one step may carry
         self.num_spec = num_spec  # drafts per step: blocks are kept ahead for their positions
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -124,6 +127,8 @@ class Scheduler:
             if request.num_pending_tokens > budget:
                 request.draft_ids = []  # a verify step is all or nothing
             n = min(request.num_pending_tokens, budget)
+            if self.prefix is not None and not request.draft_ids:
+                n = self.prefix.limit_chunk(request, n)
             if request.images:
                 n, carried = request.image_chunk(n, pixels)
                 if n == 0:
@@ -136,18 +141,29 @@ class Scheduler:
         while self.waiting and budget > 0 and not out.preempted and (
                 len(self.running) < self.max_num_seqs):
             request = self.waiting[0]
-            n = min(request.num_pending_tokens, budget)
+            hit = NO_HIT
+            if self.prefix is not None:
+                if self.prefix.should_wait(request, self.running):
+                    break
+                hit = self.prefix.match(request)
+            n = min(request.num_pending_tokens - hit.num_tokens, budget)
+            if self.prefix is not None:
+                n = self.prefix.limit_chunk(request, n, start=hit.num_tokens)
             if request.images:
                 n, carried = request.image_chunk(n, pixels)
                 if n == 0:
                     break
                 pixels -= carried
-            need = self.blocks.blocks_for_tokens(self._ahead(n))
-            if not (self.blocks.can_allocate(need) and self.slots.can_allocate()):
+            need = (self.blocks.blocks_for_tokens(self._ahead(hit.num_tokens + n))
+                    - len(hit.block_ids))
+            taken = self.blocks.num_free_in(hit.block_ids)  # cached blocks nobody holds
+            if not (self.blocks.can_allocate(need + taken) and self.slots.can_allocate()):
                 break
             self.waiting.popleft()
-            request.block_ids = self.blocks.allocate(need)
             request.state_slot = self.slots.allocate()
+            if self.prefix is not None:
+                self.prefix.admit(request, hit)
+            request.block_ids = hit.block_ids + self.blocks.allocate(need)
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             out.scheduled.append(ScheduledRequest.of(request, n))
@@ -181,11 +197,14 @@ class Scheduler:
         request.num_preemptions += 1
         self.waiting.appendleft(request)
 
-    def _release(self, request: Request) -> None:
+    def _release(self, request: Request, finished: bool = False) -> None:
         if request in self.running:
             self.running.remove(request)
+        if self.prefix is not None:
+            self.prefix.on_release(request, finished)
         if request.block_ids:
-            self.blocks.free(request.block_ids)
+            # with a prefix cache, the tail blocks (the least shared) are evicted first
+            self.blocks.free(request.block_ids[::-1] if self.prefix else request.block_ids)
             request.block_ids = []
         request.num_blocks_sent = 0
         if request.state_slot is not None:
@@ -196,7 +215,7 @@ class Scheduler:
         """End a request wherever it is (waiting or running) and free its resources."""
         if request.status == RequestStatus.WAITING:
             self.waiting.remove(request)
-        self._release(request)
+        self._release(request, finished=True)
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
         del self.requests[request.request_id]
@@ -262,6 +281,10 @@ class Scheduler:
                 room = min(request.params.max_tokens - len(request.output_ids),
                            self.max_model_len - request.num_tokens) - 1
                 request.draft_ids = [d for d in drafts[i] if d >= 0][:max(room, 0)]
+        if self.prefix is not None:
+            for item in scheduled:
+                if item.request.status == RequestStatus.RUNNING:
+                    self.prefix.after_step(item.request)
         return progressed
 
     def _stop_reason(self, request: Request, token: int,

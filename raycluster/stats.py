@@ -25,6 +25,12 @@ class EngineStats:
     spec_draft_tokens_per_pos: tuple[int, ...] = ()  # drafts verified, by draft position
     # steps by the draft length they chose (index = drafts per sequence; adaptive mode)
     spec_draft_length_steps: tuple[int, ...] = ()
+    # prefix caching, cumulative (vLLM's counters, in tokens): looked up and served from the
+    # cache; admissions that resumed from a KDA checkpoint; checkpoints overwritten
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    prefix_checkpoint_hits: int = 0
+    prefix_checkpoint_evictions: int = 0
 
 
 class SpecStats:

@@ -364,3 +364,15 @@ def test_speculative_flag_errors(text: str, capsys: pytest.CaptureFixture[str]) 
         _parser().parse_args(["generate", "--prompt-ids", "1", "--max-tokens", "2",
                                  "--speculative", text])
     assert "--speculative" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flags, on", [([], False), (["--enable-prefix-caching"], True),
+                                       (["--no-enable-prefix-caching"], False)])
+def test_serve_prefix_caching_switch_reaches_the_engine(flags, on):
+    from glm53.deployments.cli import _parser, serving_config
+
+    args = ["serve", "--speculative", "none", "--prefix-checkpoints", "3",
+            "--prefix-checkpoint-interval", "64", *flags]
+    engine = serving_config(_parser().parse_args(args)).engine_config("m", "cpu")
+    assert engine.enable_prefix_caching is on
+    assert (engine.num_prefix_checkpoints, engine.prefix_checkpoint_interval) == (3 * on, 64)

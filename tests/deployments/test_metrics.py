@@ -42,7 +42,9 @@ def test_names_and_a_request_lifecycle():
     m.set_engine_stats(EngineStats(3, 2, 0.25, 0.5, num_preemptions=4))
     m.set_engine_stats(EngineStats(3, 2, 0.25, 0.5, num_preemptions=5, spec_num_drafts=2,
                                    spec_num_draft_tokens=4, spec_num_accepted_tokens=3,
-                                   spec_accepted_per_pos=(2, 1)))
+                                   spec_accepted_per_pos=(2, 1), prefix_cache_queries=90,
+                                   prefix_cache_hits=64, prefix_checkpoint_hits=2,
+                                   prefix_checkpoint_evictions=1))
     s = samples(m.render())
     tiny = (("model_name", "tiny"),)
     assert s[("vllm:prompt_tokens_total", tiny)] == 7
@@ -63,6 +65,10 @@ def test_names_and_a_request_lifecycle():
     assert s[("vllm:spec_decode_num_accepted_tokens_total", tiny)] == 3
     per_pos = "vllm:spec_decode_num_accepted_tokens_per_pos_total"
     assert s[(per_pos, (("model_name", "tiny"), ("position", "1")))] == 1
+    assert s[("vllm:prefix_cache_queries_total", tiny)] == 90
+    assert s[("vllm:prefix_cache_hits_total", tiny)] == 64
+    assert s[("glm53:prefix_checkpoint_hits_total", tiny)] == 2
+    assert s[("glm53:prefix_checkpoint_evictions_total", tiny)] == 1
 
 
 def test_merge_keeps_one_header_per_family():

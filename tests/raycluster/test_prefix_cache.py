@@ -1,0 +1,183 @@
+"""Prefix caching on the tiny model (CPU): outputs with the cache equal outputs without it over
+a randomized multi-turn workload (shared system prompts, branches, aborts, preemption, eviction),
+with MTP speculation too; a replayed chat is served from the cache; n > 1 choices share their
+prefill; hashes cover what changes a block's rows; the counters add up."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from glm53.actors.step import SamplingParams
+from glm53.raycluster.block_pool import BlockPool
+from glm53.raycluster.config import EngineConfig
+from glm53.raycluster.engine import LLMEngine
+from glm53.raycluster.prefix_cache import PrefixCache, cache_identity
+from glm53.raycluster.request import Request
+from glm53.raycluster.state_checkpoints import CheckpointPool
+
+GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+TIGHT = dict(num_blocks=30, block_size=8, max_num_batched_tokens=32, max_num_seqs=4,
+             prefix_checkpoint_interval=16, prefix_checkpoints=5)
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_checkpoint):
+    return str(tiny_checkpoint)
+
+
+def _engine(path: str, on: bool, **kw) -> LLMEngine:
+    return LLMEngine(EngineConfig(model=path, enable_prefix_caching=on, **{**TIGHT, **kw}))
+
+
+def _workload(engine: LLMEngine, seed: int) -> dict[str, tuple]:
+    """Waves of chat turns over 4 conversations on 2 shared system prompts; each wave also
+    branches a conversation (same history, another message) and starts a request it aborts
+    two steps later; some turns ask for prompt logprobs. Returns id -> (tokens, prompt lps)."""
+    rng = np.random.default_rng(seed)
+    systems = [rng.integers(0, 256, n).tolist() for n in (29, 18)]
+    chats = [list(systems[i % 2]) for i in range(4)]
+    results: dict[str, tuple] = {}
+    for wave in range(3):
+        ids, to_abort = {}, []
+        for c, history in enumerate(chats):
+            history += rng.integers(0, 256, int(rng.integers(3, 12))).tolist()
+            lp = 2 if (wave + c) % 5 == 0 else None
+            ids[engine.add_request(list(history), SamplingParams(
+                max_tokens=int(rng.integers(4, 10)), temperature=0.0, ignore_eos=True,
+                prompt_logprobs=lp), f"w{wave}c{c}")] = c
+        branch = chats[wave % 4] + rng.integers(0, 256, 5).tolist()
+        engine.add_request(branch, GREEDY, f"w{wave}branch")
+        to_abort.append(engine.add_request(chats[(wave + 1) % 4] + [7, 7, 7], GREEDY,
+                                           f"w{wave}abort"))
+        outs: dict[str, list] = {}
+        lps: dict[str, list] = {}
+        steps = 0
+        while engine.has_unfinished:
+            if steps == 2:
+                for rid in to_abort:
+                    engine.abort(rid)
+            for out in engine.step():
+                outs.setdefault(out.request_id, []).extend(out.new_token_ids)
+                lps.setdefault(out.request_id, []).extend(
+                    (e.token_id, e.logprob) for e in out.prompt_logprobs or ())
+            steps += 1
+        for rid, c in ids.items():
+            chats[c] += outs[rid]
+        for rid in outs:
+            if "abort" not in rid:
+                results[rid] = (outs[rid], lps.get(rid, []))
+    return results
+
+
+def _assert_same(off: dict, on: dict) -> None:
+    assert off.keys() == on.keys()
+    for rid in off:
+        assert on[rid][0] == off[rid][0], rid
+        a, b = np.array(off[rid][1]).reshape(-1, 2), np.array(on[rid][1]).reshape(-1, 2)
+        assert (a[:, 0] == b[:, 0]).all()
+        np.testing.assert_allclose(b[:, 1], a[:, 1], atol=1e-4)
+
+
+def _free_everything(engine: LLMEngine) -> bool:
+    s = engine.scheduler
+    return (s.blocks.num_free == s.blocks.num_usable and s.slots.num_free == s.slots.num_slots
+            and engine.prefix.checkpoints.num_held == 0)
+
+
+def test_randomized_multi_turn_workload_equals_caching_off(tiny):
+    off = _workload(_engine(tiny, False), seed=0)
+    engine = _engine(tiny, True)
+    on = _workload(engine, seed=0)
+    _assert_same(off, on)
+    prefix = engine.prefix
+    # the workload really hit, preempted and evicted (blocks and checkpoints)
+    assert prefix.hits > 0.2 * prefix.queries and prefix.checkpoint_hits > 5
+    assert engine.num_preemptions > 0
+    assert engine.scheduler.blocks.num_evictions > 0 and prefix.checkpoints.num_evictions > 0
+    engine.step()  # drains the copies queued by the last finishes
+    assert _free_everything(engine)
+
+
+def test_mtp_speculation_with_caching_equals_plain(tiny):
+    spec = dict(speculative_method="mtp", num_speculative_tokens=2)
+    off = _workload(_engine(tiny, False), seed=2)
+    engine = _engine(tiny, True, **spec)
+    on = _workload(engine, seed=2)
+    _assert_same(off, on)
+    assert engine.prefix.checkpoint_hits > 5
+
+
+def test_ten_turn_chat_is_served_from_the_cache(tiny):
+    """Each turn's cacheable prompt (all of it before the turn's new message, cut to whole
+    blocks below the prompt's last token) comes from the cache for >= 95% of its tokens."""
+    engine = _engine(tiny, True, num_blocks=200, max_num_seqs=2)
+    rng = np.random.default_rng(3)
+    history = rng.integers(0, 256, 40).tolist()
+    bs = engine.scheduler.blocks.block_size
+    for turn in range(10):
+        before = len(history)
+        history += rng.integers(0, 256, int(rng.integers(4, 20))).tolist()
+        rid = engine.add_request(list(history), GREEDY)
+        request = engine.scheduler.requests[rid]
+        while engine.has_unfinished:
+            for o in engine.step():
+                history += o.new_token_ids
+        cacheable = (before - 1) // bs * bs  # the last computed token's block boundary
+        if turn:
+            assert request.num_cached_tokens >= 0.95 * cacheable, (turn, cacheable)
+
+
+def test_n_choices_share_one_prefill(tiny):
+    engine = _engine(tiny, True, num_blocks=100)
+    prompt = np.random.default_rng(4).integers(0, 256, 45).tolist()
+    ids = [engine.add_request(prompt, GREEDY) for _ in range(3)]
+    requests = [engine.scheduler.requests[i] for i in ids]
+    while engine.has_unfinished:
+        engine.step()
+    assert [r.num_cached_tokens for r in requests] == [0, 40, 40]
+
+
+def _request(tokens: list[int]) -> Request:
+    return Request("r", tokens, GREEDY, 0)
+
+
+def test_hashes_chain_over_tokens_identity_and_the_next_token():
+    def cache(identity: bytes, next_token: bool = False) -> PrefixCache:
+        return PrefixCache(BlockPool(8, 4), CheckpointPool(2), lambda i: 10 + i, identity,
+                           8, hash_next_token=next_token)
+
+    a = cache(cache_identity("m", "bf16"))
+    tokens = list(range(10))
+    h = a.hashes(_request(tokens))
+    assert len(h) == 2 and h[0] != h[1]
+    assert a.hashes(_request([99] + tokens[1:]))[1] != h[1]  # the chain carries block 0
+    assert cache(cache_identity("m", "fp32")).hashes(_request(tokens))[0] != h[0]
+    mtp = cache(cache_identity("m", "bf16"), next_token=True)
+    assert len(mtp.hashes(_request(tokens[:8]))) == 1  # block 1's next token is unknown
+    assert mtp.hashes(_request(tokens[:5]))[0] != mtp.hashes(_request(tokens[:4] + [9]))[0]
+
+
+def test_stats_count_prefix_queries_hits_and_checkpoints(tiny):
+    engine = _engine(tiny, True, num_blocks=100)
+    prompt = np.random.default_rng(5).integers(0, 256, 35).tolist()
+    engine.generate([prompt], GREEDY)
+    engine.generate([prompt + [1, 2]], GREEDY)
+    stats = engine.stats()
+    assert (stats.prefix_cache_queries, stats.prefix_cache_hits) == (35 + 37, 32)
+    assert stats.prefix_checkpoint_hits == 1
+    assert stats.prefix_checkpoint_evictions == 0
+
+
+@pytest.mark.slow  # Ray worker actors, one per fake GPU
+def test_tp2_dcp2_workers_copy_their_own_checkpoint_shards(ray_session, tiny):
+    """The state copies travel in the StepInput through the shared-memory channel; each rank
+    copies its shard of the KDA state (TP splits its heads)."""
+    off = _workload(_engine(tiny, False), seed=3)
+    engine = _engine(tiny, True, tensor_parallel_size=2, decode_context_parallel_size=2)
+    try:
+        on = _workload(engine, seed=3)
+    finally:
+        engine.shutdown()
+    _assert_same(off, on)
+    assert engine.prefix.checkpoint_hits > 5
