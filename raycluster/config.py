@@ -107,7 +107,7 @@ class EngineConfig:
              "cuda_graph_batch_sizes must be non-empty and >= 1"),
             (self.prefix_checkpoints is None or self.prefix_checkpoints >= 1,
              "prefix_checkpoints must be >= 1"),
-            (self.prefix_checkpoint_interval >= 1
+            (not self.enable_prefix_caching or self.prefix_checkpoint_interval >= 1
              and self.prefix_checkpoint_interval % self.block_size == 0,
              "prefix_checkpoint_interval must be a positive multiple of block_size"),
             # the DFlash drafter keeps its own per-slot context ring, which no checkpoint holds

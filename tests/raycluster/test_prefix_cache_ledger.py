@@ -79,6 +79,7 @@ def test_random_traffic_resumes_only_from_its_own_prefix(seed):
         worker.run(copies, out.scheduled)
         sampled = [len(x.request.token_ids(0, x.request.num_computed_tokens + x.num_tokens)) % 3
                    for x in out.scheduled if x.samples]
+        s.commit(out.scheduled, None)
         s.update(out.scheduled, sampled, eos_ids=())
         finished += [x.request.prompt_ids + x.request.output_ids for x in out.scheduled
                      if x.request.status == RequestStatus.FINISHED]
