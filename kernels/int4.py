@@ -60,6 +60,8 @@ sum are fp32.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -491,7 +493,9 @@ def _gemv_rows_per_block(n_tok: int, g13: int, g2: int) -> int:
     return next((bm for max_tok, bm in DECODE_GEMV if n_tok <= max_tok), 0)
 
 
+@functools.cache
 def _num_sms(device: torch.device) -> int:
+    """SMs of `device`, asked once (the decode launches size their grids from it every step)."""
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
     return 132  # an H100 / H200
