@@ -181,3 +181,15 @@ def test_tp2_dcp2_workers_copy_their_own_checkpoint_shards(ray_session, tiny):
         engine.shutdown()
     _assert_same(off, on)
     assert engine.prefix.checkpoint_hits > 5
+
+
+@pytest.mark.parametrize("kw, message", [
+    (dict(enable_prefix_caching=True, async_scheduling=True), "prefix caching with overlapped"),
+    (dict(enable_prefix_caching=True, vision=True), "prefix caching with vision"),
+    (dict(adaptive_drafts=True, async_scheduling=True, speculative_method="mtp",
+          num_speculative_tokens=3), "adaptive draft length with overlapped"),
+])
+def test_combinations_not_supported_yet_are_refused(kw, message):
+    """Each says what it refuses, before any model is read."""
+    with pytest.raises(ValueError, match=message):
+        EngineConfig(model="unused", **kw)
