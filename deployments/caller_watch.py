@@ -35,7 +35,10 @@ class Caller:
 
     @classmethod
     def current(cls) -> Caller | None:
-        """This process's actor (None outside an actor: nothing to watch)."""
+        """This process's actor (None outside an actor: nothing to watch). Outside Ray it asks
+        nothing: the runtime context would start a local cluster."""
+        if not ray.is_initialized():
+            return None
         context = ray.get_runtime_context()
         actor_id = context.get_actor_id()
         return cls(actor_id, context.current_actor) if actor_id else None

@@ -28,6 +28,10 @@ def ray_session():
         # address="local": always a private cluster, never a `ray start` one on this machine
         ray.init(address="local", num_cpus=8, num_gpus=FAKE_GPUS, include_dashboard=False,
                  log_to_driver=False, logging_level=logging.WARNING)
+    # a Ray started implicitly by an earlier test has no fake GPUs: every placement group of a
+    # worker or pair test would wait forever, so say so instead
+    assert ray.cluster_resources().get("GPU", 0) >= FAKE_GPUS, \
+        "Ray was started before ray_session, without its fake GPUs (a Ray API called outside Ray)"
     yield ray
     ray.shutdown()
 
