@@ -604,7 +604,12 @@ def sparse_mla_attention(
     if n_tok == 0:
         return out, lse
     f32 = INTERPRET or q_latent.dtype == torch.float32
-    plan = _attention_plan(n_tok, heads, width, lc, f32, is_sm120(q_latent.device))
+    sm120 = is_sm120(q_latent.device)
+    if sm120 and latent_format != "plain":
+        raise NotImplementedError(
+            f"sparse attention over {latent_format} latent rows does not fit an SM120 GPU's 99 KB "
+            "of shared memory a block yet (scripts/kernel_build.py): use --kv-cache-dtype auto")
+    plan = _attention_plan(n_tok, heads, width, lc, f32, sm120)
     splits = plan["splits"]
     if splits == 1:
         o_part, lse_part = out, lse

@@ -54,6 +54,9 @@ FOREIGN_PTX = {90: (), 120: ("wgmma.", "tcgen05.", ".multicast::cluster")}
 
 # cases that override the attention's Hopper tiling constants (sweeps of sparse_mla.py)
 HOPPER_SWEEPS = ("attention decode, 64 rows a step", "attention decode, unhalved latent 8 warps")
+# attention over fp8 / nvfp4 latent rows does not fit SM120 yet (the fp8 build needs 107 KB of
+# shared memory, 99 KB a block; `sparse_mla_attention` refuses it there): Hopper only
+HOPPER_ONLY = ("attention decode 16 queries, fp8 cache", "attention decode 16 queries, nvfp4 cache")
 
 
 class _StandInDriver:
@@ -147,7 +150,7 @@ class _Recorder:
 def _cases(arch: int) -> dict[str, Callable[[], object]]:
     """One call per op and regime (decode, verify, prefill) at the model's real widths; the
     swept Hopper tilings of the attention only for sm_90 (their constants are Hopper's)."""
-    from glm53.kernels import exl3, int4, kda, kda_mixer, mhc, moe, norm, sparse_mla
+    from glm53.kernels import exl3, int4, kda, kda_mixer, latent_quant, mhc, moe, norm, sparse_mla
 
     bf, f32, i64 = torch.bfloat16, torch.float32, torch.long
 
@@ -212,12 +215,21 @@ def _cases(arch: int) -> dict[str, Callable[[], object]]:
             z(batch, 32, 128), z(batch, 32, dtype=f32), z(batch * blocks, 64 // kpool, 128), table,
             torch.arange(batch), torch.full((batch,), ctx - 1), budget, kpool), **constants)
 
-    def attention_call(queries, width, dcp=1, **constants):
+    def latent_cache(dcp=1, fmt="plain"):
+        if fmt == "plain":
+            return z(64, 64 // dcp, latent)
+        return z(64, 64 // dcp, latent_quant.row_bytes(fmt, latent), dtype=torch.uint8)
+
+    def attention_call(queries, width, dcp=1, fmt="plain", **constants):
         table = torch.arange(64).view(1, 64)
         return with_constants(lambda: sparse_mla.sparse_mla_attention(
-            z(queries, heads, latent), z(64, 64 // dcp, latent), table,
-            torch.zeros(queries, dtype=i64), z(queries, width, dtype=i64), 1 / 16, dcp - 1, dcp),
-            **constants)
+            z(queries, heads, latent), latent_cache(dcp, fmt), table,
+            torch.zeros(queries, dtype=i64), z(queries, width, dtype=i64), 1 / 16, dcp - 1, dcp,
+            fmt), **constants)
+
+    def store_call(fmt):
+        return lambda: latent_quant.store_latent(z(16, latent), latent_cache(1, fmt),
+                                                 torch.arange(16), latent_format=fmt)
 
     def moe_call(tokens):
         e, d, inter = 288, 4096, 2048
@@ -266,6 +278,12 @@ def _cases(arch: int) -> dict[str, Callable[[], object]]:
         "attention decode 1 query": attention_call(1, budget * kpool + kpool - 1),
         "attention decode 64 queries": attention_call(64, budget * kpool + kpool - 1),
         "attention decode, DCP rank 1 of 2": attention_call(16, budget * kpool + kpool - 1, dcp=2),
+        "attention decode 16 queries, fp8 cache": attention_call(
+            16, budget * kpool + kpool - 1, fmt="fp8"),
+        "attention decode 16 queries, nvfp4 cache": attention_call(
+            16, budget * kpool + kpool - 1, fmt="nvfp4"),
+        "latent store fp8": store_call("fp8"),
+        "latent store nvfp4": store_call("nvfp4"),
         "attention decode, 64 rows a step": attention_call(
             16, budget * kpool + kpool - 1, ATTENTION_ROWS=64),
         "attention decode, unhalved latent 8 warps": attention_call(
@@ -290,7 +308,7 @@ def _cases(arch: int) -> dict[str, Callable[[], object]]:
                                         z(16, 4, 4, dtype=f32)),
     }
     if arch != 90:
-        for case in HOPPER_SWEEPS:
+        for case in (*HOPPER_SWEEPS, *HOPPER_ONLY):
             del cases[case]
     return cases
 

@@ -17,6 +17,10 @@ from tests.k8s.conftest import K8S, REPO, needs_crds, needs_prometheus
 needs_promtool = needs_prometheus("promtool")
 
 
+# every check runs the validator, which reads the KubeRay CRDs first
+pytestmark = needs_crds
+
+
 def _doc(name: str) -> dict:
     return yaml.safe_load((K8S / name).read_text())
 
@@ -36,12 +40,10 @@ def repo_report(vk):
     return vk.validate_paths()
 
 
-@needs_crds
 def test_all_manifests_pass(repo_report):
     assert repo_report.errors == []
 
 
-@needs_crds
 def test_unimplemented_features_are_notes_not_errors(repo_report):
     """The profile names stay in the manifests. `ServingConfig` parses them (schema-valid);
     `check_supported`, which build_app runs at start-up, refuses features not built yet
@@ -108,7 +110,6 @@ def test_profiles_share_one_cluster_shape():
 # ----- injected typos -----------------------------------------------------------------------
 
 
-@needs_crds
 @pytest.mark.parametrize("edit, message", [
     (lambda d: d["spec"]["rayClusterConfig"]["headGroupSpec"].update(
         rayStartParamz=d["spec"]["rayClusterConfig"]["headGroupSpec"].pop("rayStartParams")),
@@ -129,7 +130,6 @@ def test_crd_schema_typos_fail(vk, edit, message):
     assert any(message in e for e in errors), errors
 
 
-@needs_crds
 def test_dev_raycluster_typo_fails(vk):
     doc = _doc("ray-cluster.dev.yaml")
     doc["spec"]["workerGroupSpecs"][0]["groupname"] = "x"

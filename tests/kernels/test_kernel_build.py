@@ -38,6 +38,10 @@ KNOWN_SPILLS = {
     (120, "kda_chunk_intra_kernel", "kda prefill 4 seqs"): 224,
     # a swept tiling, not the default: 64 rows a step on one warpgroup
     (90, "sparse_mla_fwd_kernel", "attention decode, 64 rows a step"): 40,
+    # the in-kernel dequantisation of packed latent rows (issue 21): found by these builds,
+    # to be removed with the GPU work on the quantised cache
+    (90, "sparse_mla_fwd_kernel", "attention decode 16 queries, fp8 cache"): 312,
+    (90, "sparse_mla_fwd_kernel", "attention decode 16 queries, nvfp4 cache"): 2536,
 }
 DECODE_CASES = ("attention decode 1 query", "attention decode 64 queries", "topk 16x32K")
 

@@ -58,3 +58,14 @@ def test_attention_plan_hopper_unchanged_sm120_narrower():
     # fp32 (the interpreter's path) keeps its own tiling either way
     assert sparse_mla._attention_plan(1, 64, 2051, 512, True, sm120=True) == \
         sparse_mla._attention_plan(1, 64, 2051, 512, True)
+
+
+def test_quantised_cache_attention_is_refused_on_sm120(monkeypatch):
+    """Its build does not fit SM120's shared memory (scripts/kernel_build.py): a clear error, not
+    a launch failure."""
+    monkeypatch.setattr(sparse_mla, "is_sm120", lambda device: True)
+    with pytest.raises(NotImplementedError, match="fp8 latent rows does not fit an SM120"):
+        sparse_mla.sparse_mla_attention(
+            torch.zeros(1, 16, 512), torch.zeros(2, 8, 528, dtype=torch.uint8),
+            torch.zeros(1, 2, dtype=torch.long), torch.zeros(1, dtype=torch.long),
+            torch.zeros(1, 4, dtype=torch.long), 1 / 16, latent_format="fp8")
