@@ -9,13 +9,14 @@ captured forward + lm_head) and `engine_step_ms` (the step as the model runner s
 host arrays -> static buffers -> replay -> sampling -> tokens on the host), and the modeled
 bytes the step reads (weights that run, the routed experts the batch touches in expectation,
 KDA state read + write, DSA pooled keys + selected latent rows) as % of 4.3 TB/s. Also the
-weight GiB per part and the KV pool left on the rank. A case whose sequences do not fit the
-pool shares physical blocks between its sequences (`kv_shared`: same bytes read per step,
-the capacity is reported separately).
+weight GiB per part and the KV pool left on the rank, for each latent-cache format asked for
+(`--kv-cache-dtype bf16,fp8,nvfp4`: one model, its caches reallocated per format). A case
+whose sequences do not fit the pool shares physical blocks between its sequences
+(`kv_shared`: same bytes read per step, the capacity is reported separately).
 
     python benchmarks/rank0.py [--json benchmarks/results/rank0_h200_<commit>.json]
         [--commit SHA] [--decode 1x8192,...] [--experts exl3|int4] [--utilization 0.9]
-        [--profile]
+        [--profile] [--kv-cache-dtype bf16[,fp8,nvfp4]]
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ import torch
 from bench_common import kernel_profile
 from slice import BLOCK, _timed, engine_step_ms
 
-from glm53.actors.caches import ModelCaches, cache_bytes
+from glm53.actors.caches import ModelCaches, cache_bytes, latent_bytes_per_token, pool_row
 from glm53.actors.config import ModelConfig
 from glm53.actors.emulation import build_rank0
 from glm53.actors.forward_batch import ForwardBatch
@@ -63,8 +64,9 @@ def _param_bytes(p: torch.Tensor) -> int:
     return p.numel() * p.element_size()
 
 
-def step_bytes(model, batch: int, context: int) -> dict[str, float]:
-    """Bytes one decode step of `batch` sequences at `context` reads on this rank (GB)."""
+def step_bytes(model, batch: int, context: int, kv_cache_dtype: str = "bf16") -> dict[str, float]:
+    """Bytes one decode step of `batch` sequences at `context` reads on this rank (GB), the
+    latent rows and pooled keys at `kv_cache_dtype`'s width."""
     cfg = model.config
     dense = experts = 0
     for name, p in model.named_parameters():
@@ -85,8 +87,11 @@ def step_bytes(model, batch: int, context: int) -> dict[str, float]:
     caches_per_seq += len(cfg.kda_layers) * 2 * state  # read and written back
     dcp = model.parallel.dcp_size
     selected = min(context, cfg.index_topk + cfg.index_kpool) / dcp
+    latent_row = latent_bytes_per_token(cfg, kv_cache_dtype, torch.bfloat16)
+    _, pool_dtype, pool_width = pool_row(cfg, kv_cache_dtype, torch.bfloat16)
+    pool_key = pool_width * pool_dtype.itemsize
     caches_per_seq += len(cfg.dsa_layers) * (
-        context / cfg.index_kpool * cfg.index_head_dim * 2 + selected * cfg.kv_lora_rank * 2)
+        context / cfg.index_kpool * pool_key + selected * latent_row)
     embed = batch * cfg.hidden_size * 2
     return dict(weights_gb=dense / 1e9, experts_gb=expert_bytes / 1e9,
                 caches_gb=batch * caches_per_seq / 1e9,
@@ -134,6 +139,8 @@ def main() -> None:
                     help="only the first N trunk layers (to debug a failing case quickly)")
     ap.add_argument("--profile", action="store_true",
                     help="device time per kernel of one eager decode step per case")
+    ap.add_argument("--kv-cache-dtype", default="bf16",
+                    help="latent-cache formats to run, comma-separated (bf16, fp8, nvfp4)")
     args = ap.parse_args()
     cases = [tuple(int(v) for v in c.split("x")) for c in args.decode.split(",") if c]
     cfg = emulation_config(args.experts, args.layers)
@@ -145,12 +152,6 @@ def main() -> None:
     torch.cuda.empty_cache()  # the random fill's temporaries are not the rank's memory
     free, total = torch.cuda.mem_get_info()
     max_batch = max(b for b, _ in cases)
-    budget = int(args.utilization * total) - (total - free) - GRAPH_RESERVE
-    per_block, per_slot = cache_bytes(cfg, BLOCK, torch.bfloat16, True, model.parallel)
-    num_blocks = (budget - (max_batch + 1) * per_slot) // per_block
-    caches = ModelCaches.allocate(cfg, num_blocks, BLOCK, max_batch + 1, torch.bfloat16, DEV,
-                                  with_mtp=True, ps=model.parallel)
-    kv_tokens = (num_blocks - 1) * BLOCK
     meta = dict(
         benchmark="rank0", device=torch.cuda.get_device_name(), commit=args.commit,
         date=datetime.now(UTC).isoformat(timespec="seconds"), torch=torch.__version__,
@@ -158,12 +159,9 @@ def main() -> None:
         mtp=True, weights_gib={k: round(v / 2**30, 3) for k, v in parts.items()},
         weights_gib_total=round(sum(parts.values()) / 2**30, 3),
         device_gib=round(total / 2**30, 2), utilization=args.utilization,
-        kv_block_tokens=BLOCK, kv_blocks=num_blocks, kv_tokens_per_rank=kv_tokens,
-        kv_bytes_per_token=per_block / BLOCK, kda_state_bytes_per_seq=per_slot,
-        kv_128k_sequences=kv_tokens // 131072,
+        kv_block_tokens=BLOCK, kv_caches={},
         note="collectives are no-ops (not timed); random weights; uniform routing; "
              "engine_step_ms includes host work; graph_ms is one graph replay")
-    print(json.dumps(meta, indent=1), flush=True)
     rows = []
 
     def save():
@@ -171,17 +169,41 @@ def main() -> None:
             with open(args.json, "w") as f:
                 json.dump(dict(meta, results=rows), f, indent=2)
 
+    for kv_dtype in args.kv_cache_dtype.split(","):
+        budget = int(args.utilization * total) - (total - free) - GRAPH_RESERVE
+        per_block, per_slot = cache_bytes(cfg, BLOCK, torch.bfloat16, True, model.parallel,
+                                          kv_cache_dtype=kv_dtype)
+        num_blocks = (budget - (max_batch + 1) * per_slot) // per_block
+        caches = ModelCaches.allocate(cfg, num_blocks, BLOCK, max_batch + 1, torch.bfloat16, DEV,
+                                      with_mtp=True, ps=model.parallel, kv_cache_dtype=kv_dtype)
+        kv_tokens = (num_blocks - 1) * BLOCK
+        meta["kv_caches"][kv_dtype] = dict(
+            kv_blocks=num_blocks, kv_tokens_per_rank=kv_tokens,
+            kv_bytes_per_token=per_block / BLOCK, kda_state_bytes_per_seq=per_slot,
+            kv_tokens_per_gib=round(2**30 * BLOCK / per_block),
+            kv_128k_sequences=kv_tokens // 131072)
+        print(json.dumps(meta, indent=1), flush=True)
+        run_cases(model, caches, cfg, cases, num_blocks, kv_dtype, args.profile, rows, save)
+        del caches
+        gc.collect()
+        torch.cuda.empty_cache()
+
+
+def run_cases(model, caches, cfg, cases, num_blocks, kv_dtype, profile, rows, save) -> None:
+    """Time each (batch, context) case on `caches` (latent rows in `kv_dtype`) into `rows`."""
     with torch.inference_mode():
         for batch, context in cases:
             per = -(-context // BLOCK)
             shared = batch * per + 1 > num_blocks
             tables = [list(range(1, 1 + per)) if shared else
                       list(range(1 + i * per, 1 + (i + 1) * per)) for i in range(batch)]
-            row = dict(phase="decode", batch=batch, context=context, kv_shared=shared)
-            row.update({k: round(v, 4) for k, v in step_bytes(model, batch, context).items()})
+            row = dict(phase="decode", kv_cache_dtype=kv_dtype, batch=batch, context=context,
+                       kv_shared=shared)
+            row.update({k: round(v, 4)
+                        for k, v in step_bytes(model, batch, context, kv_dtype).items()})
             try:
                 row["graph_ms"], prof = graph_replay_ms(model, caches, batch, context, tables,
-                                                         args.profile)
+                                                         profile)
                 if prof:
                     row["profile"] = prof
                 row["pct_bandwidth"] = round(
@@ -202,7 +224,6 @@ def main() -> None:
             rows.append(row)
             print(row, flush=True)
             save()
-
 
 if __name__ == "__main__":
     main()
