@@ -176,7 +176,12 @@ def indexer_score_kernel(q, w, pool_cache, pool32, block_tables, query_seq, posi
     if i_p * BP * KPOOL + KPOOL - 1 <= pos:
         i_b = tl.load(block_tables + seq * stride_bt + o_p // PPB, mask=m_p, other=0)
         # plain keys, or fp8 rows (PFMT 1) dequantised
-        b_k = latent_tile(pool_cache, pool32, i_b.to(tl.int64) * PPB + o_p % PPB, o_d,
+        # the row as (i_b PPB - 1) + (o_p % PPB + 1): Triton's alignment analysis takes
+        # i_b * PPB + o_p % PPB as a multiple of PPB in every lane (the divisibility of the
+        # runs' first rows), and then loaded fp8 rows (132 B, 4-byte aligned) 16 bytes at a
+        # time: a misaligned address on the GPU. Written this way no lane claims more than 1.
+        i_row = (i_b.to(tl.int64) * PPB - 1) + (o_p % PPB + 1)
+        b_k = latent_tile(pool_cache, pool32, i_row, o_d,
                           m_p[:, None] & m_d[None, :], D, RB, 0, PFMT)
         p_q = q + (i_t * HI + o_h)[:, None] * D + o_d[None, :]
         b_q = tl.load(p_q, mask=m_h[:, None] & m_d[None, :], other=0.0)

@@ -92,6 +92,27 @@ class Build:
     wgmma: int
     mma_sync: int
     foreign: tuple[str, ...]  # instructions of FOREIGN_PTX[arch] in the PTX
+    # the widest global load (bytes a thread reads in one instruction) per source line
+    # ("file.py:line", the innermost frame of its PTX location): a vector load is only valid
+    # where every lane's address is that many bytes aligned
+    widest_loads: dict[str, int]
+
+
+_LOC = re.compile(r"^\s*\.loc\s.*//\s*([\w.]+:\d+)")
+_LOAD = re.compile(r"\bld\.global(?:\.\w+)*?(?:\.v(\d))?\.[bsuf](\d+)\s")
+
+
+def widest_loads(ptx: str) -> dict[str, int]:
+    """{"file.py:line": bytes of the widest `ld.global` at that line} of a PTX listing."""
+    widest: dict[str, int] = {}
+    where = "?"
+    for line in ptx.splitlines():
+        if m := _LOC.match(line):
+            where = m.group(1)
+        elif m := _LOAD.search(line):
+            width = int(m.group(1) or 1) * int(m.group(2)) // 8
+            widest[where] = max(widest.get(where, 0), width)
+    return widest
 
 
 def _resources(cubin: bytes) -> dict[str, int]:
@@ -128,7 +149,7 @@ class _Recorder:
                 recorder.arch, recorder.case, fn.fn.__name__, res.get("REG", 0),
                 max(res.get("LOCAL", 0), res.get("STACK", 0)), kernel.metadata.shared,
                 kernel.metadata.num_warps, ptx.count("wgmma.mma_async"), ptx.count("mma.sync"),
-                tuple(i for i in FOREIGN_PTX[recorder.arch] if i in ptx)))
+                tuple(i for i in FOREIGN_PTX[recorder.arch] if i in ptx), widest_loads(ptx)))
             return kernel
 
         self._driver = driver._active  # None here: no default driver exists without a GPU
@@ -208,12 +229,23 @@ def _cases(arch: int) -> dict[str, Callable[[], object]]:
                 call()
         return run
 
-    def topk_call(batch, ctx, **constants):
-        blocks = ctx // 64
+    def pool_cache(blocks, fmt="plain"):
+        if fmt == "plain":
+            return z(blocks, 64 // kpool, 128)
+        return z(blocks, 64 // kpool, latent_quant.row_bytes(fmt, 128), dtype=torch.uint8)
+
+    def topk_call(batch, ctx, fmt="plain", **constants):
+        # a table wider than the context, of an odd width, as a serving table is
+        blocks = ctx // 64 + 3
         table = torch.arange(batch * blocks).view(batch, blocks)
         return with_constants(lambda: sparse_mla.indexer_topk(
-            z(batch, 32, 128), z(batch, 32, dtype=f32), z(batch * blocks, 64 // kpool, 128), table,
-            torch.arange(batch), torch.full((batch,), ctx - 1), budget, kpool), **constants)
+            z(batch, 32, 128), z(batch, 32, dtype=f32), pool_cache(batch * blocks, fmt), table,
+            torch.arange(batch), torch.full((batch,), ctx - 1), budget, kpool, fmt), **constants)
+
+    def update_call(fmt="plain"):
+        return lambda: sparse_mla.indexer_update(
+            z(16, 128), z(16, 128), z(kpool, 128, dtype=f32), z(16, 8, 256), pool_cache(64, fmt),
+            torch.arange(16), torch.arange(16), cu([16]), torch.zeros(1, dtype=i64), fmt)
 
     def latent_cache(dcp=1, fmt="plain"):
         if fmt == "plain":
@@ -270,10 +302,10 @@ def _cases(arch: int) -> dict[str, Callable[[], object]]:
                                      z(heads, dtype=f32), -5.0),
         "gated rms norm": lambda: kda.gated_rms_norm(z(16, heads, dk), z(16, heads, dk), z(dk),
                                                      1e-5),
-        "indexer update": lambda: sparse_mla.indexer_update(
-            z(16, 128), z(16, 128), z(kpool, 128, dtype=f32), z(16, 8, 256), z(64, 16, 128),
-            torch.arange(16), torch.arange(16), cu([16]), torch.zeros(1, dtype=i64)),
+        "indexer update": update_call(),
+        "indexer update, fp8 pool keys": update_call("fp8"),
         "topk 16x32K": topk_call(16, 32768),
+        "topk 16x32K, fp8 pool keys": topk_call(16, 32768, "fp8"),
         "topk 16x32K, histograms folded": topk_call(16, 32768, SELECT_FOLD_PROGRAMS=0),
         "attention decode 1 query": attention_call(1, budget * kpool + kpool - 1),
         "attention decode 64 queries": attention_call(64, budget * kpool + kpool - 1),

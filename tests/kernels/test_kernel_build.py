@@ -106,3 +106,16 @@ def test_spills_are_known(builds):
     for b in builds:
         if b["case"] in DECODE_CASES:
             assert b["spill_bytes"] == 0 and b["registers"] <= 255, b
+
+
+def test_fp8_pool_key_rows_are_read_at_their_alignment(builds):
+    """fp8 pool-key rows are 132 B (128 codes + one fp32 scale): 4-byte aligned only. The
+    indexer reads their codes at most 4 bytes a lane; Triton took `i_b * PPB + o_p % PPB`
+    rows as 16-row aligned and read them 16 bytes a lane: a misaligned address on the H100."""
+    score = [b for b in builds if b["case"] == "topk 16x32K, fp8 pool keys"
+             and b["kernel"] == "indexer_score_kernel"]
+    assert score
+    for b in score:
+        rows = {k: v for k, v in b["widest_loads"].items() if k.startswith("latent_quant.py:")}
+        assert rows, b["widest_loads"]  # the row loads are attributed to latent_tile
+        assert max(rows.values()) <= 4, rows
