@@ -137,6 +137,18 @@ def test_streamed_body_is_counted_while_read(monkeypatch):
     assert pulled == 5
 
 
+def test_declared_length_over_the_limit_is_refused_before_reading(monkeypatch):
+    """A Content-Length past the limit is refused by the head alone: no body chunk is pulled
+    (the count while reading would also give 413, but only after reading up to the limit)."""
+    app = local_ingress(monkeypatch, HTTPConfig(max_request_bytes=4096))
+    chunks = [b'{"prompt": "' + b"x" * 1000] * 5 + [b'"}']
+    length = str(sum(len(c) for c in chunks)).encode()
+    status, body, pulled = _run(app, "POST", "/tokenize", chunks,
+                                headers=[(b"content-length", length)])
+    assert status == 413 and body["error"]["code"] == "request_too_large"
+    assert pulled == 0
+
+
 def test_slow_body_hits_the_deadline(monkeypatch):
     app = local_ingress(monkeypatch, HTTPConfig(body_timeout_s=0.3))
     status, body, _ = _run(app, "POST", "/tokenize", [b'{"prompt": ', None])
