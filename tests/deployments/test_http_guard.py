@@ -274,3 +274,24 @@ def test_guard_under_serve(served):
     chunks = (big[i:i + 8192] for i in range(0, len(big), 8192))
     envelope(served.post("/tokenize", content=chunks, headers=headers), 413,
              "request_too_large")
+
+
+@pytest.mark.slow  # the same served app
+def test_replicas_listen_on_the_node_address_only(served):
+    """Every Serve replica (the ingress and the LLM server) listens only on the node's address
+    (127.0.0.1 here): its inter-deployment gRPC port too, which Serve binds to all interfaces
+    (deployments/listeners.py)."""
+    import ray
+    from ray._private import state
+
+    psutil = pytest.importorskip("psutil")  # vendored with ray
+    assert served.get("/health").status_code == 200
+    node_ip = ray.util.get_node_ip_address()
+    pids = [a["Pid"] for a in state.actors().values()
+            if a["State"] == "ALIVE" and a["ActorClassName"].startswith("ServeReplica")]
+    assert len(pids) == 2, pids
+    for pid in pids:
+        listening = {c.laddr.ip.removeprefix("::ffff:")
+                     for c in psutil.Process(pid).net_connections("inet")
+                     if c.status == psutil.CONN_LISTEN}
+        assert listening == {node_ip}, (pid, listening)
