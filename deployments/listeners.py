@@ -31,11 +31,11 @@ def _node_ip() -> str:
 
 
 def node_bound(add_port: Callable[[Any, str], int],
-               node_ip: Callable[[], str] = _node_ip) -> Callable[[Any, str], int]:
+               node_ip: Callable[[], str] | None = None) -> Callable[[Any, str], int]:
     """`add_port(server, address)` with the wildcard address replaced by the node's."""
     def add_port_on_node(server: Any, address: str) -> int:
         if address == WILDCARD:
-            address = node_address(node_ip())
+            address = node_address((node_ip or _node_ip)())
         return add_port(server, address)
 
     add_port_on_node.glm53_node_bound = True

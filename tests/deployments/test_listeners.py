@@ -33,13 +33,21 @@ def test_the_wildcard_becomes_the_node_address():
 def test_the_replica_module_is_patched_once(monkeypatch):
     """What a Serve replica starts its server with: Ray's own code passes the wildcard here
     (if a Ray release stops doing so, the served test fails, not this one)."""
-    original = replica.add_port_to_grpc_server
+    calls = []
+
+    def original(server, address):  # Ray's, before any deployment in this process ran
+        calls.append(address)
+        return 1
+
     monkeypatch.setattr(replica, "add_port_to_grpc_server", original)
+    monkeypatch.setattr("glm53.deployments.listeners._node_ip", lambda: "10.1.2.3")
     bind_replica_grpc_to_node_ip()
     patched = replica.add_port_to_grpc_server
     assert patched is not original and patched.glm53_node_bound
     bind_replica_grpc_to_node_ip()
     assert replica.add_port_to_grpc_server is patched
+    patched("server", WILDCARD)
+    assert calls == ["10.1.2.3:0"]
 
 
 def test_serve_binds_its_replica_server_through_the_patched_name():
