@@ -36,6 +36,7 @@ from .caller_watch import Caller
 from .config import HTTPConfig
 from .drain import DrainGate, DrainState
 from .http_guard import mount_http_guard
+from .listeners import bind_replica_grpc_to_node_ip
 from .metrics import CONTENT_TYPE, merge_expositions
 from .openai_schema import (
     APIError,
@@ -189,6 +190,7 @@ class OpenAIIngress:
     """Routes by model name to LLM-server deployment handles."""
 
     def __init__(self, servers: dict[str, Any], http: HTTPConfig | None = None) -> None:
+        bind_replica_grpc_to_node_ip()
         self.servers = servers
         self.http = http or HTTPConfig()
         self.drain_state = DrainState()

@@ -52,6 +52,7 @@ from .config import ServingConfig
 from .engine_client import EngineClient, LocalEngine
 from .image_prompt import NO_VISION, ImagePrompts, image_urls
 from .images import ImageError
+from .listeners import bind_replica_grpc_to_node_ip
 from .metrics import RequestTimes, ServingMetrics
 from .openai_schema import (
     APIError,
@@ -80,6 +81,7 @@ class LLMServer:
     def __init__(self, config: ServingConfig, device: str = "cpu",
                  engine_factory: EngineFactory | None = None) -> None:
         config.check_supported()
+        bind_replica_grpc_to_node_ip()
         from .tiny_model import embedded_tiny_model
 
         self.config = config

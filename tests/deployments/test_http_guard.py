@@ -137,6 +137,18 @@ def test_streamed_body_is_counted_while_read(monkeypatch):
     assert pulled == 5
 
 
+def test_declared_length_over_the_limit_is_refused_before_reading(monkeypatch):
+    """A Content-Length past the limit is refused by the head alone: no body chunk is pulled
+    (the count while reading would also give 413, but only after reading up to the limit)."""
+    app = local_ingress(monkeypatch, HTTPConfig(max_request_bytes=4096))
+    chunks = [b'{"prompt": "' + b"x" * 1000] * 5 + [b'"}']
+    length = str(sum(len(c) for c in chunks)).encode()
+    status, body, pulled = _run(app, "POST", "/tokenize", chunks,
+                                headers=[(b"content-length", length)])
+    assert status == 413 and body["error"]["code"] == "request_too_large"
+    assert pulled == 0
+
+
 def test_slow_body_hits_the_deadline(monkeypatch):
     app = local_ingress(monkeypatch, HTTPConfig(body_timeout_s=0.3))
     status, body, _ = _run(app, "POST", "/tokenize", [b'{"prompt": ', None])
@@ -262,3 +274,24 @@ def test_guard_under_serve(served):
     chunks = (big[i:i + 8192] for i in range(0, len(big), 8192))
     envelope(served.post("/tokenize", content=chunks, headers=headers), 413,
              "request_too_large")
+
+
+@pytest.mark.slow  # the same served app
+def test_replicas_listen_on_the_node_address_only(served):
+    """Every Serve replica (the ingress and the LLM server) listens only on the node's address
+    (127.0.0.1 here): its inter-deployment gRPC port too, which Serve binds to all interfaces
+    (deployments/listeners.py)."""
+    import ray
+    from ray._private import state
+
+    psutil = pytest.importorskip("psutil")  # vendored with ray
+    assert served.get("/health").status_code == 200
+    node_ip = ray.util.get_node_ip_address()
+    pids = [a["Pid"] for a in state.actors().values()
+            if a["State"] == "ALIVE" and a["ActorClassName"].startswith("ServeReplica")]
+    assert len(pids) == 2, pids
+    for pid in pids:
+        listening = {c.laddr.ip.removeprefix("::ffff:")
+                     for c in psutil.Process(pid).net_connections("inet")
+                     if c.status == psutil.CONN_LISTEN}
+        assert listening == {node_ip}, (pid, listening)

@@ -5,6 +5,7 @@ be admitted gets 400, and engine failures reach the client without their text.""
 from __future__ import annotations
 
 import asyncio
+import json
 import threading
 import time
 
@@ -98,6 +99,30 @@ def test_more_choices_than_the_server_ever_queues_is_400_not_503(server):
     server._outstanding = 4  # but a full queue is still an overload: 503 + Retry-After
     (error,) = items(server.chat(chat("SCRIPT:x", n=1)))
     assert error.status == 503 and error.headers == {"Retry-After": "1"}
+
+
+def test_response_format_reaches_the_engine_as_a_constraint(server, monkeypatch):
+    """JSON mode is enforced, not only accepted: json_object and json_schema become the
+    engine's output constraint (which the engine's grammar then applies)."""
+    from glm53.actors.step import StructuredOutput
+
+    seen = []
+    generate = server.engine.generate
+
+    def spying_generate(prompt_ids, params, *args):
+        seen.append(params.structured_output)
+        return generate(prompt_ids, params, *args)
+
+    monkeypatch.setattr(server.engine, "generate", spying_generate)
+    schema = {"type": "object", "properties": {"a": {"enum": ["x"]}}, "required": ["a"]}
+    formats = [({"type": "json_object"}, StructuredOutput("json")),
+               ({"type": "json_schema", "json_schema": {"name": "s", "schema": schema}},
+                StructuredOutput("json_schema", json.dumps(schema))),
+               ({"type": "text"}, None), (None, None)]
+    for fmt, expected in formats:
+        seen.clear()
+        items(server.chat(chat("Answer in JSON. SCRIPT:{}", response_format=fmt)))
+        assert seen == [expected], fmt
 
 
 def test_stop_token_ids_beyond_the_vocabulary_are_400(server):
