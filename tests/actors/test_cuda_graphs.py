@@ -185,7 +185,7 @@ class TwinExecutor(InProcessExecutor):
             self.padded_steps += 1
 
 
-@pytest.mark.parametrize("k", [0, 3])
+@pytest.mark.parametrize("k", [0, pytest.param(3, marks=pytest.mark.slow)])
 def test_padded_graph_path_equals_eager(tiny, k):
     """Each graph step equals its eager twin, and the engine driven by the padded path
     (requests arriving and finishing, so buckets change) equals the plain engine."""
@@ -200,6 +200,7 @@ def test_padded_graph_path_equals_eager(tiny, k):
         assert engine.spec_stats.num_drafts > 0
 
 
+@pytest.mark.slow
 def test_padded_graph_path_with_a_quantised_cache(tiny):
     """The graph path stores and reads fp8 latent rows exactly as the eager path does (padded
     rows land in block 0), with MTP drafts."""
@@ -210,6 +211,7 @@ def test_padded_graph_path_with_a_quantised_cache(tiny):
     assert _run(engine) == plain
 
 
+@pytest.mark.slow
 def test_adaptive_draft_lengths_run_through_the_graph_path(tiny):
     """Adaptive draft length captures every verify width; uniform steps of each width run
     padded and equal their eager twins, and the output equals plain decoding."""

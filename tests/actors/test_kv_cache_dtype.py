@@ -157,6 +157,7 @@ def test_mtp3_with_quantised_cache_equals_plain_decoding(tiny, bank, dtype):
     assert run(3) == run(0)
 
 
+@pytest.mark.slow
 def test_dflash_with_a_quantised_cache_equals_plain_decoding(tiny, tmp_path):
     """The DFlash2 drafter keeps its own model-dtype cache (as the reference's did); the
     target's fp8 cache serves its verify steps."""

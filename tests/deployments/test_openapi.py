@@ -79,6 +79,7 @@ def fuzz(operation, mode: schemathesis.GenerationMode) -> tuple[int, list[str]]:
     return served, failures
 
 
+@pytest.mark.slow
 def test_fuzzing_the_document_finds_no_server_error(app):
     """Schema-conforming (positive) and violating (negative) cases of every operation: no
     5xx, and every 4xx in the envelope."""

@@ -24,7 +24,7 @@ import yaml
 
 from tests.k8s.conftest import REPO, load_script, needs_prometheus
 
-pytestmark = needs_prometheus("prometheus")
+pytestmark = [needs_prometheus("prometheus"), pytest.mark.slow]  # starts Prometheus and Grafana
 
 DASHBOARD = REPO / "k8s" / "monitoring" / "grafana-dashboard.glm53.json"
 RULE = REPO / "k8s" / "monitoring" / "prometheus-rule.glm53.yaml"

@@ -45,6 +45,7 @@ def _run(model, backend):
         ops.use("auto")
 
 
+@pytest.mark.slow
 def test_tiny_model_triton_equals_reference(tiny):
     with torch.inference_mode():
         want = _run(tiny, "ref")

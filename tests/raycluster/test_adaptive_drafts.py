@@ -49,6 +49,7 @@ GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
 SEEDED = SamplingParams(max_tokens=24, temperature=0.9, top_p=0.9, seed=7, ignore_eos=True)
 
 
+@pytest.mark.slow
 def test_adaptive_output_equals_plain_decoding_with_mtp_drafts(tiny):
     plain = LLMEngine(_config(tiny, adaptive=False)).generate(_prompts(), GREEDY)
     engine = LLMEngine(_config(tiny, adaptive=True))  # the default (unmeasured) cost table
