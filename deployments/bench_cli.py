@@ -1,5 +1,6 @@
 """`glm53 bench latency` (the engine in this process) and `glm53 bench serve` (a running server
-under load): their flags, runs, tables and JSON records."""
+under load): their flags, runs, tables and JSON records; `glm53 bench needle` lives in
+bench_needle.py."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import json
 import sys
 from pathlib import Path
 
+from .bench_needle import add_needle_parser, bench_needle
 from .bench_report import plot_serve, record_header, table
 from .config import CPU_CACHE_BYTES
 
@@ -33,7 +35,8 @@ def _probabilities(text: str) -> list[float]:
 
 
 def add_bench_parser(sub, parse_speculative, parse_bytes, quantize_help: str) -> None:
-    bench = sub.add_parser("bench", help="benchmark the engine (latency) or a server (serve)")
+    bench = sub.add_parser("bench", help="benchmark the engine (latency, needle) or a server "
+                                         "(serve)")
     kinds = bench.add_subparsers(dest="bench", required=True)
 
     lat = kinds.add_parser(
@@ -102,10 +105,12 @@ def add_bench_parser(sub, parse_speculative, parse_bytes, quantize_help: str) ->
     srv.add_argument("--seed", type=int, default=0)
     srv.add_argument("--json", type=Path, default=None, help="write the results here")
     srv.add_argument("--plot", type=Path, default=None, help="write a PNG plot here")
+    add_needle_parser(kinds, _ints, parse_speculative, parse_bytes, quantize_help)
 
 
 def run_bench(args: argparse.Namespace) -> int:
-    return bench_latency(args) if args.bench == "latency" else bench_serve(args)
+    runs = {"latency": bench_latency, "serve": bench_serve, "needle": bench_needle}
+    return runs[args.bench](args)
 
 
 def _spec_name(spec, synthetic: bool = False) -> str:
