@@ -147,11 +147,13 @@ class HaystackBuilder:
         content = f"{haystack}\n\n{QUESTION}"
         text = self._render(content)
         ids, offsets = self._encode_with_offsets(text)
-        start = text.index(content)  # the template puts the content in once, unchanged
-        hay = (_token_at(offsets, start), _token_at(offsets, start + len(haystack)))
+        start = text.find(content)
+        if start < 0:
+            raise ValueError("the chat template changed the message text; use --raw")
         at = start + len(before)
-        return NeedlePrompt(length, depth, code, ids, hay,
-                            (_token_at(offsets, at), _token_at(offsets, at + len(needle))), n,
+        return NeedlePrompt(length, depth, code, ids,
+                            _token_span(offsets, start, start + len(haystack)),
+                            _token_span(offsets, at, at + len(needle)), n,
                             self.template is not None and text.endswith(THINK_START))
 
     def _render(self, content: str) -> str:
@@ -165,7 +167,8 @@ class HaystackBuilder:
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 
     def _encode_with_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
-        enc = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+        enc = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True,
+                             verbose=False)  # no warning past the tokenizer's nominal length
         return list(enc["input_ids"]), [tuple(o) for o in enc["offset_mapping"]]
 
 
@@ -174,12 +177,11 @@ def _has_template(tokenizer: Any) -> bool:
     return isinstance(template, str) and bool(template)
 
 
-def _token_at(offsets: Sequence[tuple[int, int]], char: int) -> int:
-    """Index of the first token that ends after character `char` (len(offsets): none)."""
-    for i, (_, end) in enumerate(offsets):
-        if end > char:
-            return i
-    return len(offsets)
+def _token_span(offsets: Sequence[tuple[int, int]], begin: int, end: int) -> tuple[int, int]:
+    """[first, last + 1) of the tokens that overlap characters [begin, end); a token merged
+    across an edge counts as inside. Offsets of one encoding are in text order."""
+    first = bisect.bisect_right([e for _, e in offsets], begin)
+    return first, bisect.bisect_left([s for s, _ in offsets], end, lo=first)
 
 
 def split_reasoning(ids: Sequence[int], opens_reasoning: bool, think_start: int | None,

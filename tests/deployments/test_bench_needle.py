@@ -53,6 +53,32 @@ def test_needle_lands_at_its_depth_in_a_prompt_of_the_asked_length(
     assert text.endswith(f"\n\n{QUESTION}<|assistant|>\n<think>") and prompt.opens_reasoning
 
 
+def test_needle_placement_holds_for_a_merging_bpe_tokenizer() -> None:
+    """The tiny tokenizer is one token per byte; a BPE with merges (trained here on the filler)
+    joins characters across sentence edges, so token counts and spans come from offsets."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    from glm53.deployments.needle import FILLER
+    from glm53.deployments.tiny_tokenizer import SPECIAL_TOKENS, chat_template
+
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    bpe.train_from_iterator([" ".join(FILLER), NEEDLE, QUESTION], trainers.BpeTrainer(
+        vocab_size=600, special_tokens=list(SPECIAL_TOKENS), show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=bpe, chat_template=chat_template())
+    builder = HaystackBuilder(tokenizer)
+    assert max(builder.sentence_tokens) < 30  # merged: far fewer tokens than bytes
+    for depth in (0.0, 0.3, 1.0):
+        prompt = builder.build(2000, depth, CODE)
+        assert 2000 - max(builder.sentence_tokens) <= len(prompt.ids) <= 2000
+        start, end = prompt.needle
+        assert tokenizer.decode(prompt.ids[start:end]).strip() == NEEDLE.format(code=CODE)
+        assert abs(prompt.needle_depth - depth) < 0.02
+
+
 def test_prompt_formats_and_refusals(tiny_tokenizer) -> None:
     off = HaystackBuilder(tiny_tokenizer, thinking=False).build(400, 0.5, CODE)
     assert decode(tiny_tokenizer, off.ids).endswith("<think></think>")
@@ -105,7 +131,8 @@ def test_bench_needle_end_to_end_on_the_tiny_model(tiny_checkpoint: Path, tiny_t
 
     def recording(self, prompt_ids, params, *args, **kwargs):
         received.append(list(prompt_ids))
-        assert params.temperature == 0.0 and params.max_tokens == 3 and params.reasoning
+        assert params.temperature == 0.0 and params.max_tokens == 3
+        assert params.reasoning and params.thinking_budget == 1
         assert (self.config.speculative_method, self.config.num_speculative_tokens) == ("mtp", 1)
         assert self.config.enable_prefix_caching and self.config.max_num_seqs == 4
         return add_request(self, prompt_ids, params, *args, **kwargs)
@@ -114,7 +141,8 @@ def test_bench_needle_end_to_end_on_the_tiny_model(tiny_checkpoint: Path, tiny_t
     out = tmp_path / "needle.json"
     assert main(["bench", "needle", "--model", str(tiny_checkpoint), "--lengths", "230,300",
                  "--depths", "0,1", "--max-tokens", "3", "--max-num-seqs", "4",
-                 "--speculative", "mtp:1", "--enable-prefix-caching", "--json", str(out)]) == 0
+                 "--speculative", "mtp:1", "--enable-prefix-caching", "--thinking-budget", "1",
+                 "--json", str(out)]) == 0
     record = json.loads(out.read_text())
     assert record["benchmark"] == "needle" and record["model"] == str(tiny_checkpoint)
     assert record["prompt_format"] == "chat" and record["total"] == 4
@@ -127,6 +155,8 @@ def test_bench_needle_end_to_end_on_the_tiny_model(tiny_checkpoint: Path, tiny_t
         assert row["prompt_tokens"] == len(ids) <= row["length"]
         assert row["outcome"] in ("hit", "miss", "unanswered")
         assert 1 <= row["completion_tokens"] <= 3 and row["finish_reason"] in ("stop", "length")
+        # the budget closed the reasoning after one token (unless the model stopped first)
+        assert "</think>" in row["output"] or row["finish_reason"] == "stop"
         start, end = row["needle_tokens"]  # the engine saw the needle where the receipt says
         needle_ids = tiny_tokenizer.encode(NEEDLE.format(code=row["code"]),
                                            add_special_tokens=False)
