@@ -66,7 +66,7 @@ def main() -> None:
     common = ["--device", args.device, "--batch", args.batch, "--context", str(args.context),
               "--output-len", str(args.output_len)]
     if args.slice:
-        label = slice_label(args.experts)
+        label = slice_label(args.experts, mtp=True)
         common += ["--model", slice_checkpoint(str(tmp), args.experts)]
     else:
         label = args.model or "tiny"

@@ -76,7 +76,7 @@ def main() -> None:
     args = ap.parse_args()
     tmp = tempfile.mkdtemp(prefix="prefix-bench-")
     if args.slice:
-        model, label = slice_checkpoint(tmp, args.experts), slice_label(args.experts)
+        model, label = slice_checkpoint(tmp, args.experts), slice_label(args.experts, mtp=False)
     else:
         model = args.model or str(make_tiny(tmp, seed=3, mtp=True))
         label = "tiny" if args.model is None else args.model

@@ -70,9 +70,9 @@ def slice_checkpoint(out_dir: str, experts: int = 288) -> str:
     return out_dir
 
 
-def slice_label(experts: int) -> str:
-    return (f"slice (KDA+dense, KDA+MoE, KDA+MoE, DSA+MoE, MTP; full widths), random weights, "
-            f"{experts} experts")
+def slice_label(experts: int, mtp: bool) -> str:
+    layers = "KDA+dense, KDA+MoE, KDA+MoE, DSA+MoE" + (", MTP" if mtp else "")
+    return f"slice ({layers}; full widths), random weights, {experts} experts"
 
 
 @contextlib.contextmanager
