@@ -20,12 +20,14 @@ where its eager DSA attention would not fit). Prints a table and writes JSON.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import importlib.metadata
 import json
 import math
 import time
 from datetime import UTC, datetime
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -52,10 +54,43 @@ FULL = dict(
 )
 
 
-def slice_config(layers: int = 4) -> dict:
-    text = tiny_text_config(num_layers=layers, first_k_dense_replace=1, **FULL)
+def slice_config(layers: int = 4, mtp: bool = False, experts: int = 288) -> dict:
+    text = tiny_text_config(num_layers=layers, mtp=mtp, first_k_dense_replace=1,
+                            **{**FULL, "n_routed_experts": experts})
     text["linear_attn_config"].update(num_heads=64, head_dim=128)
     return release_config(text, eos_token_ids=[154820], pad_token_id=154820)
+
+
+def slice_checkpoint(out_dir: str, experts: int = 288) -> str:
+    """A checkpoint directory of the slice plus its MTP layer with `experts` routed experts:
+    config.json only (no weights file: writing ~60 GB of random safetensors takes minutes).
+    Engines load it under `random_weights()`. Returns the directory."""
+    config = slice_config(mtp=True, experts=experts)
+    Path(out_dir, "config.json").write_text(json.dumps(config, indent=1))
+    return out_dir
+
+
+def slice_label(experts: int, mtp: bool) -> str:
+    layers = "KDA+dense, KDA+MoE, KDA+MoE, DSA+MoE" + (", MTP" if mtp else "")
+    return f"slice ({layers}; full widths), random weights, {experts} experts"
+
+
+@contextlib.contextmanager
+def random_weights(seed: int = 0):
+    """Inside, the loader fills every model it builds with `randomize_` on its device instead
+    of reading safetensors (the engines then serve a config-only checkpoint directory; the
+    loader has no post-load step, so the model is otherwise the one a checkpoint gives)."""
+    from glm53.actors import loader
+
+    def fill(model, model_dir, progress=True) -> None:
+        torch.manual_seed(seed)
+        randomize_(model)
+
+    original, loader.load_weights = loader.load_weights, fill
+    try:
+        yield
+    finally:
+        loader.load_weights = original
 
 
 @torch.no_grad()
