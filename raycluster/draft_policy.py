@@ -5,16 +5,20 @@ batch keeps the shape CUDA graphs are captured for) that maximises expected emit
 second: sum over sequences of E_s[tokens | w] divided by the step time T(batch, w).
 
 - E_s[tokens | w] = 1 + sum_{j<=w} prod_{i<=j} c_s[i], where c_s[i] is sequence s's estimated
-  probability that draft i is accepted given drafts 1..i-1 were (an exponential moving average
-  per position, started from the engine-wide estimate, which starts from `prior`).
+  probability that draft i is accepted given drafts 1..i-1 were: its decayed counts of
+  accepted / verified drafts at position i, shrunk toward the engine-wide estimate (all
+  sequences' counts, shrunk toward `prior`) by a few pseudo-verifies (`AcceptanceCounts`).
 - T(batch, w) comes from `StepCostModel`: a table of measured step times (the JSON record of
   `glm53 bench latency`: `none` rows are width 0, `mtp:K` / `dflash:PATH:K` rows width K), or
   a documented default table (bandwidth estimates, logged as not measured).
 
-A position that a step did not verify drifts back toward the prior (`relax`), so a sequence
-whose drafts were switched off is probed again now and then, and a width never tried is
-eventually tried: acceptance can recover (a new topic, a code block) after a bad stretch.
-Never touches tensors.
+Counts decay, so a position that goes unverified drifts back to its base (a sequence's to the
+engine-wide estimate, that to the prior): a sequence whose drafts were switched off is probed
+again now and then, and acceptance can recover (a new topic, a code block) after a bad
+stretch. Shrinking keeps single outcomes from switching drafting off: an earlier form, a
+moving average with weight 0.5 per outcome at both levels, let a few rejections drag the
+engine-wide estimate to ~0.2 at a true 0.8, where new sequences started without drafts and,
+observing nothing, stayed there. Never touches tensors.
 """
 
 from __future__ import annotations
@@ -116,38 +120,67 @@ class AcceptanceEstimate:
         """Tokens a step emits with `width` drafts: accepted drafts + the target's own."""
         return 1.0 + float(np.cumprod(self.conditional[:width]).sum())
 
-    def observe(self, num_drafts: int, num_accepted: int, rate: float) -> None:
-        """Positions 1..accepted were accepted, the next one (if verified) rejected; later
-        positions were not tried."""
-        seen = min(num_accepted + 1, num_drafts)
-        outcome = (np.arange(seen) < num_accepted).astype(float)
-        self.conditional[:seen] += rate * (outcome - self.conditional[:seen])
 
-    def relax(self, toward: np.ndarray, first: int, rate: float) -> None:
-        """Positions from `first` on drift toward `toward` (they went untried)."""
-        self.conditional[first:] += rate * (toward[first:] - self.conditional[first:])
+@dataclass
+class AcceptanceCounts:
+    """Decayed counts, per draft position, of drafts verified (after the earlier ones were
+    accepted) and of those accepted. The estimate they give is shrunk toward a base estimate
+    by `pseudo` verifies: (accepted + pseudo * base) / (verified + pseudo), so one outcome
+    moves it by at most 1 / (1 + pseudo), and decayed counts drift back to the base."""
+
+    verified: np.ndarray  # [k]
+    accepted: np.ndarray  # [k]
+
+    @classmethod
+    def empty(cls, k: int) -> AcceptanceCounts:
+        return cls(np.zeros(k), np.zeros(k))
+
+    def add(self, num_drafts: int, num_accepted: int) -> int:
+        """Positions 1..accepted were accepted, the next one (if verified) rejected; later
+        positions were not tried. Returns how many positions were tried."""
+        tried = min(num_accepted + 1, num_drafts)
+        self.verified[:tried] += 1.0
+        self.accepted[:num_accepted] += 1.0
+        return tried
+
+    def decay(self, keep: float, first: int = 0) -> None:
+        """Counts of positions from `first` on are multiplied by `keep`."""
+        self.verified[first:] *= keep
+        self.accepted[first:] *= keep
+
+    def estimate(self, base: np.ndarray, pseudo: float) -> AcceptanceEstimate:
+        return AcceptanceEstimate((self.accepted + pseudo * base) / (self.verified + pseudo))
 
 
 class DraftLengthPolicy:
     """Chooses the step's draft width from per-sequence acceptance and the step cost model."""
 
     def __init__(self, max_drafts: int, cost: StepCostModel, prior: float = 0.7,
-                 rate: float = 0.5, relax: float = 0.01) -> None:
-        """prior: the acceptance assumed per position before any is measured; rate: the
-        moving average's weight of a new observation; relax: how fast untried positions drift
-        back (the engine-wide estimate toward the prior, a sequence's toward the engine's),
-        which paces the probes of a switched-off sequence (with the defaults, after a failed
-        probe of a width that needs 20% acceptance to pay, the next comes ~20 steps later)."""
+                 pseudo: float = 2.0, sequence_keep: float = 0.9,
+                 engine_keep: float = 0.995) -> None:
+        """prior: the acceptance assumed per position before any is measured; pseudo: how
+        many verifies the base estimate weighs (a sequence's base is the engine-wide
+        estimate, whose base is the prior); sequence_keep: a sequence's counts of a position
+        decay by this at each of its verifies and at each step that left the position
+        untried (a memory of ~10 outcomes, and a switched-off sequence returns to the
+        engine-wide estimate within ~20 steps); engine_keep: the engine-wide counts decay by
+        this once a step (all sequences' outcomes over ~200 steps), so they drift back to the
+        prior while no one drafts and a switched-off engine probes again now and then (at
+        batch 1 and acceptance ~0, about one step in 30 verifies a draft)."""
         self.max_drafts, self.cost = max_drafts, cost
-        self.rate, self.relax_rate = rate, relax
+        self.pseudo, self.sequence_keep, self.engine_keep = pseudo, sequence_keep, engine_keep
         self.prior = np.full(max_drafts, prior)
-        self.engine_wide = AcceptanceEstimate(self.prior.copy())
-        self.sequences: dict[str, AcceptanceEstimate] = {}
+        self.engine_wide = AcceptanceCounts.empty(max_drafts)
+        self.sequences: dict[str, AcceptanceCounts] = {}
+
+    def engine_estimate(self) -> AcceptanceEstimate:
+        return self.engine_wide.estimate(self.prior, self.pseudo)
 
     def estimate(self, request_id: str) -> AcceptanceEstimate:
-        if request_id not in self.sequences:
-            self.sequences[request_id] = AcceptanceEstimate(self.engine_wide.conditional.copy())
-        return self.sequences[request_id]
+        """The sequence's estimate: its own counts shrunk toward the engine-wide estimate."""
+        counts = self.sequences.get(request_id)
+        base = self.engine_estimate()
+        return base if counts is None else counts.estimate(base.conditional, self.pseudo)
 
     def choose(self, request_ids: list[str]) -> int:
         """The width (0..k) maximising expected tokens per ms for this batch (ties: fewer)."""
@@ -166,16 +199,18 @@ class DraftLengthPolicy:
         for item, num_accepted in zip(items, accepted, strict=True):
             if item.samples:
                 self.record(item.request.request_id, item.num_drafts, num_accepted)
-        self.engine_wide.relax(self.prior, 0, self.relax_rate)
+        self.end_step()
 
     def record(self, request_id: str, num_drafts: int, num_accepted: int) -> None:
         """One sequence verified `num_drafts` drafts and accepted `num_accepted`."""
-        estimate = self.estimate(request_id)
-        if num_drafts:
-            estimate.observe(num_drafts, num_accepted, self.rate)
-            self.engine_wide.observe(num_drafts, num_accepted, self.rate)
-        tried = min(num_accepted + 1, num_drafts)
-        estimate.relax(self.engine_wide.conditional, tried, self.relax_rate)
+        counts = self.sequences.setdefault(request_id, AcceptanceCounts.empty(self.max_drafts))
+        counts.decay(self.sequence_keep)  # every position, tried or not, before the outcome
+        counts.add(num_drafts, num_accepted)
+        self.engine_wide.add(num_drafts, num_accepted)
+
+    def end_step(self) -> None:
+        """Once a step, after its outcomes: the engine-wide counts decay."""
+        self.engine_wide.decay(self.engine_keep)
 
     def forget(self, request_id: str) -> None:
         self.sequences.pop(request_id, None)
