@@ -32,7 +32,7 @@ from safetensors.torch import save_file
 
 from . import kld
 from .kv_scale_bank import bank_path, load_scale_bank
-from .loader import DTYPES, load_model
+from .loader import DTYPES, load_model, read_config
 from .models.glm5_next import Glm5NextForCausalLM
 
 TEACHER_FORMAT = "glm53-kld-teacher/1"
@@ -100,16 +100,20 @@ def _scales(cfg: RunConfig, kv_cache_dtype: str) -> tuple[dict[str, float] | Non
     return load_scale_bank(path), sha256_file(path)
 
 
-def load(cfg: RunConfig, window: int) -> Glm5NextForCausalLM:
-    """The model of `cfg` (no MTP layer: no draft alters the logits), refusing a window
-    longer than its context."""
-    model = load_model(cfg.model, dtype=DTYPES[cfg.dtype] if cfg.dtype else None,
-                       device=cfg.device, progress=False, quantize_experts=cfg.quantize_experts)
-    limit = model.config.max_position_embeddings
+def check_window(model_dir: str | Path, window: int) -> None:
+    """Refuse a window longer than the model's context."""
+    limit = read_config(model_dir).max_position_embeddings
     if window > limit:
         raise KLDInputError(f"window {window} is longer than the model's context "
                             f"(max_position_embeddings {limit})")
-    return model
+
+
+def load(cfg: RunConfig, window: int) -> Glm5NextForCausalLM:
+    """The model of `cfg` (no MTP layer: no draft alters the logits), refusing a window
+    longer than its context before loading it."""
+    check_window(cfg.model, window)
+    return load_model(cfg.model, dtype=DTYPES[cfg.dtype] if cfg.dtype else None,
+                      device=cfg.device, progress=False, quantize_experts=cfg.quantize_experts)
 
 
 def _config_json(cfg: RunConfig, kv_cache_dtype: str | None = None) -> dict:

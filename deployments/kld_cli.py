@@ -150,8 +150,9 @@ def _report(receipt: dict, path: Path | None) -> None:
 
 
 def _capture(args, model_dir: Path, digest: str, out: Path, prefix: str = "") -> None:
-    from glm53.raycluster.api import capture, cut_windows
+    from glm53.raycluster.api import capture, check_window, cut_windows
 
+    check_window(model_dir, args.window)
     windows = cut_windows(_tokens(model_dir, args.corpus), args.window, args.windows)
     inputs = {"corpus_sha256": corpus_digest(args.corpus),
               "corpus_files": [f.name for f in args.corpus]}

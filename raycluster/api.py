@@ -24,6 +24,7 @@ from glm53.actors.kld_run import (
     KLDInputError,
     RunConfig,
     capture,
+    check_window,
     cut_windows,
     read_manifest,
     score,
@@ -63,8 +64,8 @@ __all__ = [
     # benchmarks
     "LatencyCase", "LatencyResult", "LatencyRunner", "describe_device",
     # fidelity (glm53 kld)
-    "KLDInputError", "RunConfig", "capture", "cut_windows", "read_manifest", "score",
-    "sha256_file", "tokens_sha256",
+    "KLDInputError", "RunConfig", "capture", "check_window", "cut_windows", "read_manifest",
+    "score", "sha256_file", "tokens_sha256",
     # checkpoints and plans
     "BANK_FILE", "CheckpointError", "GiB", "MemoryPlanError", "UnsupportedConfigError",
     "bank_path", "cache_dir", "calibrate_checkpoint", "write_bank",
