@@ -220,14 +220,18 @@ def _check_student(manifest: dict, cfg: RunConfig, vocab_size: int, other_model:
                             "against it, say so: --other-model)")
 
 
-def _breakdown(model, teacher: Path, manifest: dict, cfg: RunConfig, chunk: int) -> dict:
-    """Mean KLD with the student's cache dtype on one DSA layer, or on one cached part, and
-    the teacher's elsewhere (kld.py: cache ablation)."""
+def _check_breakdown(manifest: dict, cfg: RunConfig) -> None:
     t = manifest["teacher"]
     same = all(t[k] == getattr(cfg, k) for k in ("model_digest", "quantize_experts", "dtype"))
     if not same or t["kv_cache_dtype"] == cfg.kv_cache_dtype:
         raise KLDInputError("the per-layer breakdown ablates the cache: the student must differ "
                             "from the teacher in --kv-cache-dtype only")
+
+
+def _breakdown(model, teacher: Path, manifest: dict, cfg: RunConfig, chunk: int) -> dict:
+    """Mean KLD with the student's cache dtype on one DSA layer, or on one cached part, and
+    the teacher's elsewhere (kld.py: cache ablation)."""
+    t = manifest["teacher"]
     scales = _scales(cfg, "nvfp4")[0] if "nvfp4" in (cfg.kv_cache_dtype,
                                                     t["kv_cache_dtype"]) else None
 
@@ -250,6 +254,8 @@ def score(teacher: str | Path, cfg: RunConfig, chunk: int = 64, breakdown: bool 
     teacher = Path(teacher)
     manifest = read_manifest(teacher)
     check_inputs(manifest, inputs or {})
+    if breakdown:
+        _check_breakdown(manifest, cfg)
     model = load(cfg, manifest["window"])
     _check_student(manifest, cfg, model.config.vocab_size, other_model)
     spec = kld.CacheSpec(cfg.kv_cache_dtype, _scales(cfg, cfg.kv_cache_dtype)[0], cfg.block_size)
