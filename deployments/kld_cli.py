@@ -6,7 +6,8 @@ This module tokenises the corpus (the checkpoint's tokenizer, each file on its o
 streams concatenated), cuts fixed non-overlapping windows and names the inputs by SHA-256:
 the corpus (`corpus_sha256`: SHA-256 of each file's `sha256  bytes` line, in order) and the
 model (the digest of its provenance manifest, recorded or computed, without the nvfp4 scale
-bank, which the configuration names on its own).
+bank, which the configuration names on its own; `glm53 verify --write` records it once, so a
+large checkpoint is not hashed again on every run).
 """
 
 from __future__ import annotations
@@ -109,7 +110,7 @@ def model_digest(model_dir: Path) -> str:
 
     from .provenance import Manifest, hash_folder, read_manifest
 
-    manifest = read_manifest(model_dir) or hash_folder(model_dir, progress=False)
+    manifest = read_manifest(model_dir) or hash_folder(model_dir)
     return Manifest({p: e for p, e in manifest.files.items() if p != BANK_FILE}).digest
 
 
