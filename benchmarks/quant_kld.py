@@ -21,8 +21,7 @@ from pathlib import Path
 import torch
 from bench_common import git_commit
 
-from glm53.actors.caches import ModelCaches
-from glm53.actors.forward_batch import ForwardBatch
+from glm53.actors.kld import CacheSpec, kl_rows, window_logits
 from glm53.actors.loader import load_model
 from glm53.deployments.tiny_model import make_tiny
 from glm53.kernels import ops
@@ -33,16 +32,6 @@ CASES = {  # name -> make_tiny overrides
     "tiny-8L-16experts": dict(layers=8, n_routed_experts=16, num_experts_per_tok=4),
     "tiny-5L-wide": dict(layers=5, hidden_size=128, moe_intermediate_size=128),
 }
-
-
-@torch.inference_mode()
-def prompt_logits(model, ids: list[int]) -> torch.Tensor:
-    """Logits [L, V] of every position of one prompt, in one prefill step."""
-    n = len(ids)
-    caches = ModelCaches.allocate(model.config, num_blocks=1 + -(-n // BLOCK), block_size=BLOCK,
-                                  num_slots=1, dtype=torch.float32)
-    batch = ForwardBatch.build([0], [n], [0], [list(range(1, 1 + -(-n // BLOCK)))], BLOCK)
-    return model.compute_logits(model(torch.tensor(ids), batch, caches))
 
 
 def weight_rel_err(base, quant) -> float:
@@ -64,11 +53,11 @@ def measure(path: Path, prompts: list[list[int]]) -> dict:
     base = load_model(path, progress=False)
     quant = load_model(path, progress=False, quantize_experts="int4")
     kls, agree = [], []
+    spec = CacheSpec(block_size=BLOCK)  # the model-dtype cache, one prefill step a prompt
     for ids in prompts:
-        p = prompt_logits(base, ids).double().log_softmax(-1)
-        q = prompt_logits(quant, ids).double().log_softmax(-1)
-        kls.append((p.exp() * (p - q)).sum(-1))
-        agree.append(p.argmax(-1) == q.argmax(-1))
+        kl, same = kl_rows(window_logits(base, ids, spec), window_logits(quant, ids, spec))
+        kls.append(kl)
+        agree.append(same)
     kl, top1 = torch.cat(kls), torch.cat(agree).double()
     group = quant.layers[-1].mlp.experts.group_size
     return dict(positions=kl.numel(), group_size=group,

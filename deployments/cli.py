@@ -1,5 +1,6 @@
 """The `glm53` command line: build tiny checkpoints, generate text through the engine, serve
-the OpenAI-compatible API on Ray Serve, and benchmark both (`glm53 bench`)."""
+the OpenAI-compatible API on Ray Serve, benchmark both (`glm53 bench`) and measure a
+configuration's fidelity (`glm53 kld`)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from typing import NamedTuple
 
 from .bench_cli import add_bench_parser, run_bench
 from .config import CPU_CACHE_BYTES  # default KV/state budget on CPU when no size is given
+from .kld_cli import add_kld_parser, run_kld
 
 
 def _parse_ids(text: str) -> list[int]:
@@ -155,6 +157,7 @@ def _parser() -> argparse.ArgumentParser:
     _plan_parser(sub)
     _verify_parser(sub)
     _calibrate_parser(sub)
+    add_kld_parser(sub)
     add_bench_parser(sub, _parse_speculative, _parse_bytes, QUANTIZE_HELP)
     return parser
 
@@ -691,6 +694,8 @@ def main(argv: list[str] | None = None) -> int:
         return _calibrate_kv(args)
     if args.command == "bench":
         return run_bench(args)
+    if args.command == "kld":
+        return run_kld(args)
     return _generate(args)
 
 

@@ -11,11 +11,26 @@ tokenizer by the serving layer, which owns it.
 Benchmarks, for `glm53 bench latency`: `LatencyRunner` measures `LatencyCase`s on one engine
 in this process.
 
+Fidelity, for `glm53 kld`: `RunConfig` (a model's runtime configuration), `cut_windows`,
+`capture` (teacher logits into a directory) and `score` (a student against it: a receipt);
+`KLDInputError` for inputs that cannot be scored together.
+
 Checkpoints and plans, for the CLI (`generate`, `make-tiny`, `plan-memory`): reading a model
 directory, the tiny random checkpoints, the release configs and the memory planner.
 """
 
 from glm53.actors.config import UnsupportedConfigError
+from glm53.actors.kld_run import (
+    KLDInputError,
+    RunConfig,
+    capture,
+    check_window,
+    cut_windows,
+    read_manifest,
+    score,
+    sha256_file,
+    tokens_sha256,
+)
 from glm53.actors.kv_scale_bank import BANK_FILE, bank_path, calibrate_checkpoint, write_bank
 from glm53.actors.loader import read_config
 from glm53.actors.memory_plan import GiB, MemoryPlanError, plan_for_config
@@ -48,6 +63,9 @@ __all__ = [
     "TokenLogprob", "WorkerError", "make_executor",
     # benchmarks
     "LatencyCase", "LatencyResult", "LatencyRunner", "describe_device",
+    # fidelity (glm53 kld)
+    "KLDInputError", "RunConfig", "capture", "check_window", "cut_windows", "read_manifest",
+    "score", "sha256_file", "tokens_sha256",
     # checkpoints and plans
     "BANK_FILE", "CheckpointError", "GiB", "MemoryPlanError", "UnsupportedConfigError",
     "bank_path", "cache_dir", "calibrate_checkpoint", "write_bank",

@@ -21,6 +21,12 @@ from typing import Any
 # selection is really sparse in prompts of a few dozen tokens.
 TINY: dict[str, Any] = dict(seed=3, layers=5, mtp=True, index_topk=8)
 
+# Stated bounds on the mean KLD of a quantised latent cache vs a full-precision one on TINY
+# (tests/actors/test_kv_cache_dtype.py measures them on random ids, tests/deployments/
+# test_kld_cli.py through `glm53 kld` on text; the measured values are noted there).
+FP8_KLD_BOUND = 0.015
+NVFP4_KLD_BOUND = 0.03
+
 
 class TinyCheckpoints:
     """spec -> checkpoint directory under `root`, each distinct spec written once."""

@@ -21,17 +21,16 @@ import torch
 from glm53.actors import kv_scale_bank
 from glm53.actors.caches import ModelCaches, cache_bytes, plan_cache
 from glm53.actors.config import ModelConfig
-from glm53.actors.forward_batch import ForwardBatch
+from glm53.actors.kld import CacheSpec, kl_rows, window_logits
 from glm53.actors.loader import load_model, read_config
 from glm53.actors.release import release_config
 from glm53.actors.step import SamplingParams
 from glm53.actors.tiny import tiny_text_config, write_tiny_draft
 from glm53.raycluster.config import EngineConfig
 from glm53.raycluster.engine import LLMEngine
+from tests.tiny import FP8_KLD_BOUND, NVFP4_KLD_BOUND
 
 BLOCK = 16
-FP8_KLD_BOUND = 0.015
-NVFP4_KLD_BOUND = 0.03
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 
 
@@ -121,23 +120,15 @@ def test_a_missing_or_malformed_bank_is_a_clear_error(tmp_path):
         kv_scale_bank.load_scale_bank(bad)
 
 
-def _logits(model, ids: list[int], kv_cache_dtype: str, scales=None) -> torch.Tensor:
-    n = len(ids)
-    caches = ModelCaches.allocate(model.config, 1 + -(-n // BLOCK), BLOCK, 1, torch.float32,
-                                  kv_cache_dtype=kv_cache_dtype, kv_scales=scales)
-    batch = ForwardBatch.build([0], [n], [0], [list(range(1, 1 + -(-n // BLOCK)))], BLOCK)
-    return model.compute_logits(model(torch.tensor(ids), batch, caches)).double()
-
-
 def test_quantised_cache_kld_vs_full_precision_cache_is_bounded(model, bank):
+    """Every prompt position (the last included: no next token is needed for KL)."""
     kld = {}
     prompts = _prompts(2, 64, seed=4)
-    teacher = [_logits(model, ids, "auto").log_softmax(-1) for ids in prompts]
+    teacher = [window_logits(model, ids, CacheSpec("auto", block_size=BLOCK)) for ids in prompts]
     for dtype in ("bf16", "fp8", "nvfp4"):
-        kls = []
-        for ids, p in zip(prompts, teacher, strict=True):
-            q = _logits(model, ids, dtype, bank["scales"]).log_softmax(-1)
-            kls.append((p.exp() * (p - q)).sum(-1))
+        spec = CacheSpec(dtype, bank["scales"], BLOCK)
+        kls = [kl_rows(p, window_logits(model, ids, spec))[0]
+               for ids, p in zip(prompts, teacher, strict=True)]
         kld[dtype] = float(torch.cat(kls).mean())
     assert kld["fp8"] < FP8_KLD_BOUND and kld["nvfp4"] < NVFP4_KLD_BOUND, kld
     assert kld["bf16"] < kld["fp8"] < kld["nvfp4"], kld
