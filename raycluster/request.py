@@ -85,12 +85,15 @@ class Request:
         """What the prompt's image placeholders stand for (for prefix-cache keys)."""
         return tuple(image.digest for image in self.images)
 
-    def image_chunk(self, n: int, pixel_budget: int) -> tuple[int, int]:
-        """(tokens, pixel bytes): how many of the next `n` tokens to compute when the step may
-        carry `pixel_budget` more bytes of image pixels (a step that computes any placeholder
-        of an image carries the whole image), ending the chunk before the first image that
-        does not fit; and the bytes the chunk carries."""
-        start, used = self.num_computed_tokens, 0
+    def image_chunk(self, n: int, pixel_budget: int,
+                    start: int | None = None) -> tuple[int, int]:
+        """(tokens, pixel bytes): how many of the `n` tokens from `start` (default: the
+        computed ones; a prefix-cache hit at admission starts later) to compute when the step
+        may carry `pixel_budget` more bytes of image pixels (a step that computes any
+        placeholder of an image carries the whole image), ending the chunk before the first
+        image that does not fit; and the bytes the chunk carries."""
+        start = self.num_computed_tokens if start is None else start
+        used = 0
         for image in self.images:
             if image.offset + image.num_tokens <= start or image.offset >= start + n:
                 continue

@@ -150,7 +150,7 @@ class Scheduler:
             if self.prefix is not None:
                 n = self.prefix.limit_chunk(request, n, start=hit.num_tokens)
             if request.images:
-                n, carried = request.image_chunk(n, pixels)
+                n, carried = request.image_chunk(n, pixels, start=hit.num_tokens)
                 if n == 0:
                     break
                 pixels -= carried
