@@ -94,9 +94,6 @@ class EngineConfig:
              "width is chosen from drafts the step in flight has not settled)"),
             (not (self.enable_prefix_caching and self.async_scheduling),
              "prefix caching with overlapped scheduling is not supported yet"),
-            (not (self.enable_prefix_caching and self.vision),
-             "prefix caching with vision is not supported yet (block hashes do not cover "
-             "images)"),
             (self.draft_cost_table is None or self.adaptive_drafts,
              "draft_cost_table is for adaptive draft length"),
             (self.draft_sampling in ("greedy", "probabilistic"),

@@ -3,8 +3,21 @@ from a checkpoint at the same position.
 
 Hash: block j's hash chains the previous block's hash with the block's token ids (and, when the
 engine runs the MTP layer, the token after the block: the MTP row of a block's last position
-is computed from it). The chain starts from the engine's identity (model, dtype, expert
-quantisation, MTP), so a hash stands for everything that determines the block's rows.
+is computed from it) and with the images whose placeholders fall in the block: each one's
+digest (ImageInput.digest, which must identify its pixels and grid: the serving layer's is
+their sha256) and offset from the block's start (vLLM's per-block "extra keys"). An image's
+placeholders are all the same token id, so without the digests two prompts with the same text
+and different images would share blocks; with them, the blocks before the image's first one are
+shared, and the chain keeps every later block apart. The MTP pass embeds the token after the
+block as a token (never as an image), so only placeholders inside the block count. The chain
+starts from the engine's identity (model, dtype, expert quantisation, MTP), so a hash stands for
+everything that determines the block's rows.
+
+Images: a hit may end inside an image. The text model attends causally over image
+placeholders, which keep the tokens' own positions, so splitting an image at any token computes
+what the reference's one pass does (chunked prefill does the same): the rest of its
+placeholders are prefilled with the matching rows of its embeddings, which the worker computes
+from the whole image again (batch.py `_images`).
 
 Checkpoints: a request's KDA state is copied into a spare state slot (state_checkpoints.py)
 when its computed length reaches a block boundary that is (a) a multiple of
@@ -27,9 +40,12 @@ Never touches tensors.
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
+
+from glm53.actors.step import ImageInput
 
 from .block_pool import BlockPool
 from .request import Request
@@ -39,6 +55,15 @@ from .state_checkpoints import CheckpointPool
 def cache_identity(*parts: object) -> bytes:
     """The root of every hash chain: what else determines a block's rows (model, dtype, ...)."""
     return hashlib.sha256(repr(parts).encode()).digest()
+
+
+def image_keys(images: Sequence[ImageInput], start: int, end: int) -> bytes:
+    """What the block of positions start..end-1 adds to its hash for `images`: the digest and
+    the offset from `start` of each image whose placeholders overlap it (b"" for none, so text
+    blocks hash as without vision). The token ids before it have a fixed length, so the bytes
+    cannot be confused with them."""
+    return b"".join(repr((image.digest, image.offset - start)).encode() for image in images
+                    if image.offset < end and image.offset + image.num_tokens > start)
 
 
 @dataclass(frozen=True)
@@ -84,7 +109,9 @@ class PrefixCache:
             prev = known[-1] if known else self.identity
             for j in range(end - len(known)):
                 chunk = np.asarray(tokens[j * self.bs:(j + 1) * self.bs + extra], np.int64)
-                prev = hashlib.sha256(prev + chunk.tobytes()).digest()
+                first = len(known) * self.bs
+                images = image_keys(request.images, first, first + self.bs)
+                prev = hashlib.sha256(prev + chunk.tobytes() + images).digest()
                 known.append(prev)
         return known
 

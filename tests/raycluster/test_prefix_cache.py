@@ -185,7 +185,6 @@ def test_tp2_dcp2_workers_copy_their_own_checkpoint_shards(ray_session, tiny):
 
 @pytest.mark.parametrize("kw, message", [
     (dict(enable_prefix_caching=True, async_scheduling=True), "prefix caching with overlapped"),
-    (dict(enable_prefix_caching=True, vision=True), "prefix caching with vision"),
     (dict(adaptive_drafts=True, async_scheduling=True, speculative_method="mtp",
           num_speculative_tokens=3), "adaptive draft length with overlapped"),
 ])
@@ -193,3 +192,8 @@ def test_combinations_not_supported_yet_are_refused(kw, message):
     """Each says what it refuses, before any model is read."""
     with pytest.raises(ValueError, match=message):
         EngineConfig(model="unused", **kw)
+
+
+def test_prefix_caching_with_vision_is_accepted():
+    """Block hashes cover images (test_prefix_cache_images.py): no longer refused."""
+    assert EngineConfig(model="unused", enable_prefix_caching=True, vision=True).vision
