@@ -14,7 +14,7 @@ where its eager DSA attention would not fit). Prints a table and writes JSON.
 
     python benchmarks/slice.py [--json benchmarks/results/slice_h200_<commit>.json] [--commit SHA]
         [--decode 1x2048,...] [--hf-decode 1x2048,...] [--prefill 4096,...] [--no-graphs]
-        [--no-transformers] [--profile]
+        [--no-transformers] [--profile] [--kv-cache-dtype bf16,fp8,nvfp4]
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ import numpy as np
 import torch
 from bench_common import kernel_profile
 
-from glm53.actors.caches import ModelCaches
+from glm53.actors.caches import ModelCaches, cache_bytes
 from glm53.actors.config import ModelConfig
 from glm53.actors.cuda_graphs import DecodeGraphs
 from glm53.actors.forward_batch import ForwardBatch, slot_mapping_for
@@ -183,7 +183,7 @@ def host_profile(fn, top: int = 15) -> list[dict]:
 
 
 def bench_ours(cfg: ModelConfig, decode_cases, prefill_lens, rows, graphs: bool,
-               profile: bool = False) -> None:
+               profile: bool = False, kv_cache_dtype: str = "bf16") -> None:
     model = build_model(cfg, dtype=torch.bfloat16, device=DEV)
     randomize_(model)
     max_seqs = max(b for b, _ in decode_cases)
@@ -191,7 +191,8 @@ def bench_ours(cfg: ModelConfig, decode_cases, prefill_lens, rows, graphs: bool,
     blocks = max_tokens // BLOCK + max_seqs + 1
     # one slot more: the padding slot of the graph path
     caches = ModelCaches.allocate(cfg, num_blocks=blocks, block_size=BLOCK,
-                                  num_slots=max_seqs + 1, dtype=torch.bfloat16, device=DEV)
+                                  num_slots=max_seqs + 1, dtype=torch.bfloat16, device=DEV,
+                                  kv_cache_dtype=kv_cache_dtype)
     vocab = cfg.vocab_size
 
     def step(batch: ForwardBatch, ids: torch.Tensor) -> torch.Tensor:
@@ -315,8 +316,10 @@ class Results:
 
     def __init__(self, path: str | None, meta: dict):
         self.path, self.meta, self.rows = path, meta, []
+        self.tag: dict = {}  # fields every row added from now on carries
 
     def add(self, row: dict) -> None:
+        row = {**self.tag, **row}
         self.rows.append(row)
         print(row, flush=True)
         if self.path:
@@ -356,6 +359,9 @@ def main() -> None:
                     help="also profile one eager step of each of our cases: device time per "
                          "kernel (where prefill and eager decode spend their time)")
     ap.add_argument("--no-transformers", action="store_true")
+    ap.add_argument("--kv-cache-dtype", default="bf16",
+                    help="our latent-cache formats, comma-separated (bf16, fp8, nvfp4): our "
+                         "cases run once per format, rows tagged kv_cache_dtype")
     args = ap.parse_args()
     config = slice_config()
     cfg = ModelConfig.from_hf(config)
@@ -368,8 +374,16 @@ def main() -> None:
         device=torch.cuda.get_device_name(), commit=args.commit,
         date=datetime.now(UTC).isoformat(timespec="seconds"), torch=torch.__version__,
         fla=_version("fla-core")))
-    bench_ours(cfg, ours_decode, prefill, rows, graphs=not args.no_graphs,
-               profile=args.profile)
+    rows.meta["kv_bytes_per_token"] = {}
+    for kv in args.kv_cache_dtype.split(","):
+        per_block, _ = cache_bytes(cfg, BLOCK, torch.bfloat16, False, kv_cache_dtype=kv)
+        rows.meta["kv_bytes_per_token"][kv] = per_block / BLOCK
+        rows.tag = {"kv_cache_dtype": kv}
+        bench_ours(cfg, ours_decode, prefill, rows, graphs=not args.no_graphs,
+                   profile=args.profile, kv_cache_dtype=kv)
+        gc.collect()
+        torch.cuda.empty_cache()
+    rows.tag = {}
     if not args.no_transformers:
         try:
             bench_transformers(config, hf_decode, prefill, rows)
