@@ -190,6 +190,9 @@ class CachePlan:
     # prefix-cache checkpoints of the KDA state: slots after the running ones and the graph
     # padding slot (num_slots + 1 + i), paid by the same per-slot price
     num_checkpoints: int = 0
+    # a DFlash draft's K/V ring per running slot (speculative/dflash.ring_bytes_per_sequence),
+    # paid out of the same budget as the blocks
+    draft_bytes_per_slot: int = 0
 
     def checkpoint_slot(self, index: int) -> int:
         """State slot id of checkpoint `index` (0 <= index < num_checkpoints)."""
@@ -208,16 +211,27 @@ class CachePlan:
         return self.block_size * 2**30 / self.bytes_per_block
 
     @property
+    def draft_bytes(self) -> int:
+        """The DFlash proposer's rings: one per running slot."""
+        return self.num_slots * self.draft_bytes_per_slot
+
+    @property
     def total_bytes(self) -> int:
+        """What the runner allocates: the blocks, the running slots, the graph padding slot and
+        the checkpoints (see checkpoint_slot), and the DFlash rings."""
         return (self.num_blocks * self.bytes_per_block
-                + (self.num_slots + self.num_checkpoints) * self.bytes_per_slot)
+                + (self.num_slots + 1 + self.num_checkpoints) * self.bytes_per_slot
+                + self.draft_bytes)
 
     def describe(self, max_model_len: int) -> str:
         text = (f"KV cache: {self.num_blocks - 1} blocks x {self.block_size} tokens = "
                 f"{self.num_tokens} tokens ({self.num_tokens // max_model_len} sequences of "
                 f"max_model_len {max_model_len}); {self.num_slots} KDA state slots"
                 + (f" + {self.num_checkpoints} prefix checkpoints" if self.num_checkpoints
-                   else "") + f"; {self.total_bytes / 2**20:.1f} MiB; kv_cache_dtype "
+                   else "")
+                + (f" + {self.num_slots} DFlash rings of {self.draft_bytes_per_slot / 2**20:.2f}"
+                   " MiB" if self.draft_bytes_per_slot else "")
+                + f"; {self.total_bytes / 2**20:.1f} MiB; kv_cache_dtype "
                 f"{self.kv_cache_dtype}: {self.tokens_per_gib:,.0f} tokens per GiB")
         return f"{text}\n{self.memory_plan}" if self.memory_plan else text
 

@@ -3,7 +3,10 @@
     device x utilization = weights + reserve + KV pool (KDA state slots + paged blocks)
 
 Weights are exact: parameter bytes of this rank's meta-built shard (numel x element size, in
-the storage formats the config names), so the plan is what `materialize` will allocate. The
+the storage formats the config names), so the plan is what `materialize` will allocate; a
+DFlash draft adds its own weights (replicated on every rank) and, per state slot, its K/V ring
+(speculative/dflash.py), which the KV pool pays before its blocks. The MTP layer's cache is
+part of every block and slot already (caches.cache_bytes with the MTP layer). The
 reserve is an estimate (see `OVERHEAD_BYTES`, `workspace_estimate`). The KV pool is what is left;
 its bytes per block and per state slot come from caches.cache_bytes. `MemoryPlan.check` refuses
 a model whose weights, reserve and a minimal cache do not fit, with one message naming the
@@ -22,6 +25,8 @@ from .cuda_graphs import batch_buckets
 from .loader import DTYPES, build_model, with_expert_format
 from .models.glm5_next import Glm5NextForCausalLM
 from .parallel import ParallelConfig, ParallelState
+from .speculative.dflash import ring_bytes_per_sequence
+from .speculative.dflash_model import DFlashConfig, draft_weight_bytes
 
 GiB = 2**30
 MiB = 2**20
@@ -112,6 +117,8 @@ class MemoryPlan:
     num_slots: int  # state slots the engine hands out; the runner pays one more (graph padding)
     min_blocks: int  # the smallest useful pool: the null block + one full step's tokens
     max_model_len: int
+    draft_weight_bytes: int = 0  # a DFlash draft's weights (draft_weight_bytes), else 0
+    draft_bytes_per_slot: int = 0  # its K/V ring per running slot (ring_bytes_per_sequence)
 
     @property
     def budget_bytes(self) -> int:
@@ -119,7 +126,8 @@ class MemoryPlan:
 
     @property
     def weight_bytes(self) -> int:
-        return sum(self.weights.values())
+        """The target shard's weights and a DFlash draft's."""
+        return sum(self.weights.values()) + self.draft_weight_bytes
 
     @property
     def reserve_bytes(self) -> int:
@@ -132,7 +140,10 @@ class MemoryPlan:
 
     @property
     def state_bytes(self) -> int:
-        return (self.num_slots + 1) * self.bytes_per_slot
+        """KDA state slots (num_slots + the graph padding slot) and a DFlash draft's rings (one
+        per running slot: the proposer's)."""
+        return ((self.num_slots + 1) * self.bytes_per_slot
+                + self.num_slots * self.draft_bytes_per_slot)
 
     @property
     def num_blocks(self) -> int:
@@ -162,10 +173,15 @@ class MemoryPlan:
             f"{self.utilization:.3g}",
             f"  weights  {_gib(self.weight_bytes, 8)}",
             *(f"    {part:<16}{_gib(n, 8)}" for part, n in self.weights.items() if n),
+            *([f"    {'dflash_draft':<16}{_gib(self.draft_weight_bytes, 8)} (replicated)"]
+              if self.draft_weight_bytes else []),
             f"  reserve  {_gib(self.reserve_bytes, 8)} (estimate: {_gib(self.overhead_bytes)} "
             f"overhead + {_gib(self.workspace_bytes)} activations and CUDA graphs)",
             f"  KV pool  {_gib(self.kv_pool_bytes, 8)} = {self.num_slots + 1} KDA state slots x "
-            f"{self.bytes_per_slot / MiB:.1f} MiB + {self.num_blocks:,} blocks x "
+            f"{self.bytes_per_slot / MiB:.1f} MiB + "
+            + (f"{self.num_slots} DFlash rings x {self.draft_bytes_per_slot / MiB:.1f} MiB + "
+               if self.draft_bytes_per_slot else "")
+            + f"{self.num_blocks:,} blocks x "
             f"{self.bytes_per_block / 2**10:.0f} KiB ({self.block_size} tokens each)",
             f"  capacity {self.num_tokens:,} tokens = {self.num_sequences} sequences of "
             f"max_model_len {self.max_model_len:,} ({self.num_slots} running at most)",
@@ -211,13 +227,15 @@ def plan_memory(model: Glm5NextForCausalLM, device_bytes: int, utilization: floa
                 block_size: int, num_slots: int, cache_dtype: torch.dtype | None = None,
                 num_spec: int = 0, max_model_len: int | None = None,
                 max_num_batched_tokens: int = 2048, reserve_bytes: int | None = None,
-                kv_cache_dtype: str = "auto") -> MemoryPlan:
+                kv_cache_dtype: str = "auto",
+                draft: DFlashConfig | None = None) -> MemoryPlan:
     """Plan this rank (`model`: its meta-built shard; whether it has the MTP layer is read off
     it, so the cache plan cannot disagree with the weights). `block_size`: the runner's logical
     tokens per block; `num_slots`: max_num_seqs; `cache_dtype` defaults to the model's (the
     latent rows follow `kv_cache_dtype`, caches.KV_CACHE_DTYPES);
     `max_model_len` to the model's context. `reserve_bytes` replaces the reserve estimate
-    (all of it counted as allocated after the caches)."""
+    (all of it counted as allocated after the caches). `draft`: a DFlash draft's config; its
+    weights and per-slot ring (in `cache_dtype`, as the runner loads it) join the plan."""
     cfg, ps = model.config, model.parallel
     cache_dtype = cache_dtype or model.embed_tokens.weight.dtype
     max_model_len = max_model_len or cfg.max_position_embeddings
@@ -236,7 +254,22 @@ def plan_memory(model: Glm5NextForCausalLM, device_bytes: int, utilization: floa
         device_bytes=device_bytes, utilization=utilization, weights=weight_bytes(model),
         overhead_bytes=overhead, workspace_bytes=workspace, block_size=block_size,
         bytes_per_block=per_block, bytes_per_slot=per_slot, num_slots=num_slots,
-        min_blocks=1 + -(-max_num_batched_tokens // block_size), max_model_len=max_model_len)
+        min_blocks=1 + -(-max_num_batched_tokens // block_size), max_model_len=max_model_len,
+        draft_weight_bytes=draft_weight_bytes(draft, cache_dtype) if draft else 0,
+        draft_bytes_per_slot=ring_bytes_per_sequence(draft, cache_dtype) if draft else 0)
+
+
+def meta_shard(config: dict, *, tp: int = 1, ep: int = 1, dcp: int = 1, rank: int = 0,
+               quantize_experts: str | None = None, dtype: str | None = None,
+               with_mtp: bool = False) -> Glm5NextForCausalLM:
+    """`rank`'s shard of the model of a `config.json` dict, built on the meta device."""
+    cfg = with_expert_format(ModelConfig.from_hf(config), quantize_experts)
+    parallel = ParallelConfig(tp, ep, dcp)
+    if not 0 <= rank < parallel.world_size:
+        raise ValueError(f"rank {rank} is not in 0..{parallel.world_size - 1} "
+                         f"(world size {parallel.world_size})")
+    return build_model(cfg, with_mtp=with_mtp, dtype=DTYPES[dtype] if dtype else None,
+                       device="meta", ps=ParallelState(parallel, rank))
 
 
 def plan_for_config(config: dict, *, device_bytes: int, utilization: float = 0.9, tp: int = 1,
@@ -245,20 +278,43 @@ def plan_for_config(config: dict, *, device_bytes: int, utilization: float = 0.9
                     with_mtp: bool = False, num_spec: int = 0, block_size: int = 16,
                     max_num_seqs: int = 16, max_num_batched_tokens: int = 2048,
                     max_model_len: int | None = None,
-                    kv_cache_dtype: str = "auto") -> MemoryPlan:
+                    kv_cache_dtype: str = "auto",
+                    draft_config: dict | None = None) -> MemoryPlan:
     """The plan of `rank` for a `config.json` dict under engine settings (the core of
     `glm53 plan-memory`; names as in EngineConfig, `block_size` per DCP rank like
-    `--block-size`). Builds the shard on the meta device: no memory is used."""
-    cfg = with_expert_format(ModelConfig.from_hf(config), quantize_experts)
-    parallel = ParallelConfig(tp, ep, dcp)
-    if not 0 <= rank < parallel.world_size:
-        raise ValueError(f"rank {rank} is not in 0..{parallel.world_size - 1} "
-                         f"(world size {parallel.world_size})")
-    ps = ParallelState(parallel, rank)
-    model = build_model(cfg, with_mtp=with_mtp, dtype=DTYPES[dtype] if dtype else None,
-                        device="meta", ps=ps)
+    `--block-size`). `draft_config`: a DFlash draft's `config.json` dict. Builds the shard on
+    the meta device: no memory is used."""
+    model = meta_shard(config, tp=tp, ep=ep, dcp=dcp, rank=rank,
+                       quantize_experts=quantize_experts, dtype=dtype, with_mtp=with_mtp)
     # the runner's block spans the DCP ranks' rows (raycluster/executor.runner_kwargs)
     return plan_memory(model, device_bytes, utilization, block_size=block_size * dcp,
                        num_slots=max_num_seqs, num_spec=num_spec, max_model_len=max_model_len,
                        max_num_batched_tokens=max_num_batched_tokens,
-                       kv_cache_dtype=kv_cache_dtype)
+                       kv_cache_dtype=kv_cache_dtype,
+                       draft=DFlashConfig.from_hf(draft_config) if draft_config else None)
+
+
+def sequences_held(model: Glm5NextForCausalLM, device_bytes: int, utilization: float, *,
+                   context_len: int, block_size: int, max_seqs: int = 1 << 14,
+                   **plan_kw) -> tuple[int, MemoryPlan | None]:
+    """How many sequences of `context_len` tokens this rank holds at once, all running: the
+    largest n whose plan with n state slots (and, with a draft, n DFlash rings; the graph
+    workspace of n sequences) still has n x ceil(context_len / block_size) blocks besides the
+    null block, and passes `check`. Returns (n, that plan), or (0, None) when not even one
+    fits. `plan_kw`: plan_memory's other arguments (num_spec, draft, reserve_bytes, ...)."""
+    blocks_per_seq = -(-context_len // block_size)
+
+    def plan(n: int) -> MemoryPlan | None:
+        p = plan_memory(model, device_bytes, utilization, block_size=block_size, num_slots=n,
+                        max_model_len=context_len, **plan_kw)
+        fits = p.required_bytes <= p.budget_bytes and p.num_blocks - 1 >= n * blocks_per_seq
+        return p if fits else None
+
+    lo, hi = 0, max_seqs  # plan(lo) fits (or lo == 0); find the largest n that fits
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if plan(mid) is not None:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo, plan(lo) if lo else None

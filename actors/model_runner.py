@@ -29,8 +29,8 @@ from .memory_plan import MemoryPlan, plan_memory
 from .overlap import resolve_after
 from .parallel import ParallelState
 from .sampler import Sampler, gather_logprobs
-from .speculative.dflash import DFlashProposer
-from .speculative.dflash_model import load_draft
+from .speculative.dflash import DFlashProposer, ring_bytes_per_sequence
+from .speculative.dflash_model import DFlashConfig, load_draft
 from .speculative.mtp import MTPProposer
 from .speculative.verify import accept_drafts
 from .step import StepInput, StepOutput
@@ -88,7 +88,9 @@ class ModelRunner:
                 meta_model, total, gpu_memory_utilization, block_size=block_size,
                 num_slots=num_slots, num_spec=num_spec, max_model_len=max_model_len,
                 max_num_batched_tokens=max_num_batched_tokens,
-                kv_cache_dtype=kv_cache_dtype).check()
+                kv_cache_dtype=kv_cache_dtype,
+                draft=DFlashConfig.from_dir(draft_model) if draft_model and num_spec else None,
+            ).check()
 
         self.model = load_model(model_dir, with_mtp=with_mtp,
                                 dtype=DTYPES[dtype] if dtype else None, device=self.device,
@@ -105,6 +107,12 @@ class ModelRunner:
                       if draft_model and num_spec else None)
         if not sized:
             cache_bytes = self._free_memory_budget(gpu_memory_utilization)
+        # the DFlash rings (one per running slot, allocated with the caches) come out of the
+        # same budget as the blocks
+        ring = (ring_bytes_per_sequence(self.draft.config, cache_dtype)
+                if self.draft is not None else 0)
+        if cache_bytes is not None:
+            cache_bytes -= num_slots * ring
         self.proposer: MTPProposer | DFlashProposer | None = None
         # what this rank could hold; ranks agree on the smallest before allocating
         # the budget also pays for the padding slot of the CUDA graphs (see allocate_caches);
@@ -113,7 +121,7 @@ class ModelRunner:
             plan_cache(self.config, block_size, num_slots + 1 + num_checkpoints, cache_dtype,
                        with_mtp, num_blocks=num_blocks, budget_bytes=cache_bytes, ps=self.ps,
                        num_spec=num_spec, kv_cache_dtype=kv_cache_dtype), num_slots=num_slots,
-            num_checkpoints=num_checkpoints,
+            num_checkpoints=num_checkpoints, draft_bytes_per_slot=ring,
             memory_plan=self.memory_plan.describe() if self.memory_plan else None)
         self.caches: ModelCaches | None = None
         self.sampler = Sampler()

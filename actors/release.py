@@ -126,3 +126,26 @@ def exl3_release_config() -> dict[str, Any]:
     """The seed's EXL3 K4 checkpoint (exl3-dflash-spec.md §A.3): the release with routed experts
     as 4-bit MCG trellis codes, every other tensor as released."""
     return {**release_config(), "quantization_config": exl3_quantization_config()}
+
+
+DFLASH2_RELEASE = "incoai/GLM-5.3-Flash-DFlash2"
+
+
+def dflash2_release_config() -> dict[str, Any]:
+    """The published DFlash2 drafter's `config.json` (`incoai/GLM-5.3-Flash-DFlash2`,
+    exl3-dflash-spec.md §C.2): 5 sliding-window layers (window 2048) of hidden 4096, 8 KV
+    heads of 128, block 8 (7 drafts), taps of target layers 5, 14, 24, 33, 42; bf16,
+    1,171,080,448 parameters."""
+    return {
+        "architectures": ["DFlash2DraftModel"], "model_type": "qwen3",
+        "hidden_size": 4096, "intermediate_size": 12288, "num_hidden_layers": 5,
+        "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
+        "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "max_position_embeddings": 1048576,
+        "layer_types": ["sliding_attention"] * 5, "sliding_window": 2048, "is_causal": False,
+        "num_target_layers": NUM_LAYERS, "vocab_size": 154880, "torch_dtype": "bfloat16",
+        "eos_token_id": EOS_TOKEN_IDS, "pad_token_id": PAD_TOKEN_ID,
+        "tie_word_embeddings": False,
+        "dflash_config": {"block_size": 8, "mask_token_id": 154856,
+                          "target_layer_ids": [5, 14, 24, 33, 42], "conv_kernel_size": 2,
+                          "conv_group_size": 16, "selector_rank": 256, "selector_top_k": 16},
+    }

@@ -211,13 +211,29 @@ def _plan_parser(sub) -> None:
     pm.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     pm.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None)
     pm.add_argument("--speculative", type=_parse_speculative, default=NO_SPECULATION,
-                    metavar="mtp[:K]|dflash:PATH[:K]")  # (':auto' plans as K drafts)
+                    metavar="mtp[:K]|dflash:PATH[:K]",  # (':auto' plans as K drafts)
+                    help="dflash:PATH reads the draft's config.json; dflash:incoai/GLM-5.3-"
+                         "Flash-DFlash2 plans the published DFlash2 drafter")
     pm.add_argument("--max-num-seqs", type=int, default=16)
     pm.add_argument("--max-num-batched-tokens", type=int, default=2048)
     pm.add_argument("--max-model-len", type=int, default=None)
     pm.add_argument("--block-size", type=int, default=16)
     pm.add_argument("--kv-cache-dtype", choices=["auto", "bf16", "fp8", "nvfp4"], default="auto",
                     help="latent cache rows (fp8 528 B, nvfp4 304 B per token and layer)")
+
+
+def _draft_config(draft: str) -> dict:
+    """A DFlash draft's config.json dict: the draft directory's, or the published DFlash2's
+    for its name (release.DFLASH2_RELEASE), which needs no download."""
+    from glm53.raycluster.api import DFLASH2_RELEASE, dflash2_release_config
+
+    if draft == DFLASH2_RELEASE:
+        return dflash2_release_config()
+    path = Path(draft) / "config.json"
+    if not path.exists():
+        raise SystemExit(f"error: {path} not found: is {draft} a DFlash draft directory? "
+                         f"({DFLASH2_RELEASE} plans the published DFlash2 drafter)")
+    return json.loads(path.read_text())
 
 
 def _plan_memory(args) -> int:
@@ -241,9 +257,7 @@ def _plan_memory(args) -> int:
         if args.release == "bf16":
             del config["quantization_config"]
     method, k = args.speculative.method, args.speculative.k
-    if method == "dflash":
-        raise SystemExit("error: plan-memory does not count a DFlash draft's weights yet; plan "
-                         "with --speculative mtp[:K] or none and add the draft's size")
+    draft_config = _draft_config(args.speculative.draft) if method == "dflash" else None
     try:
         plan = plan_for_config(
             config, device_bytes=int(args.device_gib * GiB),
@@ -251,7 +265,8 @@ def _plan_memory(args) -> int:
             rank=args.rank, quantize_experts=args.quantize_experts, dtype=args.dtype,
             with_mtp=method == "mtp", num_spec=k, block_size=args.block_size,
             max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-            max_model_len=args.max_model_len, kv_cache_dtype=args.kv_cache_dtype)
+            max_model_len=args.max_model_len, kv_cache_dtype=args.kv_cache_dtype,
+            draft_config=draft_config)
     except ValueError as exc:
         raise SystemExit(f"error: {exc}") from None
     print(plan.describe())

@@ -34,7 +34,12 @@ from glm53.actors.kld_run import (
 from glm53.actors.kv_scale_bank import BANK_FILE, bank_path, calibrate_checkpoint, write_bank
 from glm53.actors.loader import read_config
 from glm53.actors.memory_plan import GiB, MemoryPlanError, plan_for_config
-from glm53.actors.release import exl3_release_config, release_config
+from glm53.actors.release import (
+    DFLASH2_RELEASE,
+    dflash2_release_config,
+    exl3_release_config,
+    release_config,
+)
 from glm53.actors.step import ImageInput, SamplingParams, StructuredOutput
 from glm53.actors.tiny import (
     exl3_quantization_config,
@@ -68,7 +73,8 @@ __all__ = [
     "score", "sha256_file", "tokens_sha256",
     # checkpoints and plans
     "BANK_FILE", "CheckpointError", "GiB", "MemoryPlanError", "UnsupportedConfigError",
-    "bank_path", "cache_dir", "calibrate_checkpoint", "write_bank",
+    "DFLASH2_RELEASE", "bank_path", "cache_dir", "calibrate_checkpoint", "dflash2_release_config",
+    "write_bank",
     "exl3_quantization_config", "exl3_release_config", "plan_for_config", "read_config",
     "release_config", "tiny_release_config", "tiny_text_config", "write_tiny_checkpoint",
     "write_tiny_draft",

@@ -15,7 +15,17 @@ import torch
 
 from ..models.glm5_next import Glm5NextForCausalLM
 from ..step import StepInput
-from .dflash_model import DFlashDraftModel
+from .dflash_model import DFlashConfig, DFlashDraftModel
+
+
+def ring_bytes_per_sequence(cfg: DFlashConfig, dtype: torch.dtype) -> int:
+    """Device bytes of one sequence's draft state, as DFlashProposer allocates it: the K/V ring
+    [layers, 2, sliding_window, kv_heads, head_dim] in the draft's dtype plus its int64
+    positions [sliding_window] (GLM's DFlash2 in bf16: 5 x 2 x 2048 x 8 x 128 x 2 B + 16 KiB
+    = 40.02 MiB). Fixed per sequence: it does not grow with the context."""
+    item = torch.empty(0, dtype=dtype).element_size()
+    w = cfg.sliding_window
+    return cfg.num_layers * 2 * w * cfg.num_kv_heads * cfg.head_dim * item + w * 8
 
 
 class DFlashProposer:
@@ -37,7 +47,13 @@ class DFlashProposer:
 
     @property
     def state_bytes_per_sequence(self) -> int:
+        """What one slot's ring holds (= ring_bytes_per_sequence, which the memory plan uses)."""
         return self.ring[0].numel() * self.ring.element_size() + self.ring_pos[0].numel() * 8
+
+    @property
+    def state_bytes(self) -> int:
+        """Every slot's ring: what this proposer allocated on the device."""
+        return self.ring.numel() * self.ring.element_size() + self.ring_pos.numel() * 8
 
     @torch.inference_mode()
     def propose(self, step: StepInput, hidden: torch.Tensor, kept: np.ndarray,

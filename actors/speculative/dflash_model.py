@@ -47,7 +47,11 @@ class DFlashConfig:
 
     @classmethod
     def from_dir(cls, path: str | Path) -> DFlashConfig:
-        raw = json.loads((Path(path) / "config.json").read_text())
+        return cls.from_hf(json.loads((Path(path) / "config.json").read_text()))
+
+    @classmethod
+    def from_hf(cls, raw: dict) -> DFlashConfig:
+        """From a draft checkpoint's `config.json` dict (release.dflash2_release_config)."""
         d = raw["dflash_config"]
         if raw.get("is_causal", False):
             raise ValueError("DFlash2 drafts attend their block bidirectionally (is_causal false)")
@@ -198,6 +202,20 @@ class DFlashDraftModel(nn.Module):
     def context(self, taps: torch.Tensor) -> torch.Tensor:
         """Target tap states [T, n_taps * H] -> context features [T, H]."""
         return self.hidden_norm(self.fc(taps))
+
+
+def draft_weight_bytes(cfg: DFlashConfig, dtype: torch.dtype) -> int:
+    """Parameter bytes of the draft as `load_draft` allocates it (every tensor in `dtype`; the
+    draft is replicated on every rank). Built on the meta device: no memory is used. GLM's
+    DFlash2 in bf16: 1,171,080,448 parameters = 2.18 GiB."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device("meta"):
+            model = DFlashDraftModel(cfg)
+    finally:
+        torch.set_default_dtype(previous)
+    return sum(p.numel() * p.element_size() for p in model.parameters())
 
 
 def load_draft(path: str | Path, dtype: torch.dtype, device: torch.device | str

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -271,8 +272,23 @@ def test_plan_memory_of_the_release(capsys: pytest.CaptureFixture[str]) -> None:
     assert "int4 (quantised at load)" in capsys.readouterr().out
     with pytest.raises(SystemExit, match=r"rank 2 is not in 0\.\.1"):
         main(["plan-memory", "--release", "exl3", "--tp", "2", "--rank", "2"])
-    with pytest.raises(SystemExit, match="does not count a DFlash draft"):
+    with pytest.raises(SystemExit, match="is /nowhere a DFlash draft directory"):
         main(["plan-memory", "--release", "exl3", "--speculative", "dflash:/nowhere"])
+
+
+def test_plan_memory_counts_a_dflash_draft(capsys: pytest.CaptureFixture[str]) -> None:
+    """The published DFlash2 (by name, no download): its weights and a 40 MiB ring per running
+    slot are in the plan, and at 16 slots of 128K it still holds more tokens than MTP3."""
+    args = ["plan-memory", "--release", "exl3", "--tp", "2", "--ep", "2", "--dcp", "2",
+            "--max-model-len", "131072"]
+    assert main([*args, "--speculative", "dflash:incoai/GLM-5.3-Flash-DFlash2:7"]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"dflash_draft +2.18 GiB \(replicated\)", out)
+    assert "16 DFlash rings x 40.0 MiB" in out
+    assert main([*args, "--speculative", "mtp:3"]) == 0
+    tokens = [int(line.split()[1].replace(",", "")) for line in
+              (out + capsys.readouterr().out).splitlines() if line.startswith("  capacity")]
+    assert tokens[0] > tokens[1]  # DFlash vs MTP3 at 16 running sequences
 
 
 def test_plan_memory_follows_the_kv_cache_dtype(capsys: pytest.CaptureFixture[str]) -> None:
