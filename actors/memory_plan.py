@@ -25,7 +25,7 @@ from .cuda_graphs import batch_buckets
 from .loader import DTYPES, build_model, with_expert_format
 from .models.glm5_next import Glm5NextForCausalLM
 from .parallel import ParallelConfig, ParallelState
-from .speculative.dflash import ring_bytes_per_sequence
+from .speculative.dflash import DRAFT_CHUNK, forward_bytes_per_sequence, ring_bytes_per_sequence
 from .speculative.dflash_model import DFlashConfig, draft_weight_bytes
 
 GiB = 2**30
@@ -119,6 +119,8 @@ class MemoryPlan:
     max_model_len: int
     draft_weight_bytes: int = 0  # a DFlash draft's weights (draft_weight_bytes), else 0
     draft_bytes_per_slot: int = 0  # its K/V ring per running slot (ring_bytes_per_sequence)
+    # reserve, part 3 (estimate): one draft forward of DRAFT_CHUNK sequences, after the caches
+    draft_workspace_bytes: int = 0
 
     @property
     def budget_bytes(self) -> int:
@@ -131,7 +133,12 @@ class MemoryPlan:
 
     @property
     def reserve_bytes(self) -> int:
-        return self.overhead_bytes + self.workspace_bytes
+        return self.overhead_bytes + self.workspace_bytes + self.draft_workspace_bytes
+
+    @property
+    def after_cache_bytes(self) -> int:
+        """The reserve allocated after the caches (the runner keeps it out of the KV pool)."""
+        return self.workspace_bytes + self.draft_workspace_bytes
 
     @property
     def kv_pool_bytes(self) -> int:
@@ -176,7 +183,9 @@ class MemoryPlan:
             *([f"    {'dflash_draft':<16}{_gib(self.draft_weight_bytes, 8)} (replicated)"]
               if self.draft_weight_bytes else []),
             f"  reserve  {_gib(self.reserve_bytes, 8)} (estimate: {_gib(self.overhead_bytes)} "
-            f"overhead + {_gib(self.workspace_bytes)} activations and CUDA graphs)",
+            f"overhead + {_gib(self.workspace_bytes)} activations and CUDA graphs"
+            + (f" + {_gib(self.draft_workspace_bytes)} DFlash forward"
+               if self.draft_workspace_bytes else "") + ")",
             f"  KV pool  {_gib(self.kv_pool_bytes, 8)} = {self.num_slots + 1} KDA state slots x "
             f"{self.bytes_per_slot / MiB:.1f} MiB + "
             + (f"{self.num_slots} DFlash rings x {self.draft_bytes_per_slot / MiB:.1f} MiB + "
@@ -241,10 +250,14 @@ def plan_memory(model: Glm5NextForCausalLM, device_bytes: int, utilization: floa
     max_model_len = max_model_len or cfg.max_position_embeddings
     per_block, per_slot = cache_bytes(cfg, block_size, cache_dtype, model.mtp is not None, ps,
                                       num_spec, kv_cache_dtype)
+    draft_workspace = 0
     if reserve_bytes is None:
         overhead, workspace = OVERHEAD_BYTES, workspace_estimate(
             cfg, max_num_batched_tokens=max_num_batched_tokens, num_slots=num_slots,
             num_spec=num_spec, max_model_len=max_model_len)
+        if draft is not None:
+            draft_workspace = min(num_slots, DRAFT_CHUNK) * forward_bytes_per_sequence(
+                draft, cache_dtype)
     else:
         overhead, workspace = 0, reserve_bytes
     par = ps.config
@@ -256,7 +269,8 @@ def plan_memory(model: Glm5NextForCausalLM, device_bytes: int, utilization: floa
         bytes_per_block=per_block, bytes_per_slot=per_slot, num_slots=num_slots,
         min_blocks=1 + -(-max_num_batched_tokens // block_size), max_model_len=max_model_len,
         draft_weight_bytes=draft_weight_bytes(draft, cache_dtype) if draft else 0,
-        draft_bytes_per_slot=ring_bytes_per_sequence(draft, cache_dtype) if draft else 0)
+        draft_bytes_per_slot=ring_bytes_per_sequence(draft, cache_dtype) if draft else 0,
+        draft_workspace_bytes=draft_workspace)
 
 
 def meta_shard(config: dict, *, tp: int = 1, ep: int = 1, dcp: int = 1, rank: int = 0,

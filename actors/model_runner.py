@@ -186,8 +186,8 @@ class ModelRunner:
             raise ValueError("on CPU give the cache size explicitly (num_blocks or cache_bytes)")
         free, total = torch.cuda.mem_get_info(self.device)
         # what the process may still take under the utilisation cap after the weights (and a
-        # draft), less what is allocated after the caches (activations, graph pool)
-        return int(utilization * total) - (total - free) - self.memory_plan.workspace_bytes
+        # draft), less what is allocated after the caches (activations, graph pool, DFlash forward)
+        return int(utilization * total) - (total - free) - self.memory_plan.after_cache_bytes
 
     @torch.inference_mode()
     def execute(self, step: StepInput) -> StepOutput | None:

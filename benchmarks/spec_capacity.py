@@ -12,6 +12,8 @@ sequence. Cases:
   (H200) x 0.9, bf16 cache, block 16 per DCP rank, 2048 batched tokens; contexts 8K and 128K;
   MTP with 3 drafts, DFlash with the published DFlash2 drafter (release.dflash2_release_config)
   with its 7 drafts and with 3 (see MODES).
+- the serving profiles' KV tokens (`profiles`): lang-mtp3 vs lang-dflash2 vs DFlash2 under
+  lang-mtp3's settings, nvfp4 latents, as the reference runtime compared them.
 - the tiny model on CPU (tests/tiny.py's TINY spec, its tiny DFlash2 draft): a fixed 8 MiB
   device budget at utilization 1, no reserve; contexts 256 and 2048.
 
@@ -30,7 +32,7 @@ from datetime import UTC, datetime
 from bench_common import git_commit
 
 from glm53.actors.loader import read_config
-from glm53.actors.memory_plan import GiB, MiB, meta_shard, sequences_held
+from glm53.actors.memory_plan import GiB, MiB, meta_shard, plan_memory, sequences_held
 from glm53.actors.release import dflash2_release_config, exl3_release_config, release_config
 from glm53.actors.speculative.dflash_model import DFlashConfig
 from glm53.actors.tiny import write_tiny_draft
@@ -83,17 +85,54 @@ def capacity(config: dict, draft: DFlashConfig, *, device_bytes: int, utilizatio
     return rows
 
 
+H200 = int(139.8 * GiB)
+RANK0 = {"tp": 2, "ep": 2, "dcp": 2, "rank": 0}
+
+
 def real_shapes() -> list[dict]:
     draft = DFlashConfig.from_hf(dflash2_release_config())
     out = []
-    for experts, config, quantize in (("exl3", exl3_release_config(), None),
-                                      ("int4", release_config(), "int4")):
-        print(f"GLM-5.3-Flash TP2/EP2/DCP2 rank 0, {experts} experts, 139.8 GiB x 0.9:")
-        layout = {"tp": 2, "ep": 2, "dcp": 2, "rank": 0, "quantize_experts": quantize}
-        rows = capacity(config, draft, device_bytes=int(139.8 * GiB), utilization=0.9,
-                        contexts=(8192, 131072), block_size=16 * 2, layout=layout)
-        out += [{"case": f"h200_tp2ep2dcp2_rank0_{experts}", **r} for r in rows]
+    for experts, config, quantize, kv in (("exl3", exl3_release_config(), None, "auto"),
+                                          ("exl3", exl3_release_config(), None, "nvfp4"),
+                                          ("int4", release_config(), "int4", "auto")):
+        print(f"GLM-5.3-Flash TP2/EP2/DCP2 rank 0, {experts} experts, kv_cache_dtype {kv}, "
+              "139.8 GiB x 0.9:")
+        layout = {**RANK0, "quantize_experts": quantize}
+        rows = capacity(config, draft, device_bytes=H200, utilization=0.9,
+                        contexts=(8192, 131072), block_size=16 * 2, layout=layout,
+                        kv_cache_dtype=kv)
+        out += [{"case": f"h200_tp2ep2dcp2_rank0_{experts}", "kv_cache_dtype": kv, **r}
+                for r in rows]
     return out
+
+
+def profiles() -> list[dict]:
+    """KV tokens of the serving profiles (deployments/config.PROFILES, nvfp4 latents) on the
+    same rank: lang-mtp3 (16 sequences of 131,072), lang-dflash2 as the reference runtime ran
+    it (4 of 98,304, 2072 batched tokens), and DFlash2 k=7 under lang-mtp3's settings. The
+    reference runtime's build held 1,376,256 tokens with MTP3 and 184,619 with DFlash2
+    (exl3-dflash-spec.md A.4: 0.13x)."""
+    draft = DFlashConfig.from_hf(dflash2_release_config())
+    config = exl3_release_config()
+    cases = {"lang-mtp3": (True, 3, None, 131_072, 16, 2048),
+             "lang-dflash2": (False, 7, draft, 98_304, 4, 2072),
+             "dflash2_at_lang-mtp3": (False, 7, draft, 131_072, 16, 2048),
+             "none_at_lang-mtp3": (False, 0, None, 131_072, 16, 2048)}
+    models = {m: meta_shard(config, with_mtp=m, **RANK0) for m in (False, True)}
+    rows = []
+    print("serving profiles, EXL3 K4, nvfp4 latents, TP2/EP2/DCP2 rank 0, 139.8 GiB x 0.9:")
+    for name, (with_mtp, k, drafter, max_len, seqs, batched) in cases.items():
+        plan = plan_memory(models[with_mtp], H200, 0.9, block_size=32, num_slots=seqs,
+                           num_spec=k, max_model_len=max_len, max_num_batched_tokens=batched,
+                           kv_cache_dtype="nvfp4", draft=drafter).check()
+        rows.append({"case": "profile", "profile": name, "kv_tokens": plan.num_tokens,
+                     "max_num_seqs": seqs, "max_model_len": max_len, "num_spec": k})
+    base = rows[0]["kv_tokens"]
+    for row in rows:
+        row["vs_mtp3"] = row["kv_tokens"] / base
+        print(f"  {row['profile']:<22}{row['kv_tokens']:>12,} tokens ({row['vs_mtp3']:.3f}x "
+              "lang-mtp3)")
+    return rows
 
 
 def tiny_cpu(budget_bytes: int = 8 * MiB) -> list[dict]:
@@ -115,7 +154,7 @@ def main() -> None:
     ap.add_argument("--json", default=None, help="write the rows here")
     ap.add_argument("--commit", default=None, help="the commit measured (default: git's)")
     args = ap.parse_args()
-    rows = real_shapes() + tiny_cpu()
+    rows = real_shapes() + profiles() + tiny_cpu()
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"benchmark": "spec_capacity", "commit": args.commit or git_commit(),

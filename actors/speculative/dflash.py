@@ -17,6 +17,25 @@ from ..models.glm5_next import Glm5NextForCausalLM
 from ..step import StepInput
 from .dflash_model import DFlashConfig, DFlashDraftModel
 
+# drafting sequences per draft forward: the eager forward materialises K/V repeated to every
+# query head in fp32 (forward_bytes_per_sequence: ~135 MB a sequence for GLM's DFlash2), so a
+# step with many resident requests drafts them in chunks and the transient stays bounded
+DRAFT_CHUNK = 8
+
+
+def forward_bytes_per_sequence(cfg: DFlashConfig, dtype: torch.dtype) -> int:
+    """Peak transient bytes one drafting sequence adds to a draft forward (estimate; one layer
+    is live at a time), with C = sliding_window + block_size context+block keys: the ring
+    gather [2, W, kv, hd], the concatenated K/V [2, C, kv, hd], K/V repeated to the query
+    heads [2, C, heads, hd] in `dtype` and again in fp32, scores and softmax [2, heads, B, C]
+    fp32; then the head's logits [B - 1, vocab] fp32, its log-softmax and top-k input (x3)."""
+    item = torch.empty(0, dtype=dtype).element_size()
+    w, b, kv, hd = cfg.sliding_window, cfg.block_size, cfg.num_kv_heads, cfg.head_dim
+    c = w + b
+    attn = (2 * w * kv * hd * item + 2 * c * kv * hd * item
+            + 2 * c * cfg.num_heads * hd * (item + 4) + 2 * cfg.num_heads * b * c * 4)
+    return attn + 3 * (b - 1) * cfg.vocab_size * 4
+
 
 def ring_bytes_per_sequence(cfg: DFlashConfig, dtype: torch.dtype) -> int:
     """Device bytes of one sequence's draft state, as DFlashProposer allocates it: the K/V ring
@@ -59,7 +78,7 @@ class DFlashProposer:
     def propose(self, step: StepInput, hidden: torch.Tensor, kept: np.ndarray,
                 next_tokens: np.ndarray, taps: torch.Tensor | None = None) -> np.ndarray:
         """taps: [T, n_taps * H] target tap states of the step's rows. Returns [N, num_spec]."""
-        cfg, w = self.draft.config, self.draft.config.sliding_window
+        w = self.draft.config.sliding_window
         device = hidden.device
         n = len(kept)
         drafts = np.full((n, self.num_spec), -1, dtype=np.int64)
@@ -79,8 +98,20 @@ class DFlashProposer:
                 self.ring[slot, layer_id, 1, pos % w] = v
             self.ring_pos[slot, pos % w] = pos
         drafting = np.flatnonzero((step.propose > 0) & (kept > 0))
-        if drafting.size == 0:
-            return drafts
+        for lo in range(0, drafting.size, DRAFT_CHUNK):
+            part = drafting[lo:lo + DRAFT_CHUNK]
+            drafts[part] = self._draft(step, part, kept, next_tokens)
+        wanted = step.propose
+        drafts[np.arange(self.num_spec)[None, :] >= wanted[:, None]] = -1
+        return drafts
+
+    def _draft(self, step: StepInput, drafting: np.ndarray, kept: np.ndarray,
+               next_tokens: np.ndarray) -> np.ndarray:
+        """One draft forward for the sequences `drafting` (indices into the step's sequences,
+        at most DRAFT_CHUNK): their blocks attend their rings. Returns [len, num_spec]."""
+        cfg, w = self.draft.config, self.draft.config.sliding_window
+        device = self.ring.device
+        starts = step.cu_seqlens[:-1]
         slots = torch.as_tensor(step.state_ids[drafting], device=device)
         last = torch.as_tensor(step.positions[starts[drafting] + kept[drafting] - 1],
                                device=device)
@@ -100,7 +131,4 @@ class DFlashProposer:
         anchor = ids[:, 0]
         chosen = (self.draft.candidate_selector(h, logits, anchor)
                   if self.draft.candidate_selector is not None else logits.argmax(-1))
-        drafts[drafting] = chosen[:, : self.num_spec].cpu().numpy()
-        wanted = step.propose
-        drafts[np.arange(self.num_spec)[None, :] >= wanted[:, None]] = -1
-        return drafts
+        return chosen[:, : self.num_spec].cpu().numpy()

@@ -16,7 +16,11 @@ from glm53.actors.loader import read_config
 from glm53.actors.memory_plan import GiB, MiB, meta_shard, plan_memory, sequences_held
 from glm53.actors.model_runner import ModelRunner
 from glm53.actors.release import dflash2_release_config, exl3_release_config
-from glm53.actors.speculative.dflash import ring_bytes_per_sequence
+from glm53.actors.speculative.dflash import (
+    DRAFT_CHUNK,
+    forward_bytes_per_sequence,
+    ring_bytes_per_sequence,
+)
 from glm53.actors.speculative.dflash_model import DFlashConfig, draft_weight_bytes
 from glm53.actors.tiny import write_tiny_draft
 
@@ -58,6 +62,23 @@ def test_plan_with_a_draft_holds_fewer_tokens_by_exactly_the_draft_bytes() -> No
     text = drafted.describe()
     assert re.search(r"dflash_draft +2.18 GiB \(replicated\)", text)
     assert "16 DFlash rings x 40.0 MiB" in text
+
+
+def test_draft_forward_is_in_the_reserve() -> None:
+    """Without an explicit reserve the plan keeps one draft forward of DRAFT_CHUNK sequences
+    (K/V repeated to the 32 query heads in bf16 and fp32, scores, logits) after the caches."""
+    model = meta_shard(exl3_release_config(), tp=2, ep=2, dcp=2, with_mtp=False)
+    kw = dict(block_size=32, num_slots=16, num_spec=7)
+    plain = plan_memory(model, int(139.8 * GiB), 0.9, **kw)
+    drafted = plan_memory(model, int(139.8 * GiB), 0.9, draft=DFLASH2, **kw)
+    c = 2048 + 8
+    per_seq = (2 * 2048 * 8 * 128 * 2 + 2 * c * 8 * 128 * 2 + 2 * c * 32 * 128 * (2 + 4)
+               + 2 * 32 * 8 * c * 4 + 3 * 7 * 154880 * 4)
+    assert forward_bytes_per_sequence(DFLASH2, torch.bfloat16) == per_seq  # 128.8 MiB
+    assert drafted.draft_workspace_bytes == DRAFT_CHUNK * per_seq
+    assert drafted.reserve_bytes - plain.reserve_bytes == DRAFT_CHUNK * per_seq
+    assert drafted.after_cache_bytes == drafted.workspace_bytes + DRAFT_CHUNK * per_seq
+    assert "1.01 GiB DFlash forward" in drafted.describe()
 
 
 def _tensor_bytes(obj) -> int:

@@ -114,3 +114,19 @@ def test_dflash_overlapped_equals_plain_decoding(checkpoints):
     engine.executor.submit = counting
     assert engine.generate(prompts, params) == _engine(target).generate(prompts, params)
     assert any(continued)
+
+
+def test_drafting_in_chunks_drafts_the_same(checkpoints, monkeypatch):
+    """With many resident requests the proposer drafts DRAFT_CHUNK sequences per forward (a
+    bounded transient, in the memory plan's reserve): chunks of 3 over 8 sequences propose
+    what one forward does (same acceptance counts) and the output stays plain decoding's."""
+    from glm53.actors.speculative import dflash
+
+    target, draft = checkpoints
+    whole = _engine(target, draft)
+    out = whole.generate(_prompts(), GREEDY)
+    monkeypatch.setattr(dflash, "DRAFT_CHUNK", 3)
+    chunked = _engine(target, draft)
+    assert chunked.generate(_prompts(), GREEDY) == out
+    assert chunked.spec_stats.num_drafts == whole.spec_stats.num_drafts
+    assert chunked.spec_stats.accepted_per_position == whole.spec_stats.accepted_per_position
