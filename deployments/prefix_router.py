@@ -7,9 +7,10 @@ hashes to, and keeps load balanced by leaving that replica when its queue is muc
 the least loaded one's.
 
 - The routing key of a chat request is its messages up to and including the first user message
-  (roles and text; image parts by URL), of a completion request the start of its prompt; both
-  cut at `prefix_chars` characters. Every turn of a conversation resends that start unchanged,
-  so all turns go to one replica, while different conversations spread over the replicas.
+  (roles and text; image parts by a digest of their URL), of a completion request the start of
+  its prompt; both cut at `prefix_chars` characters. Every turn of a conversation resends that
+  start unchanged, so all turns go to one replica, while different conversations spread over
+  the replicas.
 - The key picks a replica by rendezvous (highest-random-weight) hashing over the replica ids:
   the same on every ingress replica and across calls without shared state, and a replica set
   change moves only the keys of the replicas that came or went.
@@ -66,8 +67,9 @@ def _content_text(content: Any) -> str:
                 continue
             image = _field(part, "image_url")
             url = _field(image, "url") if image is not None else None
-            if isinstance(url, str):
-                parts.append(f"<image {url[:256]}>")
+            if isinstance(url, str):  # by digest: data: URLs of one format share a long start
+                digest = hashlib.blake2b(url.encode(), digest_size=8).hexdigest()
+                parts.append(f"<image {digest}>")
         return "".join(parts)
     return ""
 
@@ -140,7 +142,7 @@ class PrefixAffinityRouter(LocalityMixin, MultiplexMixin, RequestRouter):
     the module docstring). No FIFOMixin: a routing task serves the request it chose for."""
 
     def initialize_state(self, prefix_chars: int = PREFIX_CHARS,
-                         imbalance_threshold: int = IMBALANCE_THRESHOLD, **kwargs: Any) -> None:
+                         imbalance_threshold: int = IMBALANCE_THRESHOLD) -> None:
         self._prefix_chars = prefix_chars
         self._imbalance_threshold = imbalance_threshold
 

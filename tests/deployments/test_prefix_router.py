@@ -47,7 +47,11 @@ def test_keys_of_parts_prompts_and_promptless_requests():
     parts = ChatCompletionRequest(model="m", messages=[
         {"role": "user", "content": [{"type": "text", "text": "what is "},
                                      {"type": "image_url", "image_url": {"url": "u1"}}]}])
-    assert routing_key([parts]) == "chat:user\x00what is <image u1>\x01"
+    key = routing_key([parts])
+    assert key.startswith("chat:user\x00what is <image ") and key.endswith(">\x01")
+    other = parts.model_copy(deep=True)
+    other.messages[0].content[1]["image_url"]["url"] = "u2"
+    assert routing_key([other]) != key
     text = CompletionRequest(model="m", prompt="x" * 5000)
     assert routing_key([text], prefix_chars=64) == ("text:" + "x" * 5000)[:64]
     assert routing_key([CompletionRequest(model="m", prompt=[[1, 2, 3], [4]])]) == "text:ids:1,2,3"
