@@ -379,6 +379,10 @@ def _serve_parser(sub) -> None:
     eng.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                      default=None, help="reuse cached prompt blocks and KDA state checkpoints "
                                         "across requests (default off)")
+    eng.add_argument("--prefix-routing", action=argparse.BooleanOptionalAction,
+                     default=None, help="send each request to the replica most likely to hold "
+                                        "its prefix, load permitting (default: on with "
+                                        "--enable-prefix-caching)")
     eng.add_argument("--prefix-checkpoints", type=int, default=None, metavar="N",
                      help="KDA state checkpoints kept for the prefix cache, each one state "
                           "slot per GPU (default max-num-seqs)")
@@ -427,7 +431,7 @@ SERVE_FIELDS = ("model", "served_model_name", "profile", "tensor_parallel_size",
                 "max_num_batched_tokens", "max_num_seqs", "block_size", "max_waiting_requests",
                 "seed", "num_blocks", "cache_bytes", "gpu_memory_utilization", "enforce_eager",
                 "async_scheduling", "quantize_experts", "verify", "thinking_token_budget",
-                "drain_timeout_s", "enable_prefix_caching", "prefix_checkpoints",
+                "drain_timeout_s", "enable_prefix_caching", "prefix_routing", "prefix_checkpoints",
                 "prefix_checkpoint_interval")
 
 

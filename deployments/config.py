@@ -30,6 +30,8 @@ logger = logging.getLogger(__name__)
 
 CPU_CACHE_BYTES = 256 * 2**20  # default KV/state budget on CPU when no size is given
 DEFAULT_PROFILE = "lang-mtp3"
+# the LLM-server deployment's request router with prefix routing on (a Serve import path)
+PREFIX_ROUTER_CLASS = "glm53.deployments.prefix_router.PrefixAffinityRouter"
 ENGINE_CPUS = 1  # the placement-group bundle of a multi-GPU replica's engine (bundle 0)
 TINY_MODEL_NAME = "glm53-tiny"
 
@@ -219,6 +221,12 @@ class ServingConfig(BaseModel):
     thinking_token_budget: int | None = Field(None, ge=0)
     # Ray Serve deployment of the LLM server
     num_replicas: int = Field(1, ge=1)
+    # route each request to the replica most likely to hold its prefix (deployments/
+    # prefix_router.py), load permitting; default: on with prefix caching. Applies to any
+    # replica count, autoscaled ones included (one replica: plain routing)
+    prefix_routing: bool | None = None
+    # queued requests the preferred replica may exceed the least loaded one by
+    prefix_routing_imbalance: int = Field(8, ge=0)
     max_ongoing_requests: int = Field(1024, ge=1)
     # seconds in-flight requests get to finish when a replica or `glm53 serve` stops (Serve's
     # graceful shutdown of both deployments; `glm53 serve`'s drain on SIGTERM); pods that run
@@ -357,4 +365,15 @@ class ServingConfig(BaseModel):
             options["ray_actor_options"] = {"num_cpus": 1, "num_gpus": 1}
         else:
             options["ray_actor_options"] = {"num_cpus": 0}
+        if self.prefix_routing_enabled:
+            options["request_router_config"] = {
+                "request_router_class": PREFIX_ROUTER_CLASS,
+                "request_router_kwargs": {"imbalance_threshold": self.prefix_routing_imbalance}}
         return options
+
+    @property
+    def prefix_routing_enabled(self) -> bool:
+        """Whether the LLM-server deployment routes by prefix (explicit, else with caching)."""
+        if self.prefix_routing is not None:
+            return self.prefix_routing
+        return self.enable_prefix_caching

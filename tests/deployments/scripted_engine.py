@@ -90,3 +90,12 @@ class ScriptedEngine:
 
     def shutdown(self) -> None:
         pass
+
+
+class ReplicaEngine(ScriptedEngine):
+    """Answers with the id of the Serve replica it runs in (which replica a request reached)."""
+
+    def _script(self, prompt_ids: list[int]) -> str:
+        from ray import serve
+
+        return "</think>replica=" + serve.get_replica_context().replica_id.unique_id

@@ -334,3 +334,20 @@ def test_promtool_catches_a_broken_rule_and_a_changed_threshold(mon):
     rule["spec"]["groups"][0]["rules"][2]["expr"] = kv + ") > 0.99"  # the unit test expects 0.95
     errors, _ = mon.check_rules(rule, test_file, "threshold")
     assert any("promtool test rules failed" in e for e in errors)
+
+
+def test_prefix_caching_in_the_rayservice_routes_by_prefix(vk):
+    """With `enable_prefix_caching` in the app's args, the manifest stays valid and the
+    autoscaled LLM-server deployment gets the prefix-affinity request router (the
+    `deployments:` overrides keep it)."""
+    from glm53.deployments.prefix_router import PrefixAffinityRouter
+
+    serve = _serve(_doc("ray-service.lang-mtp3.yaml"))
+    serve["applications"][0]["args"]["enable_prefix_caching"] = True
+    report, apps = vk.check_serve_config(serve, "x")
+    assert report.errors == []
+    server = apps["glm53"][1]["LLMServer:glm-5.3-flash"].deployment_config
+    assert server.autoscaling_config.max_replicas == 4
+    assert server.request_router_config.get_request_router_class() is PrefixAffinityRouter
+    assert apps["glm53"][1]["OpenAIIngress"].deployment_config.request_router_config \
+        .get_request_router_class() is not PrefixAffinityRouter
