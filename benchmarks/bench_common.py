@@ -17,6 +17,15 @@ def git_commit() -> str | None:
         return None
 
 
+def unit_scale_bank(cfg) -> dict[str, float]:
+    """An nvfp4 scale bank of outer scale 1 for every DSA layer and the MTP layer: the timing
+    runs decode over zero or random caches, which need no calibration (`glm53 calibrate-kv`
+    builds a real bank)."""
+    from glm53.actors.caches import MTP_LAYER
+
+    return {**{str(i): 1.0 for i in cfg.dsa_layers}, MTP_LAYER: 1.0}
+
+
 def graph_ms(fn, rep: int) -> float:
     """Median ms of fn replayed in a CUDA graph. do_bench_cudagraph runs fn on a fresh stream
     that does not wait for the default stream, so the inputs are synchronized first (without

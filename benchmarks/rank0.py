@@ -29,7 +29,7 @@ import traceback
 from datetime import UTC, datetime
 
 import torch
-from bench_common import kernel_profile
+from bench_common import kernel_profile, unit_scale_bank
 from slice import BLOCK, _timed, engine_step_ms
 
 from glm53.actors.caches import ModelCaches, cache_bytes, latent_bytes_per_token, pool_row
@@ -175,7 +175,8 @@ def main() -> None:
                                           kv_cache_dtype=kv_dtype)
         num_blocks = (budget - (max_batch + 1) * per_slot) // per_block
         caches = ModelCaches.allocate(cfg, num_blocks, BLOCK, max_batch + 1, torch.bfloat16, DEV,
-                                      with_mtp=True, ps=model.parallel, kv_cache_dtype=kv_dtype)
+                                      with_mtp=True, ps=model.parallel, kv_cache_dtype=kv_dtype,
+                                      kv_scales=unit_scale_bank(cfg))
         kv_tokens = (num_blocks - 1) * BLOCK
         meta["kv_caches"][kv_dtype] = dict(
             kv_blocks=num_blocks, kv_tokens_per_rank=kv_tokens,

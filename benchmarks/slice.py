@@ -31,7 +31,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from bench_common import kernel_profile
+from bench_common import kernel_profile, unit_scale_bank
 
 from glm53.actors.caches import ModelCaches, cache_bytes
 from glm53.actors.config import ModelConfig
@@ -192,7 +192,7 @@ def bench_ours(cfg: ModelConfig, decode_cases, prefill_lens, rows, graphs: bool,
     # one slot more: the padding slot of the graph path
     caches = ModelCaches.allocate(cfg, num_blocks=blocks, block_size=BLOCK,
                                   num_slots=max_seqs + 1, dtype=torch.bfloat16, device=DEV,
-                                  kv_cache_dtype=kv_cache_dtype)
+                                  kv_cache_dtype=kv_cache_dtype, kv_scales=unit_scale_bank(cfg))
     vocab = cfg.vocab_size
 
     def step(batch: ForwardBatch, ids: torch.Tensor) -> torch.Tensor:
