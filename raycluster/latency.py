@@ -124,9 +124,12 @@ class LatencyRunner:
             raise
 
     def warm_up(self, batch: int, context: int) -> None:
-        """One short untimed case: kernels compile at their first call, not in a timed one."""
+        """One short untimed case: kernels compile at their first call, not in a timed one.
+        Its output outlasts the chunked prefill (the first requests decode while the last
+        still prefill) by a few full-batch steps."""
         k = self.config.num_speculative_tokens
-        self.measure(LatencyCase(batch, context, 2 * (k + 1) + 2))
+        prefill_steps = -(-batch * context // self.config.max_num_batched_tokens)
+        self.measure(LatencyCase(batch, context, prefill_steps + 2 * (k + 1) + 2))
 
     def measure(self, case: LatencyCase) -> LatencyResult:
         engine, spec = self.engine, self.engine.spec_stats

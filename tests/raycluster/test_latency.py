@@ -84,6 +84,17 @@ def test_too_short_an_output_has_no_decode_step_to_time(model_dir: str) -> None:
         bench.shutdown()
 
 
+def test_warm_up_outlasts_a_chunked_prefill(model_dir: str) -> None:
+    """4 x 300 prompt tokens take 3 prefill steps of 512: the first requests decode while the
+    last prefills, so a warm-up of a fixed few tokens never saw the full batch decode (the
+    H100 run of benchmarks/adaptive.py stopped there at batch 64 x 1024)."""
+    bench = runner(model_dir)
+    try:
+        bench.warm_up(batch=4, context=300)
+    finally:
+        bench.shutdown()
+
+
 def test_random_prompts_have_the_exact_length_and_differ() -> None:
     prompts = random_prompts(batch=3, context=50, vocab_size=272, seed=0)
     assert [len(p) for p in prompts] == [50, 50, 50]
