@@ -85,12 +85,12 @@ def test_too_short_an_output_has_no_decode_step_to_time(model_dir: str) -> None:
 
 
 def test_warm_up_outlasts_a_chunked_prefill(model_dir: str) -> None:
-    """4 x 300 prompt tokens take 3 prefill steps of 512: the first requests decode while the
+    """4 x 500 prompt tokens take 4 prefill steps of 512: the first requests decode while the
     last prefills, so a warm-up of a fixed few tokens never saw the full batch decode (the
     H100 run of benchmarks/adaptive.py stopped there at batch 64 x 1024)."""
     bench = runner(model_dir)
     try:
-        bench.warm_up(batch=4, context=300)
+        bench.warm_up(batch=4, context=500)
     finally:
         bench.shutdown()
 
