@@ -69,9 +69,21 @@ def device_ms(fn, reps: int = 20) -> float:
     raise RuntimeError("the host could not queue the repetitions ahead of the GPU")
 
 
+def device_kernels(events) -> list:
+    """The kernel entries of a profiler's events (or `key_averages()`), largest self device
+    time first. A CPU op's self device time is the time of the kernels it launched itself, and
+    those kernels are entries of their own too (torch.autograd.profiler_util): summing both
+    counted each kernel twice."""
+    from torch.autograd import DeviceType
+
+    kernels = [e for e in events
+               if e.device_type != DeviceType.CPU and e.self_device_time_total > 0]
+    return sorted(kernels, key=lambda e: e.self_device_time_total, reverse=True)
+
+
 def kernel_profile(fn, top: int = 20) -> dict:
-    """One call of fn under torch.profiler: device time per kernel (self time, so nothing is
-    counted twice), the `top` largest and the total, in ms."""
+    """One call of fn under torch.profiler: device time per kernel, the `top` largest and the
+    total, in ms."""
     activities = [torch.profiler.ProfilerActivity.CPU]
     if torch.cuda.is_available():
         activities.append(torch.profiler.ProfilerActivity.CUDA)
@@ -80,8 +92,7 @@ def kernel_profile(fn, top: int = 20) -> dict:
         fn()
         if torch.cuda.is_available():
             torch.cuda.synchronize()
-    events = [e for e in prof.key_averages() if e.self_device_time_total > 0]
-    events.sort(key=lambda e: e.self_device_time_total, reverse=True)
+    events = device_kernels(prof.key_averages())
     total = sum(e.self_device_time_total for e in events) / 1e3
     kernels = [dict(name=e.key[:120], calls=e.count, ms=e.self_device_time_total / 1e3)
                for e in events[:top]]
