@@ -15,6 +15,7 @@ from pathlib import Path
 from .bench_needle import add_needle_parser, bench_needle
 from .bench_report import plot_serve, record_header, table
 from .config import CPU_CACHE_BYTES
+from .engine_args import QUANTIZE_HELP, parse_bytes, parse_speculative
 
 
 def _ints(text: str) -> list[int]:
@@ -34,7 +35,7 @@ def _probabilities(text: str) -> list[float]:
         raise argparse.ArgumentTypeError(f"expected comma-separated floats: {text!r}") from exc
 
 
-def add_bench_parser(sub, parse_speculative, parse_bytes, quantize_help: str) -> None:
+def add_bench_parser(sub) -> None:
     bench = sub.add_parser("bench", help="benchmark the engine (latency, needle) or a server "
                                          "(serve)")
     kinds = bench.add_subparsers(dest="bench", required=True)
@@ -82,7 +83,7 @@ def add_bench_parser(sub, parse_speculative, parse_bytes, quantize_help: str) ->
     size.add_argument("--num-blocks", type=int, default=None)
     size.add_argument("--cache-bytes", type=parse_bytes, default=None)
     eng.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    eng.add_argument("--quantize-experts", choices=["int4"], default=None, help=quantize_help)
+    eng.add_argument("--quantize-experts", choices=["int4"], default=None, help=QUANTIZE_HELP)
     eng.add_argument("--enforce-eager", action="store_true")
     eng.add_argument("--async-scheduling", action="store_true",
                      help="schedule step N+1 while step N runs (overlapped host work)")
@@ -105,7 +106,7 @@ def add_bench_parser(sub, parse_speculative, parse_bytes, quantize_help: str) ->
     srv.add_argument("--seed", type=int, default=0)
     srv.add_argument("--json", type=Path, default=None, help="write the results here")
     srv.add_argument("--plot", type=Path, default=None, help="write a PNG plot here")
-    add_needle_parser(kinds, _ints, parse_speculative, parse_bytes, quantize_help)
+    add_needle_parser(kinds, _ints)
 
 
 def run_bench(args: argparse.Namespace) -> int:

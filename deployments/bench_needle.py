@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .bench_report import record_header
-from .config import CPU_CACHE_BYTES
+from .engine_args import add_engine_args, engine_config
 from .needle import (
     FILLER,
     NEEDLE,
@@ -40,7 +40,7 @@ def _depths(text: str) -> list[float]:
     return values
 
 
-def add_needle_parser(kinds, ints, parse_speculative, parse_bytes, quantize_help: str) -> None:
+def add_needle_parser(kinds, ints) -> None:
     """The `needle` subcommand of `glm53 bench` (`kinds`: bench's subparsers)."""
     nd = kinds.add_parser(
         "needle", help="needle-in-a-haystack recall at chosen prompt lengths and depths",
@@ -68,32 +68,10 @@ def add_needle_parser(kinds, ints, parse_speculative, parse_bytes, quantize_help
                          "Answer: '")
     nd.add_argument("--seed", type=int, default=0, help="draws the codes")
     nd.add_argument("--json", type=Path, default=None, help="write the receipt here")
-    eng = nd.add_argument_group("engine")
-    eng.add_argument("--device", default="cpu")
-    eng.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None)
-    eng.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    eng.add_argument("--max-num-seqs", type=int, default=1,
-                     help="cells run at once (default 1: one after another)")
-    eng.add_argument("--max-model-len", type=int, default=None,
-                     help="default: the longest cell plus --max-tokens")
-    eng.add_argument("--block-size", type=int, default=16)
-    size = eng.add_mutually_exclusive_group()
-    size.add_argument("--num-blocks", type=int, default=None)
-    size.add_argument("--cache-bytes", type=parse_bytes, default=None)
-    eng.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    eng.add_argument("--quantize-experts", choices=["int4"], default=None, help=quantize_help)
-    eng.add_argument("--kv-cache-dtype", choices=["auto", "bf16", "fp8", "nvfp4"],
-                     default="auto")
-    eng.add_argument("--kv-scale-bank", default=None, metavar="PATH")
-    eng.add_argument("--enable-prefix-caching", action="store_true",
-                     help="cells of one length share their filler up to the needle")
-    eng.add_argument("--speculative", type=parse_speculative, default=parse_speculative("none"),
-                     metavar="none|mtp[:K][:auto]|dflash:PATH[:K][:auto]")
-    eng.add_argument("--enforce-eager", action="store_true")
-    eng.add_argument("--tp", type=int, default=1)
-    eng.add_argument("--ep", type=int, default=1)
-    eng.add_argument("--dcp", type=int, default=1)
-
+    add_engine_args(nd, max_num_seqs=1,
+                    max_num_seqs_help="cells run at once (default 1: one after another)",
+                    max_model_len_help="default: the longest cell plus --max-tokens",
+                    prefix_caching_help="cells of one length share their filler up to the needle")
 
 @dataclass
 class _Cell:
@@ -129,26 +107,12 @@ def build_prompts(args: argparse.Namespace, tokenizer) -> tuple[HaystackBuilder,
 
 
 def _engine(args: argparse.Namespace, model_dir: Path, max_model_len: int, tokenizer):
-    from glm53.raycluster.api import EngineConfig, LLMEngine, OutputConstraints, make_executor
+    from glm53.raycluster.api import LLMEngine, OutputConstraints, make_executor
 
     from .chat import THINK_END
 
-    cache_bytes = args.cache_bytes
-    if cache_bytes is None and args.num_blocks is None and not args.device.startswith("cuda"):
-        cache_bytes = CPU_CACHE_BYTES
-    spec = args.speculative
-    config = EngineConfig(
-        model=str(model_dir), dtype=args.dtype, device=args.device,
-        max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
-        max_model_len=args.max_model_len or max_model_len, block_size=args.block_size,
-        num_blocks=args.num_blocks, cache_bytes=cache_bytes,
-        gpu_memory_utilization=args.gpu_memory_utilization,
-        quantize_experts=args.quantize_experts, kv_cache_dtype=args.kv_cache_dtype,
-        kv_scale_bank=args.kv_scale_bank, enable_prefix_caching=args.enable_prefix_caching,
-        tensor_parallel_size=args.tp, expert_parallel_size=args.ep,
-        decode_context_parallel_size=args.dcp, speculative_method=spec.method,
-        num_speculative_tokens=spec.k, draft_model=spec.draft, adaptive_drafts=spec.adaptive,
-        enforce_eager=args.enforce_eager)
+    config = engine_config(args, model_dir,
+                           max_model_len=args.max_model_len or max_model_len)
     executor = make_executor(config)
     try:
         constraints = None

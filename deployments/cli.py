@@ -7,13 +7,19 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import re
 import sys
 from pathlib import Path
-from typing import NamedTuple
 
 from .bench_cli import add_bench_parser, run_bench
-from .config import CPU_CACHE_BYTES  # default KV/state budget on CPU when no size is given
+from .engine_args import (
+    ASYNC_SCHEDULING_HELP,
+    NO_SPECULATION,
+    QUANTIZE_HELP,
+    add_engine_args,
+    engine_config,
+    parse_bytes,
+    parse_speculative,
+)
 from .kld_cli import add_kld_parser, run_kld
 
 
@@ -28,48 +34,8 @@ def _parse_ids(text: str) -> list[int]:
     return ids
 
 
-class SpeculativeArg(NamedTuple):
-    method: str | None  # None, "mtp" or "dflash"
-    k: int  # drafts per step (adaptive: at most)
-    draft: str | None  # DFlash draft checkpoint
-    adaptive: bool = False  # each step verifies 0..k drafts (raycluster/draft_policy.py)
-
-
-NO_SPECULATION = SpeculativeArg(None, 0, None)
-
-
-def _parse_speculative(text: str) -> SpeculativeArg:
-    """'mtp[:K][:auto]' (K default 3), 'dflash:PATH[:K][:auto]' (K default 7) or 'none';
-    `auto` makes K the most drafts a step verifies, the draft length being chosen per step."""
-    method, _, rest = text.partition(":")
-    if method == "dflash" and rest:
-        draft, _, rest = rest.partition(":")
-    else:
-        draft = None
-    parts = rest.split(":") if rest else []
-    adaptive = "auto" in parts
-    parts = [p for p in parts if p != "auto"]
-    try:
-        if method == "none" and not rest:
-            return NO_SPECULATION
-        if method in ("mtp", "dflash") and len(parts) <= 1 and (draft or method == "mtp"):
-            k = int(parts[0]) if parts else {"mtp": 3, "dflash": 7}[method]
-            return SpeculativeArg(method, k, draft, adaptive)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(f"--speculative {text!r}: K must be an int") from exc
-    raise argparse.ArgumentTypeError(
-        f"--speculative {text!r}: expected none, mtp[:K][:auto] or dflash:PATH[:K][:auto]")
-
-
 def _parse_list(text: str) -> list[str]:
     return [x.strip() for x in text.split(",") if x.strip()]
-
-
-def _parse_bytes(text: str) -> int:
-    m = re.fullmatch(r"(\d+)\s*([KMGT]?)(i?B)?", text.strip(), flags=re.I)
-    if not m:
-        raise argparse.ArgumentTypeError(f"not a byte size: {text!r} (e.g. 512M, 2G, 1048576)")
-    return int(m.group(1)) * 1024 ** ("_KMGT".index(m.group(2).upper() or "_"))
 
 
 class _AppendPrompt(argparse.Action):
@@ -79,14 +45,6 @@ class _AppendPrompt(argparse.Action):
         prompts = getattr(namespace, self.dest, None) or []
         kind = "ids" if option_string == "--prompt-ids" else "text"
         setattr(namespace, self.dest, [*prompts, (kind, values)])
-
-
-ASYNC_SCHEDULING_HELP = ("schedule step N+1 while step N runs (overlapped host work; off by "
-                         "default until measured on a GPU; steps after speculative, grammar "
-                         "or penalised sampling still wait)")
-QUANTIZE_HELP = ("quantise the routed experts of a BF16/FP8 checkpoint while loading: int4 = "
-                 "4-bit codes with an fp16 scale and zero per 128 input columns (about 4.25 "
-                 "bits per weight; lets the release fit a GPU pair)")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -123,42 +81,13 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--ignore-eos", action="store_true")
     gen.add_argument("--json", action="store_true", help="one JSON object per prompt per line")
-    eng = gen.add_argument_group("engine limits")
-    eng.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None)
-    eng.add_argument("--device", default="cpu")
-    eng.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    eng.add_argument("--max-num-seqs", type=int, default=16)
-    eng.add_argument("--max-model-len", type=int, default=None)
-    eng.add_argument("--block-size", type=int, default=16)
-    size = eng.add_mutually_exclusive_group()
-    size.add_argument("--num-blocks", type=int, default=None, help="KV cache size in blocks")
-    size.add_argument("--cache-bytes", type=_parse_bytes, default=None,
-                      help="KV cache + state budget, e.g. 512M (CPU default 256M; GPU: "
-                           "--gpu-memory-utilization)")
-    eng.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    eng.add_argument("--quantize-experts", choices=["int4"], default=None,
-                     help=QUANTIZE_HELP)
-    eng.add_argument("--kv-cache-dtype", choices=["auto", "bf16", "fp8", "nvfp4"],
-                     default="auto", help="latent cache rows (nvfp4 needs a scale bank)")
-    eng.add_argument("--kv-scale-bank", default=None, metavar="PATH",
-                     help="nvfp4 outer scales (default: kv_scales_nvfp4.json in the checkpoint)")
-    eng.add_argument("--enforce-eager", action="store_true",
-                     help="no CUDA graphs for decode steps (every step runs eagerly)")
-    eng.add_argument("--async-scheduling", action="store_true",
-                     help=ASYNC_SCHEDULING_HELP)
-    par = gen.add_argument_group("parallelism (one Ray actor per GPU; fake GPUs on CPU)")
-    par.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
-    par.add_argument("--ep", type=int, default=1, help="expert-parallel size")
-    par.add_argument("--dcp", type=int, default=1, help="decode-context-parallel size")
-    gen.add_argument("--speculative", type=_parse_speculative, default=NO_SPECULATION,
-                     metavar="mtp[:K][:auto]|dflash:PATH[:K][:auto]",
-                     help="speculative decoding: the MTP layer or a DFlash2 draft, K drafts")
+    add_engine_args(gen, max_num_seqs=16)
     _serve_parser(sub)
     _plan_parser(sub)
     _verify_parser(sub)
     _calibrate_parser(sub)
     add_kld_parser(sub)
-    add_bench_parser(sub, _parse_speculative, _parse_bytes, QUANTIZE_HELP)
+    add_bench_parser(sub)
     return parser
 
 
@@ -210,7 +139,7 @@ def _plan_parser(sub) -> None:
     pm.add_argument("--device-gib", type=float, default=139.0)
     pm.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     pm.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None)
-    pm.add_argument("--speculative", type=_parse_speculative, default=NO_SPECULATION,
+    pm.add_argument("--speculative", type=parse_speculative, default=NO_SPECULATION,
                     metavar="mtp[:K]|dflash:PATH[:K]",  # (':auto' plans as K drafts)
                     help="dflash:PATH reads the draft's config.json; dflash:incoai/GLM-5.3-"
                          "Flash-DFlash2 plans the published DFlash2 drafter")
@@ -369,7 +298,7 @@ def _serve_parser(sub) -> None:
         eng.add_argument(flag, type=int, default=None)
     size = eng.add_mutually_exclusive_group()
     size.add_argument("--num-blocks", type=int, default=None)
-    size.add_argument("--cache-bytes", type=_parse_bytes, default=None)
+    size.add_argument("--cache-bytes", type=parse_bytes, default=None)
     eng.add_argument("--gpu-memory-utilization", type=float, default=None)
     eng.add_argument("--quantize-experts", choices=["int4"], default=None, help=QUANTIZE_HELP)
     eng.add_argument("--enforce-eager", action="store_true", default=None,
@@ -404,7 +333,7 @@ def _serve_parser(sub) -> None:
                      metavar="KEY", help="accept 'Authorization: Bearer KEY' (repeatable); "
                                          "with any key set, every route but /health and "
                                          "/metrics needs one")
-    sec.add_argument("--max-request-bytes", type=_parse_bytes, default=None, metavar="SIZE",
+    sec.add_argument("--max-request-bytes", type=parse_bytes, default=None, metavar="SIZE",
                      help="largest request body, e.g. 8M (default 8M): 413 beyond it")
     sec.add_argument("--body-timeout", dest="body_timeout_s", type=float, default=None,
                      metavar="SECONDS", help="a request body must arrive within this time "
@@ -618,7 +547,6 @@ def _shutdown(ray, serve, graceful: bool) -> None:
 def _generate(args: argparse.Namespace) -> int:
     from glm53.raycluster.api import (
         CheckpointError,
-        EngineConfig,
         EngineDeadError,
         LLMEngine,
         RequestRejectedError,
@@ -639,9 +567,6 @@ def _generate(args: argparse.Namespace) -> int:
     if args.temperature < 0 or not 0 < args.top_p <= 1:
         raise SystemExit("--temperature must be >= 0 and --top-p in (0, 1]")
     model_dir = args.model or embedded_tiny_model()
-    cache_bytes = args.cache_bytes
-    if cache_bytes is None and args.num_blocks is None and not args.device.startswith("cuda"):
-        cache_bytes = CPU_CACHE_BYTES
     try:
         read_config(model_dir)  # before the tokenizer: a clear error for a non-model directory
         tokenizer = load_tokenizer(model_dir)
@@ -656,19 +581,7 @@ def _generate(args: argparse.Namespace) -> int:
         params = SamplingParams(
             max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
             top_k=args.top_k, min_p=args.min_p, seed=args.seed, ignore_eos=args.ignore_eos)
-        config = EngineConfig(
-            model=str(model_dir), dtype=args.dtype, device=args.device,
-            max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
-            max_model_len=args.max_model_len, block_size=args.block_size,
-            num_blocks=args.num_blocks, cache_bytes=cache_bytes,
-            gpu_memory_utilization=args.gpu_memory_utilization,
-            quantize_experts=args.quantize_experts, kv_cache_dtype=args.kv_cache_dtype,
-            kv_scale_bank=args.kv_scale_bank, tensor_parallel_size=args.tp,
-            expert_parallel_size=args.ep, decode_context_parallel_size=args.dcp,
-            speculative_method=args.speculative.method,
-            num_speculative_tokens=args.speculative.k, draft_model=args.speculative.draft,
-            adaptive_drafts=args.speculative.adaptive, enforce_eager=args.enforce_eager,
-            async_scheduling=args.async_scheduling)
+        config = engine_config(args, model_dir)
         engine = LLMEngine(config, make_executor(config, progress=not args.json))
         try:
             outputs = engine.generate(prompts, params)
