@@ -135,13 +135,11 @@ class AcceptanceCounts:
     def empty(cls, k: int) -> AcceptanceCounts:
         return cls(np.zeros(k), np.zeros(k))
 
-    def add(self, num_drafts: int, num_accepted: int) -> int:
+    def add(self, num_drafts: int, num_accepted: int) -> None:
         """Positions 1..accepted were accepted, the next one (if verified) rejected; later
-        positions were not tried. Returns how many positions were tried."""
-        tried = min(num_accepted + 1, num_drafts)
-        self.verified[:tried] += 1.0
+        positions were not tried."""
+        self.verified[:min(num_accepted + 1, num_drafts)] += 1.0
         self.accepted[:num_accepted] += 1.0
-        return tried
 
     def decay(self, keep: float, first: int = 0) -> None:
         """Counts of positions from `first` on are multiplied by `keep`."""
@@ -155,7 +153,7 @@ class AcceptanceCounts:
 class DraftLengthPolicy:
     """Chooses the step's draft width from per-sequence acceptance and the step cost model."""
 
-    def __init__(self, max_drafts: int, cost: StepCostModel, prior: float = 0.7,
+    def __init__(self, max_drafts: int, cost: StepCostModel, prior: float | np.ndarray = 0.7,
                  pseudo: float = 2.0, sequence_keep: float = 0.9,
                  engine_keep: float = 0.995) -> None:
         """prior: the acceptance assumed per position before any is measured; pseudo: how

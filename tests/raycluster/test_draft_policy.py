@@ -22,7 +22,7 @@ def _linear_cost(base: float, per_draft: float) -> StepCostModel:
 
 def _policy(conditional: list[float], cost: StepCostModel, ids: list[str]) -> DraftLengthPolicy:
     """A policy whose engine-wide estimate (and so every new sequence's) is `conditional`."""
-    return DraftLengthPolicy(len(conditional), cost, prior=0.0 + np.array(conditional))
+    return DraftLengthPolicy(len(conditional), cost, prior=np.array(conditional))
 
 
 def test_cost_model_interpolates_and_extrapolates_in_batch_and_width():
@@ -82,7 +82,8 @@ def test_the_same_acceptance_stops_paying_when_the_batch_makes_verify_dear():
 
 def test_observations_move_the_estimate_of_tried_positions_only():
     counts = AcceptanceCounts.empty(3)
-    assert counts.add(num_drafts=3, num_accepted=1) == 2  # 1 accepted, 1 rejected, 1 untried
+    counts.add(num_drafts=3, num_accepted=1)  # 1 accepted, 1 rejected, 1 untried
+    assert counts.verified.tolist() == [1, 1, 0] and counts.accepted.tolist() == [1, 0, 0]
     estimate = counts.estimate(np.full(3, 0.5), pseudo=2.0)
     assert estimate.conditional.tolist() == [2 / 3, 1 / 3, 0.5]  # (accepted + 1) / (tried + 2)
     assert estimate.expected_tokens(2) == pytest.approx(1 + 2 / 3 + 2 / 9)
