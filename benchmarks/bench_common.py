@@ -83,7 +83,7 @@ def device_kernels(events) -> list:
 
 def kernel_profile(fn, top: int = 20) -> dict:
     """One call of fn under torch.profiler: device time per kernel, the `top` largest and the
-    total, in ms."""
+    total, in ms, and how many kernels the call launched."""
     activities = [torch.profiler.ProfilerActivity.CPU]
     if torch.cuda.is_available():
         activities.append(torch.profiler.ProfilerActivity.CUDA)
@@ -96,4 +96,5 @@ def kernel_profile(fn, top: int = 20) -> dict:
     total = sum(e.self_device_time_total for e in events) / 1e3
     kernels = [dict(name=e.key[:120], calls=e.count, ms=e.self_device_time_total / 1e3)
                for e in events[:top]]
-    return dict(device_ms=total, kernels=kernels)
+    launches = sum(e.count for e in events)
+    return dict(device_ms=total, launches=launches, kernels=kernels)

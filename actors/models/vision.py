@@ -43,6 +43,26 @@ class VisionMLP(nn.Module):
         return self.down_proj(_clamped_swiglu(self.gate_proj(x), self.up_proj(x), self.limit))
 
 
+def segment_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                      seqlens: list[int]) -> torch.Tensor:
+    """Non-causal attention within each segment of `seqlens` rows: q, k, v [P, H, D] -> [P, H, D].
+
+    Consecutive segments of one length go as one [n, H, S, D] call: SDPA reaches its fused
+    (flash / memory-efficient) kernels only with 4-D inputs, so per-segment 3-D calls ran the
+    unfused math path."""
+    out, start, i = [], 0, 0
+    while i < len(seqlens):
+        n = 1
+        while i + n < len(seqlens) and seqlens[i + n] == seqlens[i]:
+            n += 1
+        s, end = seqlens[i], start + n * seqlens[i]
+        qs, ks, vs = (t[start:end].view(n, s, *t.shape[1:]).transpose(1, 2) for t in (q, k, v))
+        out.append(F.scaled_dot_product_attention(qs, ks, vs).transpose(1, 2)
+                   .reshape(end - start, *q.shape[1:]))
+        start, i = end, i + n
+    return torch.cat(out)
+
+
 class VisionAttention(nn.Module):
     def __init__(self, cfg: VisionConfig) -> None:
         super().__init__()
@@ -60,11 +80,7 @@ class VisionAttention(nn.Module):
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # [P, 1, head_dim]: every head alike
         q = (q.float() * cos + _rotate_half(q.float()) * sin).to(v.dtype)
         k = (k.float() * cos + _rotate_half(k.float()) * sin).to(v.dtype)
-        out = [F.scaled_dot_product_attention(qs.transpose(0, 1), ks.transpose(0, 1),
-                                              vs.transpose(0, 1)).transpose(0, 1)
-               for qs, ks, vs in zip(q.split(seqlens), k.split(seqlens), v.split(seqlens),
-                                     strict=True)]
-        return self.proj(torch.cat(out).reshape(x.shape[0], -1))
+        return self.proj(segment_attention(q, k, v, seqlens).reshape(x.shape[0], -1))
 
 
 class VisionBlock(nn.Module):

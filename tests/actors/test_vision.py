@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from glm53.actors.loader import load_model
+from glm53.actors.models.vision import segment_attention
 from tests.naive_runner import SequenceRunner
 
 from .oracle import load_hf
@@ -41,14 +42,22 @@ def _prompt(model, hf, grids) -> list[int]:
     return ids
 
 
-def test_vision_tower_matches_transformers(models):
+# two frames of one video-like grid and two images of one size: runs of equal-length segments,
+# which segment_attention batches into one call
+SAME_LENGTH_GRIDS = [(1, 2, 2), (2, 2, 4), (1, 2, 4), (1, 2, 2)]
+
+
+@pytest.mark.parametrize("grids", [GRIDS, SAME_LENGTH_GRIDS], ids=["mixed", "same-length"])
+def test_vision_tower_matches_transformers(models, grids):
     model, hf = models
-    pixels = _pixels(model, GRIDS)
-    ours = model.visual(pixels, GRIDS)
+    pixels = _pixels(model, grids)
+    ours = model.visual(pixels, grids)
     with torch.no_grad():
         ref = torch.cat(hf.model.get_image_features(
-            pixels, torch.tensor(GRIDS)).pooler_output)
-    assert ours.shape == ref.shape == (7, model.config.hidden_size)
+            pixels, torch.tensor(grids)).pooler_output)
+    merge = model.config.vision.spatial_merge_size
+    rows = sum(t * h * w for t, h, w in grids) // merge**2
+    assert ours.shape == ref.shape == (rows, model.config.hidden_size)
     assert ref.abs().mean() > 0.1  # not a degenerate tower
     assert (ours - ref).abs().max().item() <= TOL
 
@@ -60,6 +69,22 @@ def test_each_image_attends_only_to_itself(models):
     both = model.visual(pixels, GRIDS)
     first = model.visual(pixels[:24], GRIDS[:1])
     assert (both[:6] - first).abs().max().item() <= 1e-5
+
+
+def test_segment_attention_equals_softmax_per_segment():
+    """Runs of equal lengths share one fused call; each segment still sees only itself."""
+    seqlens = [3, 3, 5, 2, 2, 2, 3]
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(sum(seqlens), 4, 8, generator=gen, dtype=torch.float64)
+               for _ in range(3))
+    ref = []
+    for qs, ks, vs in zip(q.split(seqlens), k.split(seqlens), v.split(seqlens), strict=True):
+        scores = torch.einsum("shd,thd->hst", qs, ks) / 8**0.5
+        ref.append(torch.einsum("hst,thd->shd", scores.softmax(-1), vs))
+    ref = torch.cat(ref)
+    out = segment_attention(q, k, v, seqlens)
+    assert out.shape == ref.shape and ref.abs().mean() > 0.1
+    assert (out - ref).abs().max().item() <= 1e-12
 
 
 @pytest.mark.parametrize("chunk", [None, 7])
