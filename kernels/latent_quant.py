@@ -1,10 +1,11 @@
 """Triton store of quantised MLA latent rows and the decoders the attention kernel uses (twin
 of `kernels/ref/latent_quant.py`, whose docstring states the layouts and rounding rules).
 
-Codes are written and read as integer bit patterns (uint8 loads, int32 bit math, bitcasts),
-not through Triton's fp8 types: that is exact on every GPU and in the interpreter. Divisions
-are `div_rn` (correctly rounded, as torch's), every other step is exact, so the bytes equal
-the reference's.
+Codes are written as integer bit patterns (int32 bit math, bitcasts, uint8 stores), not through
+Triton's fp8 types, whose rounding differs between GPUs and the interpreter: divisions are
+`div_rn` (correctly rounded, as torch's), every other step is exact, so the bytes equal the
+reference's. Reading, fp8 codes go through the GPU's exact e4m3 conversion (the attention's
+tiles spilled under the bit math), nvfp4's e2m1 codes and group scales through bit math.
 """
 
 from __future__ import annotations
@@ -21,11 +22,15 @@ from .ref.latent_quant import (
     row_bytes,
 )
 from .ref.sparse_mla import store_rows
-from .utils import next_pow2
+from .utils import INTERPRET, next_pow2
 
 __all__ = ["store_latent"]
 
 FORMAT_IDS = {"plain": 0, "fp8": 1, "nvfp4": 2}
+# the layouts' tile widths, as the kernels see them
+TILE_FP8: tl.constexpr = tl.constexpr(FP8_TILE)
+GROUP_NVFP4: tl.constexpr = tl.constexpr(NVFP4_GROUP)
+INTERPRETED: tl.constexpr = tl.constexpr(INTERPRET)
 
 
 @triton.jit
@@ -73,24 +78,62 @@ def e2m1_encode(b_y):
 
 
 @triton.jit
-def latent_tile(kv, kv32, i_row, o_col, mask, C: tl.constexpr, RB: tl.constexpr,
+def _times_tile_scales(b_x, p_s, o_col, m_row, C: tl.constexpr, TILE: tl.constexpr):
+    """b_x [BW, BO] times the fp32 scale of each value's column tile (scales of row r at
+    p_s[r] + column // TILE). Where BO is a multiple of TILE, one scale is loaded per row and
+    tile and broadcast over the tile's columns: a per-value gather of the scales held BW x BO
+    fp32 values in registers (the fp8 attention spilled)."""
+    BW: tl.constexpr = b_x.shape[0]
+    BO: tl.constexpr = b_x.shape[1]
+    if BO % TILE == 0:
+        NT: tl.constexpr = BO // TILE
+        o_t = tl.min(tl.reshape(o_col, [NT, TILE]), 1) // TILE
+        b_s = tl.load(p_s[:, None] + o_t[None, :],
+                      mask=m_row[:, None] & (o_t * TILE < C)[None, :], other=0.0)
+        return tl.reshape(tl.reshape(b_x, [BW, NT, TILE]) * b_s[:, :, None], [BW, BO])
+    else:
+        return b_x * tl.load(p_s[:, None] + o_col[None, :] // TILE,
+                             mask=m_row[:, None] & (o_col < C)[None, :], other=0.0)
+
+
+@triton.jit
+def latent_tile(kv, kv32, i_row, o_col, m_row, m_col, C: tl.constexpr, RB: tl.constexpr,
                 OUTER: tl.constexpr, FMT: tl.constexpr):
-    """Values [BW, BO] of columns o_col of cache rows i_row ([BW] int64): the stored values
-    (FMT 0, the cache's dtype) or the dequantised fp8 (1) / nvfp4 (2) rows in fp32. kv is
-    the cache (uint8 when quantised), kv32 the same memory as fp32 words (the scales)."""
+    """Values [BW, BO] of columns o_col ([BO], consecutive, from a multiple of BO) of cache rows
+    i_row ([BW] int64), masked by rows m_row and columns m_col: the stored values (FMT 0, the
+    cache's dtype) or the dequantised fp8 (1) / nvfp4 (2) rows in fp32. kv is the cache (uint8
+    when quantised), kv32 the same memory as fp32 words (the scales)."""
+    mask = m_row[:, None] & m_col[None, :]
     if FMT == 0:
         b_v = tl.load(kv + i_row[:, None] * C + o_col[None, :], mask=mask, other=0.0)
     elif FMT == 1:
         b_c = tl.load(kv + i_row[:, None] * RB + o_col[None, :], mask=mask, other=0)
-        p_s = kv32 + i_row[:, None] * (RB // 4) + C // 4 + o_col[None, :] // 128
-        b_v = e4m3_decode(b_c.to(tl.int32)) * tl.load(p_s, mask=mask, other=0.0)
+        # the GPU's e4m3 conversion (cvt: 2 values an instruction) instead of bit math, which
+        # held the attention's [BW, BO] tiles as int32 and spilled; e4m3fn's NaN code 0x7F
+        # decodes as NaN there, the interpreter reads it as 480
+        b_v = b_c.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        if INTERPRETED:
+            b_v = tl.where((b_c & 0x7F) == 0x7F, float("nan"), b_v)
+        b_v = _times_tile_scales(b_v, kv32 + i_row * (RB // 4) + C // 4,
+                                 o_col, m_row, C, TILE_FP8)
     else:
-        p_r = kv + i_row[:, None] * RB
-        b_b = tl.load(p_r + o_col[None, :] // 2, mask=mask, other=0).to(tl.int32)
-        b_g = tl.load(p_r + C // 2 + o_col[None, :] // 16, mask=mask, other=0).to(tl.int32)
-        b_o = tl.load(kv32 + i_row * (RB // 4) + OUTER // 4, mask=i_row >= 0, other=0.0)
-        b_c = (b_b >> ((o_col[None, :] & 1) * 4)) & 15
-        b_v = e2m1_decode(b_c) * (e4m3_decode(b_g) * b_o[:, None])
+        BW: tl.constexpr = i_row.shape[0]
+        BO: tl.constexpr = o_col.shape[0]
+        p_r = kv + i_row * RB
+        # each byte once: two codes, the low nibble the even column
+        o_byte = tl.min(tl.reshape(o_col, [BO // 2, 2]), 1) // 2
+        b_b = tl.load(p_r[:, None] + o_byte[None, :],
+                      mask=m_row[:, None] & (o_byte * 2 < C)[None, :], other=0).to(tl.int32)
+        b_c = tl.reshape(tl.join(b_b & 15, (b_b >> 4) & 15), [BW, BO])
+        b_o = tl.load(kv32 + i_row * (RB // 4) + OUTER // 4, mask=m_row, other=0.0)
+        # the group scales (e4m3 bytes after the codes) times the row's outer scale
+        NG: tl.constexpr = BO // GROUP_NVFP4
+        o_g = tl.min(tl.reshape(o_col, [NG, GROUP_NVFP4]), 1) // GROUP_NVFP4
+        b_g = tl.load(p_r[:, None] + C // 2 + o_g[None, :],
+                      mask=m_row[:, None] & (o_g * GROUP_NVFP4 < C)[None, :], other=0)
+        b_g = e4m3_decode(b_g.to(tl.int32)) * b_o[:, None]
+        b_v = tl.reshape(tl.reshape(e2m1_decode(b_c), [BW, NG, GROUP_NVFP4]) * b_g[:, :, None],
+                         [BW, BO])
     return b_v
 
 

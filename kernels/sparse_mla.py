@@ -181,8 +181,7 @@ def indexer_score_kernel(q, w, pool_cache, pool32, block_tables, query_seq, posi
         # runs' first rows), and then loaded fp8 rows (132 B, 4-byte aligned) 16 bytes at a
         # time: a misaligned address on the GPU. Written this way no lane claims more than 1.
         i_row = (i_b.to(tl.int64) * PPB - 1) + (o_p % PPB + 1)
-        b_k = latent_tile(pool_cache, pool32, i_row, o_d,
-                          m_p[:, None] & m_d[None, :], D, RB, 0, PFMT)
+        b_k = latent_tile(pool_cache, pool32, i_row, o_d, m_p, m_d, D, RB, 0, PFMT)
         p_q = q + (i_t * HI + o_h)[:, None] * D + o_d[None, :]
         b_q = tl.load(p_q, mask=m_h[:, None] & m_d[None, :], other=0.0)
         if F32:
@@ -466,11 +465,9 @@ def sparse_mla_fwd_kernel(q, kv, kv32, block_tables, query_seq, token_indices, o
     for w0 in range(w_lo, w_hi, BW):
         i_row, ok = _cache_rows(token_indices, block_tables, seq, i_t, w0 + tl.arange(0, BW), w_hi,
                                 W, stride_bt, dcp_rank, LBS, DCP)
-        b_kv = latent_tile(kv, kv32, i_row, o_own, ok[:, None] & m_own[None, :], C, RB, OUTER,
-                           FMT)
+        b_kv = latent_tile(kv, kv32, i_row, o_own, ok, m_own, C, RB, OUTER, FMT)
         if HALVES:
-            b_kv2 = latent_tile(kv, kv32, i_row, o_oth, ok[:, None] & m_oth[None, :], C, RB,
-                                OUTER, FMT)
+            b_kv2 = latent_tile(kv, kv32, i_row, o_oth, ok, m_oth, C, RB, OUTER, FMT)
         if FMT != 0 and not F32:  # dequantised values are exact in bf16 (<= 6 bits)
             b_kv = b_kv.to(q.dtype.element_ty)
             if HALVES:

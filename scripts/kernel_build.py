@@ -11,7 +11,7 @@ constexpr reassigned in a loop, one variable typed differently in the two branch
 shared memory past the target's per-block limit, on an instruction the target lacks, and, with
 --no-spills, on a kernel that spills.
 
-    python scripts/kernel_build.py [--arch 90,120] [--json FILE] [--no-spills]
+    python scripts/kernel_build.py [--arch 90,120] [--json FILE] [--no-spills] [--cases TEXT]
 
 Run it with TRITON_INTERPRET unset (the interpreter replaces the compiler). It leans on Triton
 3.6 internals (JITFunction.run's warmup path, the driver registry's `_active` slot), which is
@@ -345,10 +345,13 @@ def _cases(arch: int) -> dict[str, Callable[[], object]]:
     return cases
 
 
-def _build(arch: int, failed: list[str]) -> list[Build]:
-    """Every case built for `arch`; a case that raises is listed in `failed`."""
+def _build(arch: int, failed: list[str], only: str | None = None) -> list[Build]:
+    """Every case built for `arch` (those whose name contains `only`, if given); a case that
+    raises is listed in `failed`."""
     with _Recorder(arch) as rec:
         for case, call in _cases(arch).items():
+            if only is not None and only not in case:
+                continue
             rec.case = case
             try:
                 call()
@@ -368,6 +371,7 @@ def main() -> int:
                     help="comma-separated targets, of " + ", ".join(map(str, SHARED_PER_BLOCK)))
     ap.add_argument("--json", help="write the builds here (with commit, date and Triton version)")
     ap.add_argument("--no-spills", action="store_true", help="fail on a kernel that spills")
+    ap.add_argument("--cases", help="only the cases whose name contains this text")
     args = ap.parse_args()
     if os.environ.get("TRITON_INTERPRET") == "1":
         sys.exit("kernel_build: unset TRITON_INTERPRET (the interpreter replaces the compiler)")
@@ -375,7 +379,7 @@ def main() -> int:
     if unknown := set(archs) - set(SHARED_PER_BLOCK):
         sys.exit(f"kernel_build: no limits known for sm_{sorted(unknown)}")
     failed: list[str] = []
-    builds = [b for arch in archs for b in _build(arch, failed)]
+    builds = [b for arch in archs for b in _build(arch, failed, args.cases)]
     print(f"{'arch':>6} {'case':44} {'kernel':28} {'regs':>5} {'spill':>6} {'smem':>7} "
           f"{'warps':>5} {'wgmma':>5} {'mma':>5}")
     for b in builds:
