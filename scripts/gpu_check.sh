@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU validation run of the kernels issue, on one bare GPU machine from the repo root:
-#   bash scripts/gpu_check.sh tests|kernels|slice|experts [COMMIT]
+#   bash scripts/gpu_check.sh tests|kernels|slice|experts|kv|rank0|serving [COMMIT]
 # tests:   every `gpu`-marked test (junit XML + log; the first run compiles every kernel and lets
 #          fla autotune: ~10 minutes in one process, spread over GPU_TEST_WORKERS (4) processes
 #          when pytest-xdist is carried)
@@ -10,6 +10,11 @@
 # experts: the 4-bit routed experts: their gpu tests (EXL3 bit-exact vs exllamav3's fixture),
 #          benchmarks/moe_4bit.py (vs bf16, 288 experts and EP2) and benchmarks/rank0.py (the
 #          full-depth rank-0 emulation, EXL3 then int4 experts)
+# kv:      the quantised latent cache: its gpu tests, then benchmarks/slice.py decode at 32K
+#          (batch 1 and 64) and 4K prefill with bf16, fp8 and nvfp4 rows
+# rank0:   benchmarks/rank0.py with int4 experts over the three cache formats (GPUs of
+#          >= 100 GB; smaller ones run the first 24 layers: not the rank's numbers)
+# serving: benchmarks/vision.py, prefix_cache.py --slice (10-turn chat) and adaptive.py --slice
 # Results go to $OUT (the device tool's return folder) or ./gpu_out.
 set -uo pipefail
 stage=${1:?stage: tests, kernels or slice}
@@ -49,5 +54,25 @@ case $stage in
     done
     python benchmarks/moe_4bit.py --ep2 --commit "$commit" --repeats 5 \
       --json "$out/moe_4bit_ep2_h200_$commit.json" 2>&1 | tail -n 12 ;;
+  kv)
+    python -m pytest -m gpu -q -p no:cacheprovider tests/kernels/test_gpu_latent_quant.py \
+      tests/kernels/test_gpu_sparse_mla_decode.py 2>&1 | tail -n 3
+    python benchmarks/slice.py --no-transformers --decode 1x32768,64x32768 --prefill 4096 \
+      --kv-cache-dtype bf16,fp8,nvfp4 --commit "$commit" --json "$out/slice_kv_$commit.json" \
+      2>&1 | grep "'phase'" | cut -c1-240 ;;
+  rank0)
+    mem=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -n 1)
+    layers=(); [ "$mem" -lt 100000 ] && layers=(--layers 24)
+    python benchmarks/rank0.py --experts int4 "${layers[@]}" --kv-cache-dtype bf16,fp8,nvfp4 \
+      --decode "${RANK0_DECODE:-1x8192,16x8192,64x8192,1x131072}" ${RANK0_PROFILE:+--profile} \
+      --commit "$commit" --json "$out/rank0_int4_$commit.json" 2>&1 | grep "^{'phase'" \
+      | cut -c1-300 ;;
+  serving)
+    python benchmarks/vision.py --commit "$commit" --json "$out/vision_$commit.json" 2>&1 \
+      | tail -n 8
+    python benchmarks/prefix_cache.py --slice --device cuda --system 8192 --message 256 \
+      --answer 32 --commit "$commit" --json "$out/prefix_cache_$commit.json" 2>&1 | tail -n 14
+    python benchmarks/adaptive.py --slice --device cuda --context 1024 --output-len 128 \
+      --commit "$commit" --json "$out/adaptive_$commit.json" 2>&1 | tail -n 30 ;;
   *) echo "unknown stage $stage"; exit 2 ;;
 esac
