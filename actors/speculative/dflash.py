@@ -27,10 +27,12 @@ def forward_bytes_per_sequence(cfg: DFlashConfig, dtype: torch.dtype, tp: int = 
     """Peak transient bytes one drafting sequence adds to a draft forward under TP `tp` (one
     layer is live at a time; kv = num_kv_heads / tp, heads = num_heads / tp, C = sliding_window
     + block_size): the ring gather [2, W, kv, hd] in `dtype`, one fp32 kv-major copy of the
-    context keys or values [kv, W, hd] (dflash_model.grouped_attention), three fp32 score
-    tensors [heads, B, C] (cat / masked / softmax); then the head's logits [B - 1, vocab] fp32,
-    its log-softmax and top-k input (x3). GLM's DFlash2 in bf16: 34.4 MiB at TP1, 23.4 MiB at
-    TP2 (K/V repeated to every query head in fp32 took 128.8 MiB)."""
+    context keys or values [kv, W, hd] (dflash_model.grouped_attention), fp32 scores
+    [heads, B, C] x 3 (two are live at once; the third covers the masks and block rows); then,
+    after the layers, the head's logits [B - 1, vocab] fp32, its log-softmax and top-k input
+    (x3; the two phases are not live together, so the sum bounds the peak). GLM's DFlash2 in
+    bf16: 34.4 MiB at TP1, 23.4 MiB at TP2 (K/V repeated to every query head in fp32 took
+    128.8 MiB). Measured on CPU (tests/actors/test_spec_memory.py): 95% of this."""
     item = torch.empty(0, dtype=dtype).element_size()
     w, b, hd = cfg.sliding_window, cfg.block_size, cfg.head_dim
     kv, heads = cfg.num_kv_heads // tp, cfg.num_heads // tp
@@ -127,8 +129,8 @@ class DFlashProposer:
         visible = ((ring_pos[:, None, :] >= 0) & (ring_pos[:, None, :] <= last[:, None, None])
                    & (positions[:, :, None] - ring_pos[:, None, :] <= w - 1))
         for layer_id, layer in enumerate(self.draft.layers):
-            kv = self.ring[slots, layer_id]
-            x = layer(x, positions, kv[:, 0], kv[:, 1], visible)
+            # the gathered [N, 2, W, kv, hd] is freed before the next layer gathers its own
+            x = layer(x, positions, *self.ring[slots, layer_id].unbind(1), visible)
         h = self.draft.norm(x)[:, 1:]
         logits = self.target.compute_logits(h.reshape(-1, h.shape[-1])).view(*h.shape[:2], -1)
         anchor = ids[:, 0]

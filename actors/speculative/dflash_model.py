@@ -122,8 +122,8 @@ def grouped_attention(q: torch.Tensor, ctx_k: torch.Tensor, ctx_v: torch.Tensor,
     [N, B, kv, hd]. Returns [N, B, heads, hd] in q's dtype.
 
     Live at once besides the inputs (forward_bytes_per_sequence counts it): one fp32
-    [N, kv, W, hd] copy of the context keys, then of its values, and a few [N, heads, B, W + B]
-    fp32 scores."""
+    [N, kv, W, hd] copy of the context keys, later of its values, and two [N, heads, B, W + B]
+    fp32 scores (the masked scores and their softmax)."""
     n, b, heads, hd = q.shape
     kv, w = ctx_k.shape[2], ctx_k.shape[1]
     g = heads // kv
@@ -132,7 +132,10 @@ def grouped_attention(q: torch.Tensor, ctx_k: torch.Tensor, ctx_v: torch.Tensor,
     qg = q.float().view(n, b, kv, g, hd).permute(0, 2, 3, 1, 4).reshape(n, kv, g * b, hd)
 
     def kv_major(t: torch.Tensor) -> torch.Tensor:  # [N, L, kv, hd] -> fp32 [N, kv, L, hd]
-        return t.transpose(1, 2).to(torch.float32, memory_format=torch.contiguous_format)
+        # one explicit copy in any dtype (`to` would alias an fp32 view, and matmul then copy)
+        m, length = t.shape[:2]
+        return torch.empty(m, kv, length, hd, dtype=torch.float32, device=t.device).copy_(
+            t.transpose(1, 2))
 
     scores = torch.cat([qg @ kv_major(ctx_k).transpose(-1, -2),
                         qg @ kv_major(blk_k).transpose(-1, -2)], -1) / math.sqrt(hd)

@@ -8,22 +8,33 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
+import weakref
+from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 from glm53.actors.caches import DSAState, KDAState
-from glm53.actors.loader import read_config
+from glm53.actors.loader import load_model, read_config
 from glm53.actors.memory_plan import GiB, MiB, meta_shard, plan_memory, sequences_held
 from glm53.actors.model_runner import ModelRunner
 from glm53.actors.parallel import ParallelConfig, ParallelState
 from glm53.actors.release import dflash2_release_config, exl3_release_config
 from glm53.actors.speculative.dflash import (
     DRAFT_CHUNK,
+    DFlashProposer,
     forward_bytes_per_sequence,
     ring_bytes_per_sequence,
 )
-from glm53.actors.speculative.dflash_model import DFlashConfig, draft_weight_bytes, load_draft
+from glm53.actors.speculative.dflash_model import (
+    DFlashConfig,
+    DFlashDraftModel,
+    draft_weight_bytes,
+    load_draft,
+)
 from glm53.actors.tiny import write_tiny_draft
 
 DFLASH2 = DFlashConfig.from_hf(dflash2_release_config())
@@ -171,3 +182,67 @@ def test_capacity_report_of_the_tiny_model(monkeypatch, capsys) -> None:
     assert {m: rows[2048, m] for m in ("none", "mtp3", "dflash7")} == {
         "none": 21, "mtp3": 10, "dflash7": 19}
     assert "dflash7/mtp3 1.493" in capsys.readouterr().out
+
+
+class _LiveBytes(TorchDispatchMode):
+    """Bytes of the tensors the ops under this mode create that are still alive, and their
+    peak: what a forward adds on top of the tensors that existed before it (views and in-place
+    results share an input's storage and are not new)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.live = self.peak = 0
+        self.seen: set[int] = set()
+
+    def _free(self, key: int, n: int) -> None:
+        self.live -= n
+        self.seen.discard(key)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        inputs = {t.untyped_storage().data_ptr() for t in tree_leaves((args, kwargs))
+                  if isinstance(t, torch.Tensor)}
+        for t in tree_leaves(out):
+            if not isinstance(t, torch.Tensor):
+                continue
+            storage = t.untyped_storage()
+            key = storage.data_ptr()
+            if key and key not in self.seen and key not in inputs:
+                self.seen.add(key)
+                self.live += storage.nbytes()
+                self.peak = max(self.peak, self.live)
+                weakref.finalize(storage, self._free, key, storage.nbytes())
+        return out
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_draft_forward_transient_is_what_the_plan_reserves(tiny, tp) -> None:
+    """One draft forward of DRAFT_CHUNK sequences, measured tensor by tensor on CPU with a draft
+    whose window dominates as GLM's does (1024 positions of 4 KV heads x 64): its peak is
+    within the plan's DRAFT_CHUNK x forward_bytes_per_sequence and above 90% of it (as rank 0
+    of TP2, emulated: the rank's heads, no other rank). Measured: 95.4% at TP1, 95.8% at TP2."""
+    target, _, _ = tiny
+    ps = ParallelState(ParallelConfig(tp=tp), rank=0, emulated=True)
+    model = load_model(target, progress=False, ps=ps)
+    cfg = DFlashConfig(hidden_size=64, intermediate_size=128, num_layers=2, num_heads=8,
+                       num_kv_heads=4, head_dim=64, rms_norm_eps=1e-5, rope_theta=1e4,
+                       sliding_window=1024, block_size=8, mask_token_id=271,
+                       target_layer_ids=(1, 3), conv_group_size=16, selector_rank=8,
+                       selector_top_k=4, vocab_size=272)
+    torch.manual_seed(0)
+    draft = DFlashDraftModel(cfg, ps).requires_grad_(False)
+    for p in draft.parameters():
+        p.data.normal_(0, 0.1)
+    n, w = DRAFT_CHUNK, cfg.sliding_window
+    proposer = DFlashProposer(model, draft, n, num_spec=7)
+    proposer.ring.normal_()
+    proposer.ring_pos[:] = torch.arange(w)  # full windows: every context row visible
+    step = SimpleNamespace(cu_seqlens=np.arange(n + 1), state_ids=np.arange(n),
+                           positions=np.full(n, w - 1))
+    with torch.inference_mode(), _LiveBytes() as live:
+        drafts = proposer._draft(step, np.arange(n), np.ones(n, dtype=np.int64),
+                                 np.arange(n))
+    assert drafts.shape == (n, 7)
+    planned = n * forward_bytes_per_sequence(cfg, torch.float32, tp)
+    print(f"tp{tp}: draft forward peak {live.peak / MiB:.2f} MiB, planned {planned / MiB:.2f}")
+    assert 0.9 * planned <= live.peak <= planned
