@@ -11,7 +11,7 @@ heads per sequence (the draft's layers are TP-sharded like the target's). Cases:
 - real shapes: the release config, TP2/EP2/DCP2 rank 0, EXL3 K4 and int4 experts, 139.8 GiB
   (H200) x 0.9, bf16 cache, block 16 per DCP rank, 2048 batched tokens; contexts 8K and 128K;
   MTP with 3 drafts, DFlash with the published DFlash2 drafter (release.dflash2_release_config)
-  with its 7 drafts and with 3 (see MODES).
+  with its 7 drafts and with 3, and MTP with 7 as dflash7's same-width reference (see MODES).
 - the serving profiles' KV tokens (`profiles`): lang-mtp3 vs lang-dflash2 vs DFlash2 under
   lang-mtp3's settings, nvfp4 latents, as the reference runtime compared them.
 - the tiny model on CPU (tests/tiny.py's TINY spec, its tiny DFlash2 draft): a fixed 8 MiB
@@ -39,9 +39,10 @@ from glm53.deployments.tiny_model import make_tiny
 
 # mode -> (MTP layer built, drafts, DFlash draft); dflash7 is the reference runtime's profile
 # (k=7), dflash3 the same draft verifying MTP3's width (its CUDA graphs and logits rows cost
-# what MTP3's do, so the two differ only by the draft's memory)
+# what MTP3's do, so the two differ only by the draft's memory); mtp7 is a reference for
+# dflash7: what verifying 8 positions costs the target without any draft model
 MODES = {"none": (False, 0, False), "mtp3": (True, 3, False), "dflash7": (False, 7, True),
-         "dflash3": (False, 3, True)}
+         "dflash3": (False, 3, True), "mtp7": (True, 7, False)}
 
 
 def capacity(config: dict, draft: DFlashConfig, *, device_bytes: int, utilization: float,
@@ -77,7 +78,8 @@ def capacity(config: dict, draft: DFlashConfig, *, device_bytes: int, utilizatio
             row["vs_mtp3"] = row["sequences"] / held["mtp3"] if held["mtp3"] else None
         print(f"  context {context:>7,}: " + ", ".join(f"{m} {held[m]}" for m in MODES)
               + (f"; dflash7/mtp3 {held['dflash7'] / held['mtp3']:.3f}, dflash3/mtp3 "
-                 f"{held['dflash3'] / held['mtp3']:.3f}" if held["mtp3"] else ""))
+                 f"{held['dflash3'] / held['mtp3']:.3f}" if held["mtp3"] else "")
+              + (f", dflash7/mtp7 {held['dflash7'] / held['mtp7']:.3f}" if held["mtp7"] else ""))
     return rows
 
 

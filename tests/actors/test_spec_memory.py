@@ -22,7 +22,7 @@ from glm53.actors.loader import load_model, read_config
 from glm53.actors.memory_plan import GiB, MiB, meta_shard, plan_memory, sequences_held
 from glm53.actors.model_runner import ModelRunner
 from glm53.actors.parallel import ParallelConfig, ParallelState
-from glm53.actors.release import dflash2_release_config, exl3_release_config
+from glm53.actors.release import dflash2_release_config, exl3_release_config, release_config
 from glm53.actors.speculative.dflash import (
     DRAFT_CHUNK,
     DFlashProposer,
@@ -167,6 +167,22 @@ def test_sequences_held_is_the_largest_that_fits(tiny) -> None:
     more = plan_memory(model, 8 * MiB, 1.0, block_size=16, num_slots=n + 1, max_model_len=256,
                        **{k: v for k, v in kw.items() if k not in ("context_len", "block_size")})
     assert more.num_blocks - 1 < (n + 1) * 16
+
+
+@pytest.mark.parametrize("experts", ["exl3", "int4"])
+def test_dflash_holds_nine_tenths_of_mtp3_at_8k(experts) -> None:
+    """Issue 23: at the same memory (TP2/EP2/DCP2 rank 0, 139.8 GiB x 0.9, 8K contexts, same
+    verify width) DFlash2 holds >= 0.9x the sequences MTP3 does: its ring and weights are TP
+    sharded and its forward is small (benchmarks/spec_capacity.py records the numbers)."""
+    config = exl3_release_config() if experts == "exl3" else release_config()
+    quantize = None if experts == "exl3" else "int4"
+    held = {}
+    for mode, with_mtp, draft in (("mtp3", True, None), ("dflash3", False, DFLASH2)):
+        model = meta_shard(config, tp=2, ep=2, dcp=2, with_mtp=with_mtp,
+                           quantize_experts=quantize)
+        held[mode], _ = sequences_held(model, int(139.8 * GiB), 0.9, context_len=8192,
+                                       block_size=32, num_spec=3, draft=draft)
+    assert held["dflash3"] >= 0.9 * held["mtp3"] > 0, held
 
 
 def test_capacity_report_of_the_tiny_model(monkeypatch, capsys) -> None:
