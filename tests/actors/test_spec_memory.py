@@ -36,6 +36,8 @@ from glm53.actors.speculative.dflash_model import (
     load_draft,
 )
 from glm53.actors.tiny import write_tiny_draft
+from glm53.raycluster.config import EngineConfig
+from glm53.raycluster.engine import LLMEngine
 
 DFLASH2 = DFlashConfig.from_hf(dflash2_release_config())
 # exl3-dflash-spec.md §C.2: 1,171,080,448 bf16 parameters; a ring of 5 layers x (K, V) x
@@ -155,6 +157,19 @@ def test_runner_allocates_what_the_plan_counts(tiny, tp) -> None:
     cols = slice(whole.mlp.down_proj.weight.shape[1] // tp * (tp - 1), None)
     assert torch.equal(ours.mlp.down_proj.weight, whole.mlp.down_proj.weight[:, cols])
     assert torch.equal(ours.mlp_conv.base_kernel, whole.mlp_conv.base_kernel)
+
+
+def test_dflash_engine_does_not_load_the_mtp_layer(tiny) -> None:
+    """The target checkpoint has an MTP layer; with DFlash drafting it is unused, so neither
+    its weights nor its cache are allocated (the plan's DFlash rows are built without it)."""
+    target, _, draft = tiny
+    engine = LLMEngine(EngineConfig(model=str(target), num_blocks=32,
+                                    speculative_method="dflash", num_speculative_tokens=7,
+                                    draft_model=str(draft)))
+    runner = engine.executor.runner
+    assert runner.model.config.has_mtp
+    assert runner.model.mtp is None and runner.caches.mtp is None
+    assert not any(n.startswith("mtp.") for n, _ in runner.model.named_parameters())
 
 
 def test_sequences_held_is_the_largest_that_fits(tiny) -> None:
