@@ -4,8 +4,9 @@
 
 Weights are exact: parameter bytes of this rank's meta-built shard (numel x element size, in
 the storage formats the config names), so the plan is what `materialize` will allocate; a
-DFlash draft adds its own weights (replicated on every rank) and, per state slot, its K/V ring
-(speculative/dflash.py), which the KV pool pays before its blocks. The MTP layer's cache is
+DFlash draft adds this rank's shard of its weights (its layers are TP-sharded like the
+target's) and, per state slot, its K/V ring of this rank's KV heads (speculative/dflash.py),
+which the KV pool pays before its blocks. The MTP layer's cache is
 part of every block and slot already (caches.cache_bytes with the MTP layer). The
 reserve is an estimate (see `OVERHEAD_BYTES`, `workspace_estimate`). The KV pool is what is left;
 its bytes per block and per state slot come from caches.cache_bytes. `MemoryPlan.check` refuses
@@ -117,7 +118,7 @@ class MemoryPlan:
     num_slots: int  # state slots the engine hands out; the runner pays one more (graph padding)
     min_blocks: int  # the smallest useful pool: the null block + one full step's tokens
     max_model_len: int
-    draft_weight_bytes: int = 0  # a DFlash draft's weights (draft_weight_bytes), else 0
+    draft_weight_bytes: int = 0  # this rank's DFlash draft weights (draft_weight_bytes), else 0
     draft_bytes_per_slot: int = 0  # its K/V ring per running slot (ring_bytes_per_sequence)
     # reserve, part 3 (estimate): one draft forward of DRAFT_CHUNK sequences, after the caches
     draft_workspace_bytes: int = 0
@@ -180,7 +181,7 @@ class MemoryPlan:
             f"{self.utilization:.3g}",
             f"  weights  {_gib(self.weight_bytes, 8)}",
             *(f"    {part:<16}{_gib(n, 8)}" for part, n in self.weights.items() if n),
-            *([f"    {'dflash_draft':<16}{_gib(self.draft_weight_bytes, 8)} (replicated)"]
+            *([f"    {'dflash_draft':<16}{_gib(self.draft_weight_bytes, 8)}"]
               if self.draft_weight_bytes else []),
             f"  reserve  {_gib(self.reserve_bytes, 8)} (estimate: {_gib(self.overhead_bytes)} "
             f"overhead + {_gib(self.workspace_bytes)} activations and CUDA graphs"
@@ -244,7 +245,8 @@ def plan_memory(model: Glm5NextForCausalLM, device_bytes: int, utilization: floa
     latent rows follow `kv_cache_dtype`, caches.KV_CACHE_DTYPES);
     `max_model_len` to the model's context. `reserve_bytes` replaces the reserve estimate
     (all of it counted as allocated after the caches). `draft`: a DFlash draft's config; its
-    weights and per-slot ring (in `cache_dtype`, as the runner loads it) join the plan."""
+    weights and per-slot ring (this rank's shard, in `cache_dtype`, as the runner loads it) join
+    the plan."""
     cfg, ps = model.config, model.parallel
     cache_dtype = cache_dtype or model.embed_tokens.weight.dtype
     max_model_len = max_model_len or cfg.max_position_embeddings
@@ -257,7 +259,7 @@ def plan_memory(model: Glm5NextForCausalLM, device_bytes: int, utilization: floa
             num_spec=num_spec, max_model_len=max_model_len)
         if draft is not None:
             draft_workspace = min(num_slots, DRAFT_CHUNK) * forward_bytes_per_sequence(
-                draft, cache_dtype)
+                draft, cache_dtype, ps.tp_size)
     else:
         overhead, workspace = 0, reserve_bytes
     par = ps.config
@@ -268,8 +270,9 @@ def plan_memory(model: Glm5NextForCausalLM, device_bytes: int, utilization: floa
         overhead_bytes=overhead, workspace_bytes=workspace, block_size=block_size,
         bytes_per_block=per_block, bytes_per_slot=per_slot, num_slots=num_slots,
         min_blocks=1 + -(-max_num_batched_tokens // block_size), max_model_len=max_model_len,
-        draft_weight_bytes=draft_weight_bytes(draft, cache_dtype) if draft else 0,
-        draft_bytes_per_slot=ring_bytes_per_sequence(draft, cache_dtype) if draft else 0,
+        draft_weight_bytes=draft_weight_bytes(draft, cache_dtype, ps) if draft else 0,
+        draft_bytes_per_slot=ring_bytes_per_sequence(draft, cache_dtype, ps.tp_size)
+        if draft else 0,
         draft_workspace_bytes=draft_workspace)
 
 

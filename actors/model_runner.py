@@ -54,7 +54,7 @@ class ModelRunner:
                  num_checkpoints: int = 0) -> None:
         """`block_size` counts logical tokens per block (latent rows per rank x DCP size).
         Speculation: `num_spec` drafts per step from the MTP layer (`with_mtp`) or from the
-        DFlash draft checkpoint `draft_model` (replicated on every rank); with
+        DFlash draft checkpoint `draft_model` (its layers TP-sharded like the target's); with
         `adaptive_drafts` a step may verify any 0..num_spec of them. CUDA graphs (unless
         `enforce_eager`) are captured for decode batches of `cuda_graph_batch_sizes` (capped
         at num_slots) with block tables wide enough for `max_model_len` (default: the
@@ -103,13 +103,13 @@ class ModelRunner:
         self.draft_sampling = draft_sampling
         self.adaptive_drafts = adaptive_drafts
         # the draft is loaded before the cache is sized, so its weights come out of the budget
-        self.draft = (load_draft(draft_model, cache_dtype, self.device)
+        self.draft = (load_draft(draft_model, cache_dtype, self.device, self.ps)
                       if draft_model and num_spec else None)
         if not sized:
             cache_bytes = self._free_memory_budget(gpu_memory_utilization)
         # the DFlash rings (one per running slot, allocated with the caches) come out of the
         # same budget as the blocks
-        ring = (ring_bytes_per_sequence(self.draft.config, cache_dtype)
+        ring = (ring_bytes_per_sequence(self.draft.config, cache_dtype, self.ps.tp_size)
                 if self.draft is not None else 0)
         if cache_bytes is not None:
             cache_bytes -= num_slots * ring

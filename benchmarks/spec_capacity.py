@@ -5,13 +5,13 @@
 A case is "n sequences of C tokens, all running": n state slots (+ the graph padding slot),
 n x ceil(C / block) paged blocks, and with DFlash n draft K/V rings of the draft's window
 (`memory_plan.sequences_held`). MTP pays its layer's weights and one more DSA layer in every
-block and slot; DFlash pays the draft's weights (replicated on every rank) and a fixed ring per
-sequence. Cases:
+block and slot; DFlash pays this rank's shard of the draft's weights and a fixed ring of its KV
+heads per sequence (the draft's layers are TP-sharded like the target's). Cases:
 
 - real shapes: the release config, TP2/EP2/DCP2 rank 0, EXL3 K4 and int4 experts, 139.8 GiB
   (H200) x 0.9, bf16 cache, block 16 per DCP rank, 2048 batched tokens; contexts 8K and 128K;
   MTP with 3 drafts, DFlash with the published DFlash2 drafter (release.dflash2_release_config)
-  with its 7 drafts and with 3 (see MODES).
+  with its 7 drafts and with 3, and MTP with 7 as dflash7's same-width reference (see MODES).
 - the serving profiles' KV tokens (`profiles`): lang-mtp3 vs lang-dflash2 vs DFlash2 under
   lang-mtp3's settings, nvfp4 latents, as the reference runtime compared them.
 - the tiny model on CPU (tests/tiny.py's TINY spec, its tiny DFlash2 draft): a fixed 8 MiB
@@ -23,7 +23,6 @@ sequence. Cases:
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import platform
 import tempfile
@@ -40,10 +39,10 @@ from glm53.deployments.tiny_model import make_tiny
 
 # mode -> (MTP layer built, drafts, DFlash draft); dflash7 is the reference runtime's profile
 # (k=7), dflash3 the same draft verifying MTP3's width (its CUDA graphs and logits rows cost
-# what MTP3's do), dflash3_tp_ring a what-if, not implemented: the draft's 8 KV heads split
-# over TP2 like the target's heads (half the ring per rank; k/v_proj weights halve too)
-MODES = {"none": (False, 0, None), "mtp3": (True, 3, None), "dflash7": (False, 7, "draft"),
-         "dflash3": (False, 3, "draft"), "dflash3_tp_ring": (False, 3, "half")}
+# what MTP3's do, so the two differ only by the draft's memory); mtp7 is a reference for
+# dflash7: what verifying 8 positions costs the target without any draft model
+MODES = {"none": (False, 0, False), "mtp3": (True, 3, False), "dflash7": (False, 7, True),
+         "dflash3": (False, 3, True), "mtp7": (True, 7, False)}
 
 
 def capacity(config: dict, draft: DFlashConfig, *, device_bytes: int, utilization: float,
@@ -56,12 +55,10 @@ def capacity(config: dict, draft: DFlashConfig, *, device_bytes: int, utilizatio
     for context in contexts:
         held = {}
         for mode in MODES:
-            with_mtp, k, which = MODES[mode]
-            drafter = {None: None, "draft": draft, "half": dataclasses.replace(
-                draft, num_kv_heads=draft.num_kv_heads // 2)}[which]
+            with_mtp, k, drafting = MODES[mode]
             n, plan = sequences_held(models[with_mtp], device_bytes, utilization,
                                      context_len=context, block_size=block_size, num_spec=k,
-                                     draft=drafter, **plan_kw)
+                                     draft=draft if drafting else None, **plan_kw)
             held[mode] = n
             row = {"context": context, "mode": mode, "sequences": n}
             if plan is not None:
@@ -81,7 +78,8 @@ def capacity(config: dict, draft: DFlashConfig, *, device_bytes: int, utilizatio
             row["vs_mtp3"] = row["sequences"] / held["mtp3"] if held["mtp3"] else None
         print(f"  context {context:>7,}: " + ", ".join(f"{m} {held[m]}" for m in MODES)
               + (f"; dflash7/mtp3 {held['dflash7'] / held['mtp3']:.3f}, dflash3/mtp3 "
-                 f"{held['dflash3'] / held['mtp3']:.3f}" if held["mtp3"] else ""))
+                 f"{held['dflash3'] / held['mtp3']:.3f}" if held["mtp3"] else "")
+              + (f", dflash7/mtp7 {held['dflash7'] / held['mtp7']:.3f}" if held["mtp7"] else ""))
     return rows
 
 

@@ -2,7 +2,8 @@
 
 Every kept row's target tap states become context features whose per-layer keys/values go into
 a per-slot ring of the last `sliding_window` positions (the only draft state a sequence keeps:
-5 x 2048 x 2 x 8 x 128 values for GLM's drafter, far below one KDA state). The block
+5 x 2048 x 2 x 8 x 128 values for GLM's drafter, far below one KDA state; under TP each rank
+keeps only its KV heads' part, as the draft's attention is sharded like the target's). The block
 [new token, MASK x (B-1)] at the next positions then attends the ring and itself, and the
 target's lm_head + the candidate selector pick the drafts (deterministic, so verification is
 exact-match; see verify.py).
@@ -17,34 +18,37 @@ from ..models.glm5_next import Glm5NextForCausalLM
 from ..step import StepInput
 from .dflash_model import DFlashConfig, DFlashDraftModel
 
-# drafting sequences per draft forward: the eager forward materialises K/V repeated to every
-# query head in fp32 (forward_bytes_per_sequence: ~135 MB a sequence for GLM's DFlash2), so a
-# step with many resident requests drafts them in chunks and the transient stays bounded
+# drafting sequences per draft forward: a step with many resident requests drafts them in
+# chunks, so the forward's transient (forward_bytes_per_sequence each) stays bounded
 DRAFT_CHUNK = 8
 
 
-def forward_bytes_per_sequence(cfg: DFlashConfig, dtype: torch.dtype) -> int:
-    """Peak transient bytes one drafting sequence adds to a draft forward (estimate; one layer
-    is live at a time), with C = sliding_window + block_size context+block keys: the ring
-    gather [2, W, kv, hd], the concatenated K/V [2, C, kv, hd], K/V repeated to the query
-    heads [2, C, heads, hd] in `dtype` and again in fp32, scores and softmax [2, heads, B, C]
-    fp32; then the head's logits [B - 1, vocab] fp32, its log-softmax and top-k input (x3)."""
+def forward_bytes_per_sequence(cfg: DFlashConfig, dtype: torch.dtype, tp: int = 1) -> int:
+    """Peak transient bytes one drafting sequence adds to a draft forward under TP `tp` (one
+    layer is live at a time; kv = num_kv_heads / tp, heads = num_heads / tp, C = sliding_window
+    + block_size): the ring gather [2, W, kv, hd] in `dtype`, one fp32 kv-major copy of the
+    context keys or values [kv, W, hd] (dflash_model.grouped_attention), fp32 scores
+    [heads, B, C] x 3 (two are live at once; the third covers the masks and block rows); then,
+    after the layers, the head's logits [B - 1, vocab] fp32, its log-softmax and top-k input
+    (x3; the two phases are not live together, so the sum bounds the peak). GLM's DFlash2 in
+    bf16: 34.4 MiB at TP1, 23.4 MiB at TP2 (K/V repeated to every query head in fp32 took
+    128.8 MiB). Measured on CPU (tests/actors/test_spec_memory.py): 95% of this."""
     item = torch.empty(0, dtype=dtype).element_size()
-    w, b, kv, hd = cfg.sliding_window, cfg.block_size, cfg.num_kv_heads, cfg.head_dim
-    c = w + b
-    attn = (2 * w * kv * hd * item + 2 * c * kv * hd * item
-            + 2 * c * cfg.num_heads * hd * (item + 4) + 2 * cfg.num_heads * b * c * 4)
+    w, b, hd = cfg.sliding_window, cfg.block_size, cfg.head_dim
+    kv, heads = cfg.num_kv_heads // tp, cfg.num_heads // tp
+    attn = 2 * w * kv * hd * item + w * kv * hd * 4 + 3 * heads * b * (w + b) * 4
     return attn + 3 * (b - 1) * cfg.vocab_size * 4
 
 
-def ring_bytes_per_sequence(cfg: DFlashConfig, dtype: torch.dtype) -> int:
-    """Device bytes of one sequence's draft state, as DFlashProposer allocates it: the K/V ring
-    [layers, 2, sliding_window, kv_heads, head_dim] in the draft's dtype plus its int64
-    positions [sliding_window] (GLM's DFlash2 in bf16: 5 x 2 x 2048 x 8 x 128 x 2 B + 16 KiB
-    = 40.02 MiB). Fixed per sequence: it does not grow with the context."""
+def ring_bytes_per_sequence(cfg: DFlashConfig, dtype: torch.dtype, tp: int = 1) -> int:
+    """Device bytes of one sequence's draft state on one rank under TP `tp`, as DFlashProposer
+    allocates it: the K/V ring [layers, 2, sliding_window, num_kv_heads / tp, head_dim] in the
+    draft's dtype plus its int64 positions [sliding_window] (GLM's DFlash2 in bf16: 5 x 2 x
+    2048 x 8 x 128 x 2 B + 16 KiB = 40.02 MiB at TP1, 20.02 MiB a rank at TP2). Fixed per
+    sequence: it does not grow with the context."""
     item = torch.empty(0, dtype=dtype).element_size()
     w = cfg.sliding_window
-    return cfg.num_layers * 2 * w * cfg.num_kv_heads * cfg.head_dim * item + w * 8
+    return cfg.num_layers * 2 * w * (cfg.num_kv_heads // tp) * cfg.head_dim * item + w * 8
 
 
 class DFlashProposer:
@@ -59,9 +63,10 @@ class DFlashProposer:
         device = target.embed_tokens.weight.device
         dtype = draft.fc.weight.dtype
         w = cfg.sliding_window
-        # per slot and layer: keys and values of the last W context positions
-        self.ring = torch.zeros(num_slots, cfg.num_layers, 2, w, cfg.num_kv_heads, cfg.head_dim,
-                                dtype=dtype, device=device)
+        # per slot and layer: keys and values of the last W context positions (this rank's
+        # KV heads)
+        self.ring = torch.zeros(num_slots, cfg.num_layers, 2, w, draft.num_kv_heads,
+                                cfg.head_dim, dtype=dtype, device=device)
         self.ring_pos = torch.full((num_slots, w), -1, dtype=torch.long, device=device)
 
     @property
@@ -124,8 +129,8 @@ class DFlashProposer:
         visible = ((ring_pos[:, None, :] >= 0) & (ring_pos[:, None, :] <= last[:, None, None])
                    & (positions[:, :, None] - ring_pos[:, None, :] <= w - 1))
         for layer_id, layer in enumerate(self.draft.layers):
-            kv = self.ring[slots, layer_id]
-            x = layer(x, positions, kv[:, 0], kv[:, 1], visible)
+            # the gathered [N, 2, W, kv, hd] is freed before the next layer gathers its own
+            x = layer(x, positions, *self.ring[slots, layer_id].unbind(1), visible)
         h = self.draft.norm(x)[:, 1:]
         logits = self.target.compute_logits(h.reshape(-1, h.shape[-1])).view(*h.shape[:2], -1)
         anchor = ids[:, 0]

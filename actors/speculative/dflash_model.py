@@ -6,6 +6,12 @@ every layer projects those into its keys/values ("KV injection"). Block rows att
 rows (bidirectional) and the context within a backward window. Each sublayer is wrapped in a
 grouped dynamic causal conv over the block rows. A candidate selector (top-k of the head's
 logits re-ranked with low-rank transition codebooks) picks the draft path.
+
+Under TP the layers are sharded like the target's: query and KV heads, and the MLP's
+intermediate, split across the ranks (column-parallel q/k/v, gate/up; row-parallel o_proj and
+down_proj, each followed by the target's all-reduce), so each rank keeps only its KV heads'
+context ring. fc, the norms, the convs and the selector are replicated; every rank computes the
+same drafts.
 """
 
 from __future__ import annotations
@@ -22,8 +28,9 @@ from torch import nn
 
 from glm53.kernels import ops
 
-from ..layers.linear import Linear
+from ..layers.linear import ColumnParallelLinear, Linear, RowParallelLinear
 from ..layers.norm import RMSNorm
+from ..parallel import ParallelState, split
 
 
 @dataclass(frozen=True)
@@ -106,62 +113,94 @@ class DynamicConv(nn.Module):
         return taps[0] * z + taps[1] * shifted
 
 
+def grouped_attention(q: torch.Tensor, ctx_k: torch.Tensor, ctx_v: torch.Tensor,
+                      ctx_mask: torch.Tensor, blk_k: torch.Tensor, blk_v: torch.Tensor
+                      ) -> torch.Tensor:
+    """Block rows attend the visible context and the whole block, in fp32, each query head its
+    group's KV head (K/V are never repeated to the query heads). q: [N, B, heads, hd];
+    ctx_k/ctx_v: [N, W, kv, hd] with ctx_mask [N, B, W] (True = visible); blk_k/blk_v:
+    [N, B, kv, hd]. Returns [N, B, heads, hd] in q's dtype.
+
+    Live at once besides the inputs (forward_bytes_per_sequence counts it): one fp32
+    [N, kv, W, hd] copy of the context keys, later of its values, and two [N, heads, B, W + B]
+    fp32 scores (the masked scores and their softmax)."""
+    n, b, heads, hd = q.shape
+    kv, w = ctx_k.shape[2], ctx_k.shape[1]
+    g = heads // kv
+    # query rows of one KV head together: [N, kv, g * B, hd] (one batched matmul per KV head,
+    # no broadcast that would expand K/V)
+    qg = q.float().view(n, b, kv, g, hd).permute(0, 2, 3, 1, 4).reshape(n, kv, g * b, hd)
+
+    def kv_major(t: torch.Tensor) -> torch.Tensor:  # [N, L, kv, hd] -> fp32 [N, kv, L, hd]
+        # one explicit copy in any dtype (`to` would alias an fp32 view, and matmul then copy)
+        m, length = t.shape[:2]
+        return torch.empty(m, kv, length, hd, dtype=torch.float32, device=t.device).copy_(
+            t.transpose(1, 2))
+
+    scores = torch.cat([qg @ kv_major(ctx_k).transpose(-1, -2),
+                        qg @ kv_major(blk_k).transpose(-1, -2)], -1) / math.sqrt(hd)
+    visible = F.pad(ctx_mask, (0, b), value=True)[:, None, None]  # [N, 1, 1, B, W + B]
+    scores = scores.view(n, kv, g, b, w + b).masked_fill(~visible, float("-inf"))
+    p = torch.softmax(scores, -1).view(n, kv, g * b, w + b)
+    o = p[..., :w] @ kv_major(ctx_v) + p[..., w:] @ kv_major(blk_v)  # [N, kv, g * B, hd]
+    return o.view(n, kv, g, b, hd).permute(0, 3, 1, 2, 4).reshape(n, b, heads, hd).to(q.dtype)
+
+
 class DraftLayer(nn.Module):
-    def __init__(self, cfg: DFlashConfig) -> None:
+    def __init__(self, cfg: DFlashConfig, ps: ParallelState) -> None:
         super().__init__()
         h, hd = cfg.hidden_size, cfg.head_dim
-        self.cfg = cfg
+        self.cfg, self.ps = cfg, ps
+        # this rank's heads (all of them without TP)
+        self.num_heads = split(cfg.num_heads, ps.tp_size, "draft num_attention_heads")
+        self.num_kv_heads = split(cfg.num_kv_heads, ps.tp_size, "draft num_key_value_heads")
         self.input_layernorm = RMSNorm(h, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(h, cfg.rms_norm_eps)
         self.self_attn = nn.Module()
-        self.self_attn.q_proj = Linear(h, cfg.num_heads * hd)
-        self.self_attn.k_proj = Linear(h, cfg.num_kv_heads * hd)
-        self.self_attn.v_proj = Linear(h, cfg.num_kv_heads * hd)
-        self.self_attn.o_proj = Linear(cfg.num_heads * hd, h)
+        self.self_attn.q_proj = ColumnParallelLinear(h, cfg.num_heads * hd, ps)
+        self.self_attn.k_proj = ColumnParallelLinear(h, cfg.num_kv_heads * hd, ps)
+        self.self_attn.v_proj = ColumnParallelLinear(h, cfg.num_kv_heads * hd, ps)
+        self.self_attn.o_proj = RowParallelLinear(cfg.num_heads * hd, h, ps)
         self.self_attn.q_norm = RMSNorm(hd, cfg.rms_norm_eps)
         self.self_attn.k_norm = RMSNorm(hd, cfg.rms_norm_eps)
         self.mlp = nn.Module()
-        self.mlp.gate_proj = Linear(h, cfg.intermediate_size)
-        self.mlp.up_proj = Linear(h, cfg.intermediate_size)
-        self.mlp.down_proj = Linear(cfg.intermediate_size, h)
+        self.mlp.gate_proj = ColumnParallelLinear(h, cfg.intermediate_size, ps)
+        self.mlp.up_proj = ColumnParallelLinear(h, cfg.intermediate_size, ps)
+        self.mlp.down_proj = RowParallelLinear(cfg.intermediate_size, h, ps)
         self.attention_conv = DynamicConv(cfg)
         self.mlp_conv = DynamicConv(cfg)
 
     def context_kv(self, c: torch.Tensor, positions: torch.Tensor
                    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys/values of context features c [T, H] at positions [T]: [T, kv_heads, hd] each."""
-        a, cfg = self.self_attn, self.cfg
-        k = a.k_norm(a.k_proj(c).view(-1, cfg.num_kv_heads, cfg.head_dim))
-        return rope(k, positions, cfg.rope_theta), a.v_proj(c).view(-1, cfg.num_kv_heads,
-                                                                     cfg.head_dim)
+        """Keys/values of context features c [T, H] at positions [T]: [T, kv, hd] each (this
+        rank's KV heads)."""
+        a, cfg, kv = self.self_attn, self.cfg, self.num_kv_heads
+        k = a.k_norm(a.k_proj(c).view(-1, kv, cfg.head_dim))
+        return rope(k, positions, cfg.rope_theta), a.v_proj(c).view(-1, kv, cfg.head_dim)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, ctx_k: torch.Tensor,
                 ctx_v: torch.Tensor, ctx_mask: torch.Tensor) -> torch.Tensor:
-        """x: [N, B, H] block rows at positions [N, B]; ctx_k/v: [N, W, kv, hd] with ctx_mask
-        [N, B, W] (True = visible). Returns [N, B, H]."""
+        """x: [N, B, H] block rows at positions [N, B]; ctx_k/v: [N, W, kv, hd] (this rank's
+        KV heads) with ctx_mask [N, B, W] (True = visible). Returns [N, B, H]."""
         a, cfg = self.self_attn, self.cfg
         n, b, _ = x.shape
         u = self.input_layernorm(x)
         taps = self.attention_conv.kernels(u)
         z = DynamicConv.apply(u, taps[0])
-        q = rope(a.q_norm(a.q_proj(z).view(n, b, cfg.num_heads, cfg.head_dim)), positions,
+        q = rope(a.q_norm(a.q_proj(z).view(n, b, self.num_heads, cfg.head_dim)), positions,
                  cfg.rope_theta)
-        bk = rope(a.k_norm(a.k_proj(z).view(n, b, cfg.num_kv_heads, cfg.head_dim)), positions,
-                  cfg.rope_theta)
-        bv = a.v_proj(z).view(n, b, cfg.num_kv_heads, cfg.head_dim)
-        k = torch.cat([ctx_k, bk], dim=1).repeat_interleave(cfg.num_heads // cfg.num_kv_heads, 2)
-        v = torch.cat([ctx_v, bv], dim=1).repeat_interleave(cfg.num_heads // cfg.num_kv_heads, 2)
-        visible = torch.cat([ctx_mask, torch.ones(n, b, b, dtype=torch.bool, device=x.device)],
-                            dim=-1)
-        scores = torch.einsum("nbhd,nkhd->nhbk", q.float(), k.float()) / math.sqrt(cfg.head_dim)
-        scores = scores.masked_fill(~visible.unsqueeze(1), float("-inf"))
-        o = torch.einsum("nhbk,nkhd->nbhd", torch.softmax(scores, -1), v.float()).to(x.dtype)
-        x = x + DynamicConv.apply(a.o_proj(o.reshape(n, b, -1)), taps[1])
+        bk = rope(a.k_norm(a.k_proj(z).view(n, b, self.num_kv_heads, cfg.head_dim)),
+                  positions, cfg.rope_theta)
+        bv = a.v_proj(z).view(n, b, self.num_kv_heads, cfg.head_dim)
+        o = grouped_attention(q, ctx_k, ctx_v, ctx_mask, bk, bv)
+        # the conv is linear in its input: summing the ranks' partial sums first is exact
+        o = self.ps.tp_all_reduce(a.o_proj(o.reshape(n, b, -1)))
+        x = x + DynamicConv.apply(o, taps[1])
         u = self.post_attention_layernorm(x)
         taps = self.mlp_conv.kernels(u)
         z = DynamicConv.apply(u, taps[0])
         m = self.mlp.down_proj(ops.swiglu(self.mlp.gate_proj(z), self.mlp.up_proj(z), 1e30))
-        return x + DynamicConv.apply(m, taps[1])
+        return x + DynamicConv.apply(self.ps.tp_all_reduce(m), taps[1])
 
 
 class CandidateSelector(nn.Module):
@@ -190,45 +229,51 @@ class CandidateSelector(nn.Module):
 
 
 class DFlashDraftModel(nn.Module):
-    def __init__(self, cfg: DFlashConfig) -> None:
+    def __init__(self, cfg: DFlashConfig, ps: ParallelState | None = None) -> None:
         super().__init__()
+        ps = ps or ParallelState()
         self.config = cfg
         self.fc = Linear(len(cfg.target_layer_ids) * cfg.hidden_size, cfg.hidden_size)
         self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.layers = nn.ModuleList(DraftLayer(cfg) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DraftLayer(cfg, ps) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.candidate_selector = CandidateSelector(cfg) if cfg.selector_rank else None
+
+    @property
+    def num_kv_heads(self) -> int:
+        """KV heads this rank keeps in its context ring (all of them without TP)."""
+        return self.layers[0].num_kv_heads
 
     def context(self, taps: torch.Tensor) -> torch.Tensor:
         """Target tap states [T, n_taps * H] -> context features [T, H]."""
         return self.hidden_norm(self.fc(taps))
 
 
-def draft_weight_bytes(cfg: DFlashConfig, dtype: torch.dtype) -> int:
-    """Parameter bytes of the draft as `load_draft` allocates it (every tensor in `dtype`; the
-    draft is replicated on every rank). Built on the meta device: no memory is used. GLM's
-    DFlash2 in bf16: 1,171,080,448 parameters = 2.18 GiB."""
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        with torch.device("meta"):
-            model = DFlashDraftModel(cfg)
-    finally:
-        torch.set_default_dtype(previous)
-    return sum(p.numel() * p.element_size() for p in model.parameters())
-
-
-def load_draft(path: str | Path, dtype: torch.dtype, device: torch.device | str
-               ) -> DFlashDraftModel:
-    """Strictly load a HF-layout DFlash2 draft checkpoint (single safetensors file)."""
-    cfg = DFlashConfig.from_dir(path)
+def _build(cfg: DFlashConfig, dtype: torch.dtype, device: torch.device | str,
+           ps: ParallelState | None) -> DFlashDraftModel:
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
         with torch.device(device):
-            model = DFlashDraftModel(cfg).requires_grad_(False).eval()
+            return DFlashDraftModel(cfg, ps).requires_grad_(False).eval()
     finally:
         torch.set_default_dtype(previous)
+
+
+def draft_weight_bytes(cfg: DFlashConfig, dtype: torch.dtype,
+                       ps: ParallelState | None = None) -> int:
+    """Parameter bytes of this rank's draft as `load_draft` allocates it (every tensor in
+    `dtype`). Built on the meta device: no memory is used. GLM's DFlash2 in bf16: 1,171,080,448
+    parameters = 2.18 GiB on one rank; under TP2 each rank keeps half of the layers' attention
+    and MLP matrices (964,689,920 / 2 + 206,390,528 replicated = 688,735,488: 1.28 GiB)."""
+    return sum(p.numel() * p.element_size() for p in _build(cfg, dtype, "meta", ps).parameters())
+
+
+def load_draft(path: str | Path, dtype: torch.dtype, device: torch.device | str,
+               ps: ParallelState | None = None) -> DFlashDraftModel:
+    """Strictly load a HF-layout DFlash2 draft checkpoint (safetensors files): this rank's
+    shard of the TP-sharded matrices (linear.mark_shard), the rest whole."""
+    model = _build(DFlashConfig.from_dir(path), dtype, device, ps)
     params = dict(model.named_parameters())
     files = sorted(Path(path).glob("*.safetensors"))
     seen = set()
@@ -237,11 +282,21 @@ def load_draft(path: str | Path, dtype: torch.dtype, device: torch.device | str
             for name in st.keys():  # noqa: SIM118 - safe_open is not iterable
                 if name not in params:
                     raise ValueError(f"unexpected tensor {name!r} in the draft checkpoint")
-                t = st.get_tensor(name)
-                if tuple(t.shape) != tuple(params[name].shape):
-                    raise ValueError(f"draft tensor {name!r} has shape {tuple(t.shape)}, "
-                                     f"expected {tuple(params[name].shape)}")
-                params[name].data.copy_(t.to(params[name].dtype))
+                param, raw = params[name], st.get_slice(name)
+                want = list(param.shape)
+                dim, size = getattr(param, "shard_dim", None), getattr(param, "shard_size", 1)
+                if dim is not None:
+                    want[dim] *= size
+                if list(raw.get_shape()) != want:
+                    raise ValueError(f"draft tensor {name!r} has shape {tuple(raw.get_shape())}, "
+                                     f"expected {tuple(want)}")
+                if dim is None:
+                    t = st.get_tensor(name)
+                else:
+                    part = want[dim] // size
+                    lo = param.shard_rank * part
+                    t = raw[(slice(None),) * dim + (slice(lo, lo + part),)]
+                param.data.copy_(t.to(param.dtype))
                 seen.add(name)
     missing = sorted(set(params) - seen)
     if missing:

@@ -277,14 +277,15 @@ def test_plan_memory_of_the_release(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 def test_plan_memory_counts_a_dflash_draft(capsys: pytest.CaptureFixture[str]) -> None:
-    """The published DFlash2 (by name, no download): its weights and a 40 MiB ring per running
-    slot are in the plan, and at 16 slots of 128K it still holds more tokens than MTP3."""
+    """The published DFlash2 (by name, no download): this rank's half of its weights (TP2) and
+    a 20 MiB ring of its 4 KV heads per running slot are in the plan, and at 16 slots of 128K
+    it still holds more tokens than MTP3."""
     args = ["plan-memory", "--release", "exl3", "--tp", "2", "--ep", "2", "--dcp", "2",
             "--max-model-len", "131072"]
     assert main([*args, "--speculative", "dflash:incoai/GLM-5.3-Flash-DFlash2:7"]) == 0
     out = capsys.readouterr().out
-    assert re.search(r"dflash_draft +2.18 GiB \(replicated\)", out)
-    assert "16 DFlash rings x 40.0 MiB" in out
+    assert re.search(r"dflash_draft +1.28 GiB\n", out)
+    assert "16 DFlash rings x 20.0 MiB" in out
     assert main([*args, "--speculative", "mtp:3"]) == 0
     tokens = [int(line.split()[1].replace(",", "")) for line in
               (out + capsys.readouterr().out).splitlines() if line.startswith("  capacity")]
