@@ -3,7 +3,7 @@
 Checkpoint names are the release's (`model.language_model.layers.N...`, `lm_head.weight`,
 per-expert `mlp.experts.E.{gate,up,down}_proj.weight`, separate `q/k/v_conv1d` and KDA
 `q/k/v_proj`, MTP layer at index num_hidden_layers). Our parameters stack what the kernels want
-stacked (experts, convs, KDA q|k|v projections: one GEMM);
+stacked (experts, convs, and the projections of one input in `FUSED`: one GEMM);
 `checkpoint_targets` maps one checkpoint name to (parameter, index into it) and
 `export_checkpoint` is its inverse (used by `make-tiny`). Block-FP8 tensors (e4m3 weight +
 `weight_scale_inv` per block) are dequantised on load. EXL3 routed experts come as
@@ -31,7 +31,25 @@ _VISION_PREFIX = "model.visual."
 VISUAL = "visual."  # our vision tower's parameter prefix
 _HC = re.compile(r"hc_(attn|ffn)_(fn|base|scale)$")
 _CONV = re.compile(r"self_attn\.([qkv])_conv1d\.weight$")
-_QKV = re.compile(r"self_attn\.([qkv])_proj\.weight$")
+# Parameters stacking several checkpoint projections of one input, so that decode runs one GEMM
+# (one launch) where the checkpoint has several: parameter (relative to its layer) -> the
+# checkpoint tensors it holds, in order along dim 0 (the layer records each part's local rows
+# as the parameter's `part_sizes`)
+FUSED = {
+    # KDA: q|k|v (the conv's channel order) and the beta logits; the low-rank gate inputs
+    "self_attn.in_proj.weight": ("self_attn.q_proj.weight", "self_attn.k_proj.weight",
+                                 "self_attn.v_proj.weight", "self_attn.b_proj.weight"),
+    "self_attn.fg_a_proj.weight": ("self_attn.f_a_proj.weight", "self_attn.g_a_proj.weight"),
+    # DSA: everything computed from the block input but the fp32 indexer head weights
+    "self_attn.x_proj.weight": ("self_attn.q_a_proj.weight",
+                                "self_attn.kv_a_proj_with_mqa.weight",
+                                "self_attn.indexer.wk.weight",
+                                "self_attn.indexer.index_kpool_compress_gate"),
+    "mlp.gate_up_proj.weight": ("mlp.gate_proj.weight", "mlp.up_proj.weight"),
+    "mlp.shared_experts.gate_up_proj.weight": ("mlp.shared_experts.gate_proj.weight",
+                                               "mlp.shared_experts.up_proj.weight"),
+}
+_FUSED_PART = {name: (param, i) for param, names in FUSED.items() for i, name in enumerate(names)}
 _EXPERT = re.compile(
     r"mlp\.experts\.(\d+)\.(gate|up|down)_proj\.(weight|trellis|suh|svh|mcg|mul1)$")
 # EXL3 codebook markers: 0-dim int32 tensors whose presence selects the codebook
@@ -59,8 +77,9 @@ def _layer_local(rest: str, cfg: ModelConfig) -> Target | None:
         return Target(f"{m.group(1)}_hc.{m.group(2)}")
     if m := _CONV.fullmatch(rest):
         return Target("self_attn.conv_weight", part="qkv".index(m.group(1)))
-    if m := _QKV.fullmatch(rest):
-        return Target("self_attn.qkv_proj.weight", part="qkv".index(m.group(1)))
+    if rest in _FUSED_PART:
+        param, part = _FUSED_PART[rest]
+        return Target(param, part=part)
     if m := _EXPERT.fullmatch(rest):
         e, kind, leaf = int(m.group(1)), m.group(2), m.group(3)
         if e >= cfg.n_routed_experts:
@@ -124,8 +143,8 @@ def _checkpoint_names(pname: str, param: torch.Tensor, cfg: ModelConfig) -> list
         return [f"{base}hc_{m.group(1)}_{m.group(2)}"]
     if rel == "self_attn.conv_weight":
         return [f"{base}self_attn.{c}_conv1d.weight" for c in "qkv"]
-    if rel == "self_attn.qkv_proj.weight":
-        return [f"{base}self_attn.{c}_proj.weight" for c in "qkv"]
+    if rel in FUSED:
+        return [base + name for name in FUSED[rel]]
     if m := re.fullmatch(r"mlp\.experts\.(w13|w2)(?:_(\w+))?", rel):
         experts = range(param.expert_offset, param.expert_offset + param.shape[0])
         kinds = ("down",) if m.group(1) == "w2" else ("gate", "up")
@@ -150,8 +169,8 @@ def export_checkpoint(model: torch.nn.Module) -> dict[str, torch.Tensor]:
         t = p.detach()
         if pname.endswith("conv_weight"):
             parts = [c.unsqueeze(1) for c in t.chunk(3, dim=0)]
-        elif pname.endswith("qkv_proj.weight"):
-            parts = list(t.chunk(3, dim=0))
+        elif hasattr(p, "part_sizes"):
+            parts = list(t.split(p.part_sizes, dim=0))
         elif ".mlp.experts.w13" in pname:  # gate | up halves of every expert
             parts = [half for e in range(t.shape[0]) for half in t[e].chunk(2, dim=p.part_dim)]
         elif ".mlp.experts.w2" in pname:
@@ -282,8 +301,12 @@ def _destination(param: torch.Tensor, target: Target) -> tuple[torch.Tensor, tup
             return None
         dest = dest[local]
     shape = list(dest.shape)
-    if target.part is not None:
-        n_parts = 3 if target.expert is None else 2  # q|k|v (conv taps, projections), gate|up
+    if target.part is not None and hasattr(param, "part_sizes"):  # a FUSED projection
+        sizes = param.part_sizes
+        dest = dest.narrow(0, sum(sizes[:target.part]), sizes[target.part])
+        shape[0] = sizes[target.part]
+    elif target.part is not None:
+        n_parts = 3 if target.expert is None else 2  # q|k|v conv taps, gate|up
         dim = getattr(param, "part_dim", 0)
         size = dest.shape[dim] // n_parts
         dest = dest.narrow(dim, target.part * size, size)

@@ -18,7 +18,13 @@ from ..caches import KDAState
 from ..config import ModelConfig
 from ..forward_batch import ForwardBatch
 from ..parallel import ParallelState, split
-from .linear import ColumnParallelLinear, Linear, RowParallelLinear, mark_shard
+from .linear import (
+    ColumnParallelLinear,
+    MergedColumnParallelLinear,
+    MergedLinear,
+    RowParallelLinear,
+    mark_shard,
+)
 from .norm import RMSNorm
 
 
@@ -31,22 +37,23 @@ class KDAttention(nn.Module):
         self.head_dim = cfg.linear_head_dim
         width = cfg.linear_dim
         local = self.num_heads * self.head_dim
-        # q|k|v as one GEMM (checkpoint: q/k/v_proj, each sharded by heads): each rank holds
-        # its q, k and v rows stacked, the conv's channel order
-        self.qkv_proj = ColumnParallelLinear(d, 3 * width, ps)
+        # q|k|v|beta as one GEMM (checkpoint: q/k/v_proj and b_proj, each sharded by heads):
+        # each rank holds its q, k and v rows stacked (the conv's channel order), then its
+        # heads' beta rows
+        self.in_proj = MergedColumnParallelLinear(
+            d, (width, width, width, cfg.linear_num_heads), ps)
         # q|k|v depthwise conv taps stacked along channels (checkpoint: q/k/v_conv1d [C, 1, K],
         # each sharded by heads); fp32 like the reference implementation.
         self.conv_weight = mark_shard(nn.Parameter(
             torch.empty(3 * local, cfg.linear_conv_kernel, dtype=torch.float32)), 0, ps.tp_rank,
             ps.tp_size)
-        self.f_a_proj = Linear(d, rank)
+        # the two low-rank gate inputs (checkpoint: f_a_proj, g_a_proj) as one GEMM
+        self.fg_a_proj = MergedLinear(d, (rank, rank))
         self.f_b_proj = ColumnParallelLinear(rank, width, ps)
         self.dt_bias = mark_shard(nn.Parameter(torch.empty(local, dtype=torch.float32)), 0,
                                   ps.tp_rank, ps.tp_size)
         self.A_log = mark_shard(nn.Parameter(torch.empty(self.num_heads, dtype=torch.float32)),
                                 0, ps.tp_rank, ps.tp_size)
-        self.b_proj = ColumnParallelLinear(d, cfg.linear_num_heads, ps)
-        self.g_a_proj = Linear(d, rank)
         self.g_b_proj = ColumnParallelLinear(rank, width, ps)
         self.o_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)  # weight only: gated norm below
         self.o_proj = RowParallelLinear(width, d, ps)
@@ -57,11 +64,14 @@ class KDAttention(nn.Module):
         """x: [T, D] (normed block input) -> [T, D]."""
         n_tok = x.shape[0]
         heads = (n_tok, self.num_heads, self.head_dim)
-        pre = self.qkv_proj(x)
-        gate = self.g_b_proj(self.g_a_proj(x)).reshape(heads)
+        # pre-conv q|k|v [T, 3 H dk] and beta logits [T, H]: strided views of one output
+        pre, beta = self.in_proj(x).split((3 * self.num_heads * self.head_dim, self.num_heads),
+                                          dim=-1)
+        f_a, g_a = self.fg_a_proj.split(self.fg_a_proj(x))
+        gate = self.g_b_proj(g_a).reshape(heads)
         o, replay = ops.kda_mixer(
-            pre, self.conv_weight, state.conv, self.f_b_proj(self.f_a_proj(x)), self.dt_bias,
-            self.A_log, self.lower_bound, self.b_proj(x), gate, self.o_norm.weight,
+            pre, self.conv_weight, state.conv, self.f_b_proj(f_a), self.dt_bias,
+            self.A_log, self.lower_bound, beta, gate, self.o_norm.weight,
             self.o_norm.eps, state.recurrent, batch.cu_seqlens, batch.state_ids,
             batch.has_initial_state, batch.defer_state, batch.cu_seqlens_host)
         # what `commit` replays once the accepted lengths are known

@@ -52,6 +52,30 @@ class RowParallelLinear(Linear):
         mark_shard(self.weight, 1, ps.tp_rank, ps.tp_size)
 
 
+class MergedLinear(Linear):
+    """Replicated projections of one input stacked into one weight (one GEMM): W [sum(parts),
+    in]. The weight's `part_sizes` tell the loader where each checkpoint tensor goes
+    (weights.FUSED); `split` cuts an output into the parts (strided views)."""
+
+    def __init__(self, in_features: int, parts: tuple[int, ...]) -> None:
+        super().__init__(in_features, sum(parts))
+        self.parts = tuple(parts)
+        self.weight.part_sizes = self.parts
+
+    def split(self, y: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return y.split(self.parts, dim=-1)
+
+
+class MergedColumnParallelLinear(MergedLinear):
+    """Column-parallel projections of one input stacked into one weight: each part is split
+    across TP ranks on its own, and this rank holds every part's slice, in order."""
+
+    def __init__(self, in_features: int, parts: tuple[int, ...], ps: ParallelState,
+                 what: str = "output features") -> None:
+        super().__init__(in_features, tuple(split(n, ps.tp_size, what) for n in parts))
+        mark_shard(self.weight, 0, ps.tp_rank, ps.tp_size)
+
+
 class VocabParallelEmbedding(nn.Module):
     """Embedding rows split across TP ranks; lookup is masked locally, then all-reduced."""
 

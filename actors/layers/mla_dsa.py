@@ -12,7 +12,6 @@ its interleaved latent rows for all heads; partial outputs are merged by log-sum
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from glm53.kernels import ops
@@ -21,7 +20,7 @@ from ..caches import DSAState
 from ..config import ModelConfig
 from ..forward_batch import ForwardBatch
 from ..parallel import ParallelState, split
-from .linear import ColumnParallelLinear, Linear, RowParallelLinear
+from .linear import ColumnParallelLinear, Linear, MergedLinear, RowParallelLinear
 from .norm import RMSNorm
 
 
@@ -30,25 +29,26 @@ class KPoolIndexer(nn.Module):
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        d, hd = cfg.hidden_size, cfg.index_head_dim
+        hd = cfg.index_head_dim
         self.n_heads, self.head_dim = cfg.index_n_heads, hd
         self.wq_b = Linear(cfg.q_lora_rank, self.n_heads * hd)
-        self.wk = Linear(d, hd)
+        # the key projection wk and the pool gate are parts of DSAttention.x_proj
         self.k_norm = nn.LayerNorm(hd, eps=1e-6)
-        self.weights_proj = Linear(d, self.n_heads)
-        self.index_kpool_compress_gate = nn.Parameter(torch.empty(hd, d))
+        # fp32 head weights: bf16 error can flip near-tie pool rankings (vLLM does the same);
+        # held in fp32 so that no step converts them
+        self.weights_proj = Linear(cfg.hidden_size, self.n_heads, dtype=torch.float32)
         self.index_kpool_compress_ape = nn.Parameter(
             torch.empty(cfg.index_kpool, hd, dtype=torch.float32))
         self.pool_budget, self.kpool = cfg.index_pool_budget, cfg.index_kpool
 
-    def forward(self, x: torch.Tensor, q_resid: torch.Tensor, batch: ForwardBatch,
-                state: DSAState) -> torch.Tensor:
-        """x: [T, D]; q_resid: [T, q_lora_rank]. Returns token positions [T, W] (-1 = unused)."""
+    def forward(self, x: torch.Tensor, q_resid: torch.Tensor, k: torch.Tensor,
+                pool_logits: torch.Tensor, batch: ForwardBatch, state: DSAState) -> torch.Tensor:
+        """x: [T, D]; q_resid: [T, q_lora_rank]; k, pool_logits: [T, index_head_dim], x's key
+        projection (before its norm) and pool-gate logits. Returns token positions [T, W]
+        (-1 = unused)."""
         q = self.wq_b(q_resid).view(-1, self.n_heads, self.head_dim)
-        k = self.k_norm(self.wk(x))
-        pool_logits = F.linear(x, self.index_kpool_compress_gate)
-        # fp32 head weights: bf16 error can flip near-tie pool rankings (vLLM does the same)
-        w = F.linear(x.float(), self.weights_proj.weight.float()) * self.n_heads**-0.5
+        k = self.k_norm(k)
+        w = self.weights_proj(x) * self.n_heads**-0.5
         ops.indexer_update(k, pool_logits, self.index_kpool_compress_ape, state.open_rows,
                            state.pool_keys, batch.positions, batch.slot_mapping, batch.cu_seqlens,
                            batch.state_ids, state.pool_format)
@@ -64,10 +64,12 @@ class DSAttention(nn.Module):
         self.num_heads = split(h, ps.tp_size, "num_attention_heads")
         self.qk_dim, self.v_dim = cfg.qk_head_dim, cfg.v_head_dim
         self.kv_rank = cfg.kv_lora_rank
-        self.q_a_proj = Linear(d, cfg.q_lora_rank)
+        # the projections of the block input as one GEMM (checkpoint: q_a_proj,
+        # kv_a_proj_with_mqa, indexer.wk, indexer.index_kpool_compress_gate)
+        hd = cfg.index_head_dim
+        self.x_proj = MergedLinear(d, (cfg.q_lora_rank, cfg.kv_lora_rank, hd, hd))
         self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps)
         self.q_b_proj = ColumnParallelLinear(cfg.q_lora_rank, h * self.qk_dim, ps)
-        self.kv_a_proj_with_mqa = Linear(d, cfg.kv_lora_rank)
         self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, cfg.rms_norm_eps)
         self.kv_b_proj = ColumnParallelLinear(cfg.kv_lora_rank, h * (self.qk_dim + self.v_dim), ps)
         self.o_proj = RowParallelLinear(h * self.v_dim, d, ps)
@@ -77,12 +79,13 @@ class DSAttention(nn.Module):
     def forward(self, x: torch.Tensor, batch: ForwardBatch, state: DSAState) -> torch.Tensor:
         """x: [T, D] (normed block input) -> [T, D]."""
         ps = self.ps
-        q_resid = self.q_a_layernorm(self.q_a_proj(x))
+        q_a, kv_a, index_k, pool_logits = self.x_proj.split(self.x_proj(x))
+        q_resid = self.q_a_layernorm(q_a)
         q = self.q_b_proj(q_resid).view(-1, self.num_heads, self.qk_dim)
-        latent = self.kv_a_layernorm(self.kv_a_proj_with_mqa(x))
+        latent = self.kv_a_layernorm(kv_a)
         ops.store_latent(latent, state.latent, batch.slot_mapping, ps.dcp_rank, ps.dcp_size,
                          state.latent_format, state.outer_scale)
-        tokens = self.indexer(x, q_resid, batch, state)
+        tokens = self.indexer(x, q_resid, index_k, pool_logits, batch, state)
         w_kv = self.kv_b_proj.weight.view(self.num_heads, self.qk_dim + self.v_dim, self.kv_rank)
         w_uk, w_uv = w_kv[:, : self.qk_dim], w_kv[:, self.qk_dim:]
         q_latent = torch.einsum("thd,hdc->thc", q, w_uk)

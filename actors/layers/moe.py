@@ -17,7 +17,7 @@ from glm53.kernels import ops
 from ..config import ModelConfig
 from ..parallel import ParallelState
 from .experts import routed_experts
-from .linear import ColumnParallelLinear, RowParallelLinear
+from .linear import MergedColumnParallelLinear, RowParallelLinear
 
 
 class MLP(nn.Module):
@@ -26,14 +26,15 @@ class MLP(nn.Module):
     def __init__(self, hidden: int, intermediate: int, swiglu_limit: float,
                  ps: ParallelState) -> None:
         super().__init__()
-        self.gate_proj = ColumnParallelLinear(hidden, intermediate, ps)
-        self.up_proj = ColumnParallelLinear(hidden, intermediate, ps)
+        # gate | up as one GEMM (checkpoint: gate_proj, up_proj)
+        self.gate_up_proj = MergedColumnParallelLinear(hidden, (intermediate, intermediate), ps)
         self.down_proj = RowParallelLinear(intermediate, hidden, ps)
         self.limit = swiglu_limit
         self.partial = ps.tp_size > 1
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(ops.swiglu(self.gate_proj(x), self.up_proj(x), self.limit))
+        gate, up = self.gate_up_proj.split(self.gate_up_proj(x))
+        return self.down_proj(ops.swiglu(gate, up, self.limit))
 
 
 class DenseFFN(MLP):

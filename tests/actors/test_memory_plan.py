@@ -54,12 +54,12 @@ def kda_layer(tp: int) -> int:
 
 def dsa_layer(tp: int) -> int:
     """§2.4: MLA (q_b, kv_b, o_proj sharded by heads; q_a, kv_a and their norms replicated) +
-    the replicated indexer (its pooling ape in fp32)."""
+    the replicated indexer (its pooling ape and its head weights in fp32)."""
     heads = 64 // tp
     mla = (1536 * D + 1536 + heads * 256 * 1536 + 512 * D + 512 + heads * 512 * 512
            + D * heads * 256)
-    indexer = 32 * 128 * 1536 + 128 * D + 2 * 128 + 32 * D + 128 * D
-    return (mla + indexer) * BF16 + 4 * 128 * FP32
+    indexer = 32 * 128 * 1536 + 128 * D + 2 * 128 + 128 * D
+    return (mla + indexer) * BF16 + (4 * 128 + 32 * D) * FP32
 
 
 def router() -> int:
@@ -153,12 +153,13 @@ def test_weight_bytes_match_hand_counts(meta_model, fmt: str, layout: str) -> No
 def test_trunk_total_matches_the_published_parameter_count(meta_model) -> None:
     """glm53-model.md §5 / performance.md §1: 313,326,811,966 trunk params (313.3 B) and a
     7,432,592,416-param MTP layer. bf16 weights are 2 B per param plus 2 B more for each param
-    the model keeps in fp32 (mHC, routers, KDA conv taps / dt_bias / A_log, indexer ape)."""
+    the model keeps in fp32 (mHC, routers, KDA conv taps / dt_bias / A_log, indexer ape and
+    head weights)."""
     fp32_trunk = (45 * 2 * 393_243 + N_MOE * (E * D + E) + N_KDA * (3 * LIN * 4 + LIN + 64)
-                  + N_DSA * 4 * 128)
+                  + N_DSA * (4 * 128 + 32 * D))
     parts = weight_bytes(meta_model("bf16", "TP1", with_mtp=False))
     assert sum(parts.values()) == 2 * 313_326_811_966 + 2 * fp32_trunk
-    fp32_mtp = E * D + E + 4 * 128
+    fp32_mtp = E * D + E + 4 * 128 + 32 * D
     assert weight_bytes(meta_model("bf16", "TP1"))["mtp"] == 2 * 7_432_592_416 + 2 * fp32_mtp
     # all routed experts incl. the MTP layer's: 43 MoE layers x 288 x 3 x D x I x 2 B
     assert N_MOE * E * EXPERT["bf16"] + E * EXPERT["bf16"] == 43 * 288 * 3 * 4096 * 2048 * 2

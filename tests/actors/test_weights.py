@@ -285,7 +285,8 @@ def test_sharded_checkpoint_loads_the_same(ckpt: Path, tensors: dict[str, torch.
 # ----- dtypes -----
 
 FP32_PARAMS = re.compile(r"(mlp\.gate\.weight|e_score_correction_bias|_hc\.(fn|base|scale)"
-                         r"|conv_weight|dt_bias|A_log|index_kpool_compress_ape)$")
+                         r"|conv_weight|dt_bias|A_log|index_kpool_compress_ape"
+                         r"|indexer\.weights_proj\.weight)$")
 
 
 def test_bf16_load_keeps_fp32_parameters(ckpt: Path, tensors: dict[str, torch.Tensor]) -> None:
@@ -298,7 +299,8 @@ def test_bf16_load_keeps_fp32_parameters(ckpt: Path, tensors: dict[str, torch.Te
         elif p.ndim >= 2:
             assert p.dtype == torch.bfloat16, name
     assert kinds == {"mlp.gate.weight", "e_score_correction_bias", "_hc.fn", "_hc.base",
-                     "_hc.scale", "conv_weight", "dt_bias", "A_log", "index_kpool_compress_ape"}
+                     "_hc.scale", "conv_weight", "dt_bias", "A_log", "index_kpool_compress_ape",
+                     "indexer.weights_proj.weight"}
     # values: fp32 parameters exactly as stored, the rest rounded to bf16
     for name, t in export_checkpoint(model).items():
         assert torch.equal(t, tensors[name].to(t.dtype)), name

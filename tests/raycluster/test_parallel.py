@@ -91,9 +91,9 @@ def test_each_rank_holds_only_its_shard(ray_session, tiny):
     finally:
         full.shutdown()
         split.shutdown()
-    sharded = ("qkv_proj", "conv_weight", "dt_bias", "A_log", "b_proj",
-               "o_proj", "w13", "w2", "embed_tokens", "lm_head", "gate_proj", "up_proj",
-               "down_proj")  # b_proj: also f_b, g_b, q_b, kv_b
+    sharded = ("in_proj", "conv_weight", "dt_bias", "A_log", "b_proj",
+               "o_proj", "w13", "w2", "embed_tokens", "lm_head", "gate_up_proj",
+               "down_proj")  # b_proj: f_b, g_b, q_b, kv_b
     for name, size in whole.items():
         per_rank = [r[name] for r in ranks]
         if any(part in name for part in sharded):
