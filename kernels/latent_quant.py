@@ -4,8 +4,9 @@ of `kernels/ref/latent_quant.py`, whose docstring states the layouts and roundin
 Codes are written as integer bit patterns (int32 bit math, bitcasts, uint8 stores), not through
 Triton's fp8 types, whose rounding differs between GPUs and the interpreter: divisions are
 `div_rn` (correctly rounded, as torch's), every other step is exact, so the bytes equal the
-reference's. Reading, fp8 codes go through the GPU's exact e4m3 conversion (the attention's
-tiles spilled under the bit math), nvfp4's e2m1 codes and group scales through bit math.
+reference's. Reading, e4m3 codes and scales go through the GPU's exact conversion, e2m1 codes
+through bit patterns scaled by powers of two (the attention's tiles spilled under the
+where-chains of a decode by value).
 """
 
 from __future__ import annotations
@@ -59,14 +60,6 @@ def e4m3_encode(b_y):
 
 
 @triton.jit
-def e2m1_decode(b_c):
-    """e2m1 codes (int32 in [0, 15], sign in bit 3) -> fp32."""
-    m = (b_c & 7).to(tl.float32)
-    b_v = tl.where(m < 4, m * 0.5, tl.where(m < 6, m - 2.0, m * 2.0 - 8.0))
-    return tl.where((b_c & 8) != 0, -b_v, b_v)
-
-
-@triton.jit
 def e2m1_encode(b_y):
     """fp32 -> e2m1 codes (int32): nearest-even, saturating at 6 (NaN -> 0)."""
     b_a = tl.abs(b_y)
@@ -75,6 +68,17 @@ def e2m1_encode(b_y):
          + (b_a > 5.0).to(tl.int32))
     neg = ((b_y.to(tl.int32, bitcast=True) >> 31) & 1) * (b_y == b_y).to(tl.int32)
     return m + 8 * neg
+
+
+@triton.jit
+def _e4m3_to_f32(b_c):
+    """uint8 e4m3 codes -> fp32 through the GPU's conversion (cvt: 2 values an instruction)
+    rather than `e4m3_decode`'s bit math, which held the attention's [BW, BO] tiles as int32
+    and spilled. e4m3fn's NaN code 0x7F decodes as NaN there; the interpreter reads it as 480."""
+    b_v = b_c.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+    if INTERPRETED:
+        b_v = tl.where((b_c & 0x7F) == 0x7F, float("nan"), b_v)
+    return b_v
 
 
 @triton.jit
@@ -108,13 +112,7 @@ def latent_tile(kv, kv32, i_row, o_col, m_row, m_col, C: tl.constexpr, RB: tl.co
         b_v = tl.load(kv + i_row[:, None] * C + o_col[None, :], mask=mask, other=0.0)
     elif FMT == 1:
         b_c = tl.load(kv + i_row[:, None] * RB + o_col[None, :], mask=mask, other=0)
-        # the GPU's e4m3 conversion (cvt: 2 values an instruction) instead of bit math, which
-        # held the attention's [BW, BO] tiles as int32 and spilled; e4m3fn's NaN code 0x7F
-        # decodes as NaN there, the interpreter reads it as 480
-        b_v = b_c.to(tl.float8e4nv, bitcast=True).to(tl.float32)
-        if INTERPRETED:
-            b_v = tl.where((b_c & 0x7F) == 0x7F, float("nan"), b_v)
-        b_v = _times_tile_scales(b_v, kv32 + i_row * (RB // 4) + C // 4,
+        b_v = _times_tile_scales(_e4m3_to_f32(b_c), kv32 + i_row * (RB // 4) + C // 4,
                                  o_col, m_row, C, TILE_FP8)
     else:
         BW: tl.constexpr = i_row.shape[0]
@@ -124,16 +122,20 @@ def latent_tile(kv, kv32, i_row, o_col, m_row, m_col, C: tl.constexpr, RB: tl.co
         o_byte = tl.min(tl.reshape(o_col, [BO // 2, 2]), 1) // 2
         b_b = tl.load(p_r[:, None] + o_byte[None, :],
                       mask=m_row[:, None] & (o_byte * 2 < C)[None, :], other=0).to(tl.int32)
-        b_c = tl.reshape(tl.join(b_b & 15, (b_b >> 4) & 15), [BW, BO])
+        # e2m1 codes as fp32 bit patterns s.ee.m at bits 31, 23-24, 22: the code's value times
+        # 2^-126 (the 0.5 of code 1 lands on the subnormal 2^-127), the 2^126 restored by two
+        # exact 2^63 factors, one here and one in the group scale
+        b_c = tl.reshape(tl.join(b_b, b_b >> 4), [BW, BO])
+        b_c = ((b_c & 8) << 28) | ((b_c & 7) << 22)
+        b_e = b_c.to(tl.float32, bitcast=True) * 9.223372036854775808e18
         b_o = tl.load(kv32 + i_row * (RB // 4) + OUTER // 4, mask=m_row, other=0.0)
         # the group scales (e4m3 bytes after the codes) times the row's outer scale
         NG: tl.constexpr = BO // GROUP_NVFP4
         o_g = tl.min(tl.reshape(o_col, [NG, GROUP_NVFP4]), 1) // GROUP_NVFP4
         b_g = tl.load(p_r[:, None] + C // 2 + o_g[None, :],
                       mask=m_row[:, None] & (o_g * GROUP_NVFP4 < C)[None, :], other=0)
-        b_g = e4m3_decode(b_g.to(tl.int32)) * b_o[:, None]
-        b_v = tl.reshape(tl.reshape(e2m1_decode(b_c), [BW, NG, GROUP_NVFP4]) * b_g[:, :, None],
-                         [BW, BO])
+        b_g = _e4m3_to_f32(b_g) * (b_o * 9.223372036854775808e18)[:, None]
+        b_v = tl.reshape(tl.reshape(b_e, [BW, NG, GROUP_NVFP4]) * b_g[:, :, None], [BW, BO])
     return b_v
 
 
