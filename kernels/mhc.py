@@ -1,9 +1,11 @@
 """Triton mHC sites (twins of `kernels/ref/mhc.py`).
 
-`hc_pre`: the [(2+n)n, nD] projection is one fp32 GEMM on the un-normalised streams (the RMS
-factor is a per-token scalar, applied after); one program per token then computes the RMS, the
-pre / post gates, the row softmax and the Sinkhorn iterations on the n x n comb in registers, and
-the collapsed block input sum_i pre_i X_i.
+`hc_pre`: the [(2+n)n, nD] projection of the un-normalised streams (the RMS factor is a
+per-token scalar, applied after) in parts over programs that each read a slice of the flattened
+row and of fn; one program per token then sums the parts and computes the RMS, the pre / post
+gates, the row softmax and the Sinkhorn iterations on the n x n comb in registers, the collapsed
+block input sum_i pre_i X_i and, given the block's input norm, its RMSNorm (one launch fewer a
+site, and no fp32 copy of the streams).
 `hc_post`: the expansion X'[j] = post[j] y + sum_i comb[i, j] X[i] in one pass over the streams
 (the reference needs a broadcast multiply, a batched matmul and an add).
 """
@@ -11,7 +13,6 @@ the collapsed block input sum_i pre_i X_i.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 import triton
 import triton.language as tl
 
@@ -20,21 +21,48 @@ from .utils import next_pow2
 __all__ = ["hc_post", "hc_pre"]
 
 
+# flattened stream columns (of n * D) per program of the mixing pass: one decode token's
+# projection is spread over n * D / MIX_COLUMNS programs (128 at release size), which share the
+# fp32 fn rows (1.5 MB) without a cast of the streams and a GEMM launch of their own
+MIX_COLUMNS = 128
+
+
 @triton.jit
-def hc_pre_kernel(streams, mixed, base, scale, post, comb, collapsed, rms_eps, hc_eps, iters, D,
-                  N: tl.constexpr, BD: tl.constexpr):
-    i_t = tl.program_id(0)
+def hc_mix_kernel(streams, fn, mix_part, ss_part, ND, SPLIT, M: tl.constexpr, BM: tl.constexpr,
+                  BC: tl.constexpr):
+    """Program (i_s, i_t): columns i_s*BC.. of token i_t's flattened streams: their part of the
+    un-normalised projection fn @ x ([M]) and of sum x^2."""
+    i_s, i_t = tl.program_id(0), tl.program_id(1).to(tl.int64)
+    o_c = i_s * BC + tl.arange(0, BC)
+    m_c = o_c < ND
+    b_x = tl.load(streams + i_t * ND + o_c, mask=m_c, other=0.0).to(tl.float32)
+    o_m = tl.arange(0, BM)
+    b_w = tl.load(fn + o_m[:, None] * ND + o_c[None, :],
+                  mask=(o_m < M)[:, None] & m_c[None, :], other=0.0).to(tl.float32)
+    tl.store(mix_part + (i_t * SPLIT + i_s) * BM + o_m, tl.sum(b_w * b_x[None, :], 1))
+    tl.store(ss_part + i_t * SPLIT + i_s, tl.sum(b_x * b_x, 0))
+
+
+@triton.jit
+def hc_pre_kernel(streams, mix_part, ss_part, mixed, base, scale, norm_w, post, comb, collapsed,
+                  normed, rms_eps, hc_eps, norm_eps, iters, D, SPLIT, N: tl.constexpr,
+                  BM: tl.constexpr, BS: tl.constexpr, BD: tl.constexpr, NORM: tl.constexpr):
+    """Program i_t: token i_t's gates and comb from the mixing pass's parts, the collapsed block
+    input sum_i pre_i X_i and, with NORM, its RMSNorm (as `rms_norm`: the collapsed row rounded
+    to the streams' dtype, normalised in fp32, rounded, scaled)."""
+    i_t = tl.program_id(0).to(tl.int64)
+    o_s, o_m = tl.arange(0, BS), tl.arange(0, BM)
+    m_s = o_s < SPLIT
+    b_ss = tl.sum(tl.load(ss_part + i_t * SPLIT + o_s, mask=m_s, other=0.0), 0)
+    b_mix = tl.sum(tl.load(mix_part + (i_t * SPLIT + o_s[:, None]) * BM + o_m[None, :],
+                           mask=m_s[:, None], other=0.0), 0)
+    # through memory: the gates read single entries of the projection
+    tl.store(mixed + i_t * BM + o_m, b_mix)
+    tl.debug_barrier()
+    b_r = 1.0 / tl.sqrt(b_ss / (N * D) + rms_eps)
     o_i = tl.arange(0, N)
-    o_d = tl.arange(0, BD)
-    p_x = streams + i_t * N * D + o_i[:, None] * D
-    b_ss = tl.zeros([N], dtype=tl.float32)
-    for d0 in range(0, D, BD):
-        b_x = tl.load(p_x + d0 + o_d[None, :], mask=(d0 + o_d < D)[None, :], other=0.0)
-        b_x = b_x.to(tl.float32)
-        b_ss += tl.sum(b_x * b_x, 1)
-    b_r = 1.0 / tl.sqrt(tl.sum(b_ss) / (N * D) + rms_eps)
     s0, s1, s2 = tl.load(scale), tl.load(scale + 1), tl.load(scale + 2)
-    p_m = mixed + i_t * (2 + N) * N
+    p_m = mixed + i_t * BM
     b_pre = tl.sigmoid(tl.load(p_m + o_i) * b_r * s0 + tl.load(base + o_i)) + hc_eps
     b_post = 2.0 * tl.sigmoid(tl.load(p_m + N + o_i) * b_r * s1 + tl.load(base + N + o_i))
     o_ij = o_i[:, None] * N + o_i[None, :]
@@ -47,11 +75,24 @@ def hc_pre_kernel(streams, mixed, base, scale, post, comb, collapsed, rms_eps, h
         b_c = b_c / (tl.sum(b_c, 0)[None, :] + hc_eps)
     tl.store(post + i_t * N + o_i, b_post)
     tl.store(comb + i_t * N * N + o_ij, b_c)
+    p_x = streams + i_t * N * D + o_i[:, None] * D
+    o_d = tl.arange(0, BD)
+    b_uu = tl.zeros([BD], dtype=tl.float32)
     for d0 in range(0, D, BD):
         m_d = d0 + o_d < D
         b_x = tl.load(p_x + d0 + o_d[None, :], mask=m_d[None, :], other=0.0).to(tl.float32)
-        b_u = tl.sum(b_pre[:, None] * b_x, 0)
-        tl.store(collapsed + i_t * D + d0 + o_d, b_u.to(collapsed.dtype.element_ty), mask=m_d)
+        b_u = tl.sum(b_pre[:, None] * b_x, 0).to(collapsed.dtype.element_ty)
+        tl.store(collapsed + i_t * D + d0 + o_d, b_u, mask=m_d)
+        b_uu += b_u.to(tl.float32) * b_u.to(tl.float32)
+    if NORM:
+        b_n = 1.0 / tl.sqrt(tl.sum(b_uu, 0) / D + norm_eps)
+        tl.debug_barrier()  # the row written above, read back by other threads
+        for d0 in range(0, D, BD):
+            m_d = d0 + o_d < D
+            b_u = tl.load(collapsed + i_t * D + d0 + o_d, mask=m_d, other=0.0).to(tl.float32)
+            b_y = (b_u * b_n).to(collapsed.dtype.element_ty).to(tl.float32)
+            b_y = b_y * tl.load(norm_w + d0 + o_d, mask=m_d, other=0.0).to(tl.float32)
+            tl.store(normed + i_t * D + d0 + o_d, b_y.to(normed.dtype.element_ty), mask=m_d)
 
 
 def hc_pre(
@@ -62,20 +103,37 @@ def hc_pre(
     rms_eps: float,
     hc_eps: float,
     sinkhorn_iters: int,
+    norm_weight: torch.Tensor | None = None,
+    norm_eps: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """streams: [T, n, D]; fn: [(2+n)*n, n*D]; base: [(2+n)*n]; scale: [3]. Returns post [T, n]
-    fp32, comb [T, n, n] fp32, collapsed [T, D] in streams' dtype. n must be a power of 2."""
+    """streams: [T, n, D]; fn: [(2+n)*n, n*D]; base: [(2+n)*n]; scale: [3]; norm_weight: [D]
+    (the block's input RMSNorm) or None. Returns post [T, n] fp32, comb [T, n, n] fp32,
+    collapsed [T, D] in streams' dtype (RMS-normed when norm_weight is given, in streams' dtype
+    promoted with its). n must be a power of 2. Two launches: the projection spread over
+    programs, then one program a token."""
     n_tok, n, d = streams.shape
     assert n == next_pow2(n) and streams.is_contiguous()
-    mixed = F.linear(streams.reshape(n_tok, n * d).float(), fn.float())  # [T, (2+n)n]
-    post = torch.empty((n_tok, n), dtype=torch.float32, device=streams.device)
-    comb = torch.empty((n_tok, n, n), dtype=torch.float32, device=streams.device)
-    collapsed = torch.empty((n_tok, d), dtype=streams.dtype, device=streams.device)
+    m, nd = (2 + n) * n, n * d
+    bm, split = next_pow2(m), triton.cdiv(nd, MIX_COLUMNS)
+    dev = streams.device
+    post = torch.empty((n_tok, n), dtype=torch.float32, device=dev)
+    comb = torch.empty((n_tok, n, n), dtype=torch.float32, device=dev)
+    collapsed = torch.empty((n_tok, d), dtype=streams.dtype, device=dev)
+    norm = norm_weight is not None
+    out = collapsed if not norm else torch.empty(
+        (n_tok, d), dtype=torch.promote_types(streams.dtype, norm_weight.dtype), device=dev)
     if n_tok:
-        hc_pre_kernel[(n_tok,)](streams, mixed, base.float().contiguous(),
-                                scale.float().contiguous(), post, comb, collapsed, rms_eps,
-                                hc_eps, sinkhorn_iters, d, N=n, BD=min(next_pow2(d), 1024))
-    return post, comb, collapsed
+        mix_part = torch.empty((n_tok, split, bm), dtype=torch.float32, device=dev)
+        ss_part = torch.empty((n_tok, split), dtype=torch.float32, device=dev)
+        mixed = torch.empty((n_tok, bm), dtype=torch.float32, device=dev)
+        hc_mix_kernel[(split, n_tok)](streams, fn.float().contiguous(), mix_part, ss_part, nd,
+                                      split, M=m, BM=bm, BC=MIX_COLUMNS)
+        hc_pre_kernel[(n_tok,)](streams, mix_part, ss_part, mixed, base.float().contiguous(),
+                                scale.float().contiguous(), norm_weight if norm else collapsed,
+                                post, comb, collapsed, out, rms_eps, hc_eps, float(norm_eps),
+                                sinkhorn_iters, d, split, N=n, BM=bm, BS=next_pow2(split),
+                                BD=min(next_pow2(d), 1024), NORM=norm)
+    return post, comb, out
 
 
 @triton.jit

@@ -8,6 +8,7 @@ from torch import nn
 from glm53.kernels import ops
 
 from ..config import ModelConfig
+from .norm import RMSNorm
 
 
 class HyperConnection(nn.Module):
@@ -23,7 +24,9 @@ class HyperConnection(nn.Module):
         self.hc_eps = cfg.hc_eps
         self.iters = cfg.hc_sinkhorn_iters
 
-    def forward(self, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """streams [T, n, D] -> (post [T, n], comb [T, n, n], block input [T, D])."""
+    def forward(self, streams: torch.Tensor, norm: RMSNorm
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """streams [T, n, D] -> (post [T, n], comb [T, n, n], block input [T, D] after the
+        block's input `norm`, which the op applies in the same pass)."""
         return ops.hc_pre(streams, self.fn, self.base, self.scale, self.rms_eps, self.hc_eps,
-                          self.iters)
+                          self.iters, norm.weight, norm.eps)

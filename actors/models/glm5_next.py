@@ -40,11 +40,11 @@ class DecoderLayer(nn.Module):
     def forward(self, streams: torch.Tensor, batch: ForwardBatch,
                 state: KDAState | DSAState) -> torch.Tensor:
         """streams: [T, n, D] -> [T, n, D]."""
-        post, comb, x = self.attn_hc(streams)
-        y = self.self_attn(self.input_layernorm(x), batch, state)
+        post, comb, x = self.attn_hc(streams, self.input_layernorm)
+        y = self.self_attn(x, batch, state)
         streams = ops.hc_post(streams, y, post, comb)
-        post, comb, x = self.ffn_hc(streams)
-        y = self.mlp(self.post_attention_layernorm(x))
+        post, comb, x = self.ffn_hc(streams, self.post_attention_layernorm)
+        y = self.mlp(x)
         return ops.hc_post(streams, y, post, comb)
 
 

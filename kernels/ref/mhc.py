@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import torch
 
+from .norm import rms_norm
+
 
 def hc_pre(
     streams: torch.Tensor,
@@ -17,12 +19,16 @@ def hc_pre(
     rms_eps: float,
     hc_eps: float,
     sinkhorn_iters: int,
+    norm_weight: torch.Tensor | None = None,
+    norm_eps: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One mHC site.
 
-    streams: [T, n, D]; fn: [(2+n)*n, n*D]; base: [(2+n)*n]; scale: [3].
+    streams: [T, n, D]; fn: [(2+n)*n, n*D]; base: [(2+n)*n]; scale: [3]; norm_weight: [D], the
+    block's input RMSNorm, applied to the collapsed input when given.
     Returns post [T, n] fp32, comb [T, n, n] fp32 (comb[i, j]: stream i -> output stream j),
-    collapsed [T, D] in streams' dtype.
+    collapsed [T, D] in streams' dtype (RMS-normed with norm_weight, norm_eps when given:
+    `rms_norm(collapsed, norm_weight, norm_eps)`).
     """
     n = streams.shape[1]
     flat = streams.reshape(streams.shape[0], -1).float()
@@ -40,6 +46,8 @@ def hc_pre(
         comb = comb / (comb.sum(dim=-1, keepdim=True) + hc_eps)
         comb = comb / (comb.sum(dim=-2, keepdim=True) + hc_eps)
     collapsed = (pre.unsqueeze(-1) * streams).sum(dim=1).to(streams.dtype)
+    if norm_weight is not None:
+        collapsed = rms_norm(collapsed, norm_weight, norm_eps)
     return post, comb, collapsed
 
 

@@ -150,9 +150,11 @@ def test_small_ops():
     streams = torch.randn(16, 4, 4096, generator=gen).to(DEV, torch.bfloat16)
     fn = (torch.randn(24, 4 * 4096, generator=gen) * 0.01).to(DEV)
     base, scale = torch.randn(24, generator=gen).to(DEV), torch.rand(3, generator=gen).to(DEV)
-    for a, b in zip(mhc.hc_pre(streams, fn, base, scale, 1e-5, 1e-6, 20),
-                    ref_mhc.hc_pre(streams, fn, base, scale, 1e-5, 1e-6, 20), strict=True):
-        assert rel_err(a, b) < BF16_TOL
+    for fused_norm in ((), (w, 1e-5)):  # with the block's input RMSNorm fused, and without
+        for a, b in zip(mhc.hc_pre(streams, fn, base, scale, 1e-5, 1e-6, 20, *fused_norm),
+                        ref_mhc.hc_pre(streams, fn, base, scale, 1e-5, 1e-6, 20, *fused_norm),
+                        strict=True):
+            assert rel_err(a, b) < BF16_TOL
     post, comb, _ = ref_mhc.hc_pre(streams, fn, base, scale, 1e-5, 1e-6, 20)
     y = torch.randn(16, 4096, generator=gen).to(DEV, torch.bfloat16)
     assert rel_err(mhc.hc_post(streams, y, post, comb),

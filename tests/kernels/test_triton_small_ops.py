@@ -57,18 +57,28 @@ def test_rms_norm_matches_ref(with_weight):
     assert rel_err(out, ref_norm.rms_norm(x, w, 1e-5)) < 1e-6
 
 
-def test_hc_pre_matches_ref():
+@pytest.mark.parametrize("n,d,normed", [(4, 40, False), (4, 40, True), (2, 1100, True)])
+def test_hc_pre_matches_ref(n, d, normed):
+    """The projection's column parts: one partial (n*D = 160: two programs, the second short)
+    or many (2 x 1100 = 2200: 18 programs, summed over a padded tile); with the block's input
+    RMSNorm fused or not."""
     from glm53.kernels import mhc
 
     g = torch.Generator().manual_seed(23)
-    t, n, d = 5, 4, 40
+    t = 5
     streams = torch.randn(t, n, d, generator=g)
     fn = torch.randn((2 + n) * n, n * d, generator=g) * 0.1
     base, scale = torch.randn((2 + n) * n, generator=g), torch.rand(3, generator=g) + 0.5
-    refs = ref_mhc.hc_pre(streams, fn, base, scale, 1e-6, 1e-6, 20)
-    outs = mhc.hc_pre(*(a.to(DEVICE) for a in (streams, fn, base, scale)), 1e-6, 1e-6, 20)
+    norm = (torch.rand(d, generator=g) + 0.5, 1e-5) if normed else (None, 0.0)
+    refs = ref_mhc.hc_pre(streams, fn, base, scale, 1e-6, 1e-6, 20, *norm)
+    outs = mhc.hc_pre(*(a.to(DEVICE) for a in (streams, fn, base, scale)), 1e-6, 1e-6, 20,
+                      None if norm[0] is None else norm[0].to(DEVICE), norm[1])
     for out, want in zip(outs, refs, strict=True):
         assert out.dtype == want.dtype and rel_err(out, want) < 1e-5
+    if normed:  # the norm is really applied: mean square m / (m + eps) before its weight
+        m = ref_mhc.hc_pre(streams, fn, base, scale, 1e-6, 1e-6, 20)[2].square().mean(-1)
+        unweighted = refs[2] / norm[0]
+        assert torch.allclose(unweighted.square().mean(-1), m / (m + norm[1]), rtol=1e-4)
 
 
 @pytest.mark.parametrize("n,d", [(4, 40), (2, 1100), (1, 7)])
