@@ -62,6 +62,12 @@ def test_plan_with_a_draft_holds_fewer_tokens_by_exactly_the_draft_bytes() -> No
     text = drafted.describe()
     assert re.search(r"dflash_draft +2.18 GiB \(replicated\)", text)
     assert "16 DFlash rings x 40.0 MiB" in text
+    # prefix caching: each checkpoint is one more KDA state slot and one more ring
+    cached = plan_memory(model, int(139.8 * GiB), 0.9, draft=DFLASH2, num_checkpoints=16, **kw)
+    assert cached.state_bytes - drafted.state_bytes == 16 * (cached.bytes_per_slot
+                                                             + DFLASH2_RING)
+    assert ("(17 KDA state slots + 16 prefix checkpoints) x" in cached.describe()
+            and "32 DFlash rings x 40.0 MiB" in cached.describe())
 
 
 def test_draft_forward_is_in_the_reserve() -> None:
@@ -89,19 +95,21 @@ def _tensor_bytes(obj) -> int:
     return 0
 
 
-def test_runner_allocates_what_the_plan_counts(tiny) -> None:
+@pytest.mark.parametrize("checkpoints", [0, 3])
+def test_runner_allocates_what_the_plan_counts(tiny, checkpoints) -> None:
     """The tiny model with its DFlash draft on CPU under a byte budget: the caches and the
     proposer's rings together are the CachePlan's bytes, within the budget, and the blocks are
-    the MemoryPlan's for the same KV pool (no memory outside the plan)."""
+    the MemoryPlan's for the same KV pool (no memory outside the plan). Prefix-cache
+    checkpoints each take a state slot and a ring."""
     target, config, draft = tiny
     budget, slots = 1 * MiB, 4
     runner = ModelRunner(str(target), num_slots=slots, cache_bytes=budget, num_spec=7,
-                         draft_model=str(draft))
+                         draft_model=str(draft), num_checkpoints=checkpoints)
     plan = runner.allocate_caches(runner.plan.num_blocks)
     ring = ring_bytes_per_sequence(runner.draft.config, runner.draft.fc.weight.dtype)
     assert plan.draft_bytes_per_slot == ring > 0
     caches = sum(_tensor_bytes(s) for s in (*runner.caches.layers, runner.caches.mtp))
-    assert runner.proposer.state_bytes == slots * ring
+    assert runner.proposer.state_bytes == (slots + checkpoints) * ring
     allocated = caches + runner.proposer.state_bytes
     assert allocated == plan.total_bytes <= budget
     assert budget - allocated < plan.bytes_per_block  # the rest is less than one block
@@ -111,7 +119,7 @@ def test_runner_allocates_what_the_plan_counts(tiny) -> None:
     weights = plan_memory(model, 0, 1.0, block_size=16, num_slots=slots, num_spec=7,
                           reserve_bytes=0, draft=dcfg).weight_bytes
     memory = plan_memory(model, weights + budget, 1.0, block_size=16, num_slots=slots,
-                         num_spec=7, reserve_bytes=0, draft=dcfg)
+                         num_spec=7, reserve_bytes=0, draft=dcfg, num_checkpoints=checkpoints)
     assert memory.kv_pool_bytes == budget
     assert (memory.num_blocks, memory.bytes_per_block, memory.bytes_per_slot,
             memory.draft_bytes_per_slot) == (plan.num_blocks, plan.bytes_per_block,
