@@ -50,9 +50,9 @@ class EngineConfig:
     # None = actors/cuda_graphs.py DEFAULT_BATCH_SIZES
     cuda_graph_batch_sizes: tuple[int, ...] | None = None
     # prefix caching (raycluster/prefix_cache.py): cached blocks + KDA state checkpoints, each
-    # checkpoint one more state slot per rank (None: max_num_seqs of them), taken every
-    # prefix_checkpoint_interval tokens of a prefill (a multiple of block_size) and at the end
-    # of each prompt and turn
+    # checkpoint one more state slot per rank (and DFlash ring; None: max_num_seqs of them),
+    # taken every prefix_checkpoint_interval tokens of a prefill (a multiple of block_size)
+    # and at the end of each prompt and turn
     enable_prefix_caching: bool = False
     prefix_checkpoints: int | None = None
     prefix_checkpoint_interval: int = 512
@@ -92,8 +92,6 @@ class EngineConfig:
             (not (self.adaptive_drafts and self.async_scheduling),
              "adaptive draft length with overlapped scheduling is not supported yet (the "
              "width is chosen from drafts the step in flight has not settled)"),
-            (not (self.enable_prefix_caching and self.async_scheduling),
-             "prefix caching with overlapped scheduling is not supported yet"),
             (self.draft_cost_table is None or self.adaptive_drafts,
              "draft_cost_table is for adaptive draft length"),
             (self.draft_sampling in ("greedy", "probabilistic"),
@@ -107,9 +105,6 @@ class EngineConfig:
             (not self.enable_prefix_caching or self.prefix_checkpoint_interval >= 1
              and self.prefix_checkpoint_interval % self.block_size == 0,
              "prefix_checkpoint_interval must be a positive multiple of block_size"),
-            # the DFlash drafter keeps its own per-slot context ring, which no checkpoint holds
-            (not (self.enable_prefix_caching and self.speculative_method == "dflash"),
-             "prefix caching does not support DFlash speculation yet"),
         ]
         for ok, message in checks:
             if not ok:
