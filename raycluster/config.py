@@ -51,9 +51,10 @@ class EngineConfig:
     cuda_graph_batch_sizes: tuple[int, ...] | None = None
     # prefix caching (raycluster/prefix_cache.py): cached blocks + KDA state checkpoints, each
     # checkpoint one more state slot per rank (and DFlash ring; None: max_num_seqs of them),
-    # taken every prefix_checkpoint_interval tokens of a prefill (a multiple of block_size)
-    # and at the end of each prompt and turn
-    enable_prefix_caching: bool = False
+    # taken every prefix_checkpoint_interval tokens of a prefill (a multiple of the block) and
+    # at the end of each prompt and turn. None: on unless the other settings cannot have it
+    # (`prefix_caching`; the engine logs why); True where they cannot is refused
+    enable_prefix_caching: bool | None = None
     prefix_checkpoints: int | None = None
     prefix_checkpoint_interval: int = 512
 
@@ -102,18 +103,37 @@ class EngineConfig:
              "cuda_graph_batch_sizes must be non-empty and >= 1"),
             (self.prefix_checkpoints is None or self.prefix_checkpoints >= 1,
              "prefix_checkpoints must be >= 1"),
-            (not self.enable_prefix_caching or self.prefix_checkpoint_interval >= 1
-             and self.prefix_checkpoint_interval % self.block_size == 0,
-             "prefix_checkpoint_interval must be a positive multiple of block_size"),
+            (not self.enable_prefix_caching or self.prefix_caching_refusal is None,
+             f"enable_prefix_caching: {self.prefix_caching_refusal}"),
         ]
         for ok, message in checks:
             if not ok:
                 raise ValueError(message)
 
     @property
+    def prefix_caching_refusal(self) -> str | None:
+        """Why these settings cannot cache prefixes (None: they can). The one rule so far:
+        checkpoints inside a prefill sit at block boundaries."""
+        block = self.block_size * self.decode_context_parallel_size  # the engine's block
+        interval = self.prefix_checkpoint_interval
+        if interval < 1 or interval % block:
+            return (f"prefix_checkpoint_interval {interval} must be a positive multiple of the "
+                    f"block ({block} tokens: block_size {self.block_size} x "
+                    f"decode_context_parallel_size {self.decode_context_parallel_size})")
+        return None
+
+    @property
+    def prefix_caching(self) -> bool:
+        """Whether the engine caches prefixes: as asked, else (the default) wherever the other
+        settings allow it."""
+        if self.enable_prefix_caching is not None:
+            return self.enable_prefix_caching
+        return self.prefix_caching_refusal is None
+
+    @property
     def num_prefix_checkpoints(self) -> int:
         """State slots each rank allocates for prefix-cache checkpoints."""
-        if not self.enable_prefix_caching:
+        if not self.prefix_caching:
             return 0
         return self.prefix_checkpoints or self.max_num_seqs
 
@@ -122,3 +142,4 @@ class EngineConfig:
         """GPUs of one engine: EP and DCP ranks live inside the TP group (same GPUs)."""
         return max(self.tensor_parallel_size, self.expert_parallel_size,
                    self.decode_context_parallel_size)
+

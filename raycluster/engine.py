@@ -95,7 +95,9 @@ def _token_logprobs(lp: Logprobs, row: int, k: int, token: int) -> TokenLogprob:
 
 
 def _prefix_cache(config: EngineConfig, blocks: BlockPool, plan) -> PrefixCache | None:
-    if not config.enable_prefix_caching:
+    if not config.prefix_caching:
+        if config.enable_prefix_caching is None:  # the default: say why it is off
+            logger.warning("prefix caching is off: %s", config.prefix_caching_refusal)
         return None
     with_mtp = config.with_mtp or config.speculative_method == "mtp"
     identity = cache_identity(config.model, config.dtype, config.quantize_experts, with_mtp)
