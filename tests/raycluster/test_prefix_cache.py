@@ -187,10 +187,13 @@ def test_overlapped_scheduling_checkpoints_what_the_synchronous_loop_does(tiny):
     assert keys >= sync_keys and len(sync_keys) > 15
 
 
-def test_ten_turn_chat_is_served_from_the_cache(tiny):
+@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlapped"])
+@pytest.mark.parametrize("method", [None, "mtp", "dflash"])
+def test_ten_turn_chat_is_served_from_the_cache(tiny, draft, method, overlap):
     """Each turn's cacheable prompt (all of it before the turn's new message, cut to whole
     blocks below the prompt's last token) comes from the cache for >= 95% of its tokens."""
-    engine = _engine(tiny, True, num_blocks=200, max_num_seqs=2)
+    engine = _engine(tiny, True, num_blocks=200, max_num_seqs=2, async_scheduling=overlap,
+                     **_spec(method, draft))
     rng = np.random.default_rng(3)
     history = rng.integers(0, 256, 40).tolist()
     bs = engine.scheduler.blocks.block_size
