@@ -211,7 +211,8 @@ class ServingConfig(BaseModel):
     # True where they cannot is refused
     enable_prefix_caching: bool | None = None
     prefix_checkpoints: int | None = Field(None, ge=1)  # default max_num_seqs
-    prefix_checkpoint_interval: int = Field(512, ge=1)  # tokens, a multiple of block_size
+    # tokens, a multiple of block_size x decode_context_parallel_size
+    prefix_checkpoint_interval: int = Field(512, ge=1)
     seed: int = 0
     # features
     speculative: SpeculativeConfig = SpeculativeConfig()

@@ -142,4 +142,3 @@ class EngineConfig:
         """GPUs of one engine: EP and DCP ranks live inside the TP group (same GPUs)."""
         return max(self.tensor_parallel_size, self.expert_parallel_size,
                    self.decode_context_parallel_size)
-
