@@ -252,11 +252,13 @@ def test_stats_count_prefix_queries_hits_and_checkpoints(tiny):
 
 
 @pytest.mark.slow  # Ray worker actors, one per fake GPU
-def test_tp2_dcp2_workers_copy_their_own_checkpoint_shards(ray_session, tiny):
+@pytest.mark.parametrize("method", [None, "dflash"])
+def test_tp2_dcp2_workers_copy_their_own_checkpoint_shards(ray_session, tiny, draft, method):
     """The state copies travel in the StepInput through the shared-memory channel; each rank
-    copies its shard of the KDA state (TP splits its heads)."""
+    copies its shard of the KDA state (TP splits its heads), and its DFlash rings."""
     off = _workload(_engine(tiny, False), seed=3)
-    engine = _engine(tiny, True, tensor_parallel_size=2, decode_context_parallel_size=2)
+    engine = _engine(tiny, True, tensor_parallel_size=2, decode_context_parallel_size=2,
+                     **_spec(method, draft))
     try:
         on = _workload(engine, seed=3)
     finally:
