@@ -190,8 +190,8 @@ class CachePlan:
     # prefix-cache checkpoints of the KDA state: slots after the running ones and the graph
     # padding slot (num_slots + 1 + i), paid by the same per-slot price
     num_checkpoints: int = 0
-    # a DFlash draft's K/V ring per running slot (speculative/dflash.ring_bytes_per_sequence),
-    # paid out of the same budget as the blocks
+    # a DFlash draft's K/V ring per running slot and per checkpoint
+    # (speculative/dflash.ring_bytes_per_sequence), paid out of the same budget as the blocks
     draft_bytes_per_slot: int = 0
 
     def checkpoint_slot(self, index: int) -> int:
@@ -199,6 +199,11 @@ class CachePlan:
         if not 0 <= index < self.num_checkpoints:
             raise ValueError(f"checkpoint {index} out of range 0..{self.num_checkpoints - 1}")
         return self.num_slots + 1 + index
+
+    def checkpoint_of(self, slot: int) -> int | None:
+        """The checkpoint index state slot `slot` holds, or None for a running slot."""
+        index = slot - self.num_slots - 1
+        return index if 0 <= index < self.num_checkpoints else None
 
     @property
     def num_tokens(self) -> int:
@@ -212,8 +217,8 @@ class CachePlan:
 
     @property
     def draft_bytes(self) -> int:
-        """The DFlash proposer's rings: one per running slot."""
-        return self.num_slots * self.draft_bytes_per_slot
+        """The DFlash proposer's rings: one per running slot and one per checkpoint."""
+        return (self.num_slots + self.num_checkpoints) * self.draft_bytes_per_slot
 
     @property
     def total_bytes(self) -> int:
@@ -229,8 +234,9 @@ class CachePlan:
                 f"max_model_len {max_model_len}); {self.num_slots} KDA state slots"
                 + (f" + {self.num_checkpoints} prefix checkpoints" if self.num_checkpoints
                    else "")
-                + (f" + {self.num_slots} DFlash rings of {self.draft_bytes_per_slot / 2**20:.2f}"
-                   " MiB" if self.draft_bytes_per_slot else "")
+                + (f" + {self.num_slots + self.num_checkpoints} DFlash rings of "
+                   f"{self.draft_bytes_per_slot / 2**20:.2f} MiB" if self.draft_bytes_per_slot
+                   else "")
                 + f"; {self.total_bytes / 2**20:.1f} MiB; kv_cache_dtype "
                 f"{self.kv_cache_dtype}: {self.tokens_per_gib:,.0f} tokens per GiB")
         return f"{text}\n{self.memory_plan}" if self.memory_plan else text

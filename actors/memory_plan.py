@@ -6,7 +6,8 @@ Weights are exact: parameter bytes of this rank's meta-built shard (numel x elem
 the storage formats the config names), so the plan is what `materialize` will allocate; a
 DFlash draft adds this rank's shard of its weights (its layers are TP-sharded like the
 target's) and, per state slot, its K/V ring of this rank's KV heads (speculative/dflash.py),
-which the KV pool pays before its blocks. The MTP layer's cache is
+which the KV pool pays before its blocks. Prefix caching adds state slots for its KDA
+checkpoints, each with a ring of its own under DFlash. The MTP layer's cache is
 part of every block and slot already (caches.cache_bytes with the MTP layer). The
 reserve is an estimate (see `OVERHEAD_BYTES`, `workspace_estimate`). The KV pool is what is left;
 its bytes per block and per state slot come from caches.cache_bytes. `MemoryPlan.check` refuses
@@ -119,7 +120,9 @@ class MemoryPlan:
     min_blocks: int  # the smallest useful pool: the null block + one full step's tokens
     max_model_len: int
     draft_weight_bytes: int = 0  # this rank's DFlash draft weights (draft_weight_bytes), else 0
-    draft_bytes_per_slot: int = 0  # its K/V ring per running slot (ring_bytes_per_sequence)
+    draft_bytes_per_slot: int = 0  # its K/V ring per slot (ring_bytes_per_sequence)
+    # prefix-cache KDA state checkpoints: one state slot each (and, with a draft, one ring)
+    num_checkpoints: int = 0
     # reserve, part 3 (estimate): one draft forward of DRAFT_CHUNK sequences, after the caches
     draft_workspace_bytes: int = 0
 
@@ -148,10 +151,10 @@ class MemoryPlan:
 
     @property
     def state_bytes(self) -> int:
-        """KDA state slots (num_slots + the graph padding slot) and a DFlash draft's rings (one
-        per running slot: the proposer's)."""
-        return ((self.num_slots + 1) * self.bytes_per_slot
-                + self.num_slots * self.draft_bytes_per_slot)
+        """KDA state slots (num_slots + the graph padding slot + the prefix checkpoints) and
+        a DFlash draft's rings (one per running slot and per checkpoint: the proposer's)."""
+        return ((self.num_slots + 1 + self.num_checkpoints) * self.bytes_per_slot
+                + (self.num_slots + self.num_checkpoints) * self.draft_bytes_per_slot)
 
     @property
     def num_blocks(self) -> int:
@@ -187,10 +190,13 @@ class MemoryPlan:
             f"overhead + {_gib(self.workspace_bytes)} activations and CUDA graphs"
             + (f" + {_gib(self.draft_workspace_bytes)} DFlash forward"
                if self.draft_workspace_bytes else "") + ")",
-            f"  KV pool  {_gib(self.kv_pool_bytes, 8)} = {self.num_slots + 1} KDA state slots x "
-            f"{self.bytes_per_slot / MiB:.1f} MiB + "
-            + (f"{self.num_slots} DFlash rings x {self.draft_bytes_per_slot / MiB:.1f} MiB + "
-               if self.draft_bytes_per_slot else "")
+            f"  KV pool  {_gib(self.kv_pool_bytes, 8)} = "
+            + (f"({self.num_slots + 1} KDA state slots + {self.num_checkpoints} prefix "
+               "checkpoints)" if self.num_checkpoints else f"{self.num_slots + 1} KDA state slots")
+            + f" x {self.bytes_per_slot / MiB:.1f} MiB + "
+            + (f"{self.num_slots + self.num_checkpoints} DFlash rings x "
+               f"{self.draft_bytes_per_slot / MiB:.1f} MiB + " if self.draft_bytes_per_slot
+               else "")
             + f"{self.num_blocks:,} blocks x "
             f"{self.bytes_per_block / 2**10:.0f} KiB ({self.block_size} tokens each)",
             f"  capacity {self.num_tokens:,} tokens = {self.num_sequences} sequences of "
@@ -212,7 +218,8 @@ class MemoryPlan:
             f"(routed experts in {self.experts}: {_gib(self.weights['routed_experts'])} of it) + "
             f"reserve {_gib(self.reserve_bytes)} + minimal cache "
             f"{_gib(self.required_bytes - self.weight_bytes - self.reserve_bytes)} "
-            f"({self.num_slots + 1} state slots, {self.min_blocks} blocks) = "
+            f"({self.num_slots + 1 + self.num_checkpoints} state slots, {self.min_blocks} "
+            f"blocks) = "
             f"{_gib(self.required_bytes)}, but the device gives {_gib(self.device_bytes)} x "
             f"{self.utilization:.3g} = {_gib(self.budget_bytes)}: {_gib(short)} short. "
             f"Ways out: {'; '.join(ways)}.")
@@ -238,7 +245,7 @@ def plan_memory(model: Glm5NextForCausalLM, device_bytes: int, utilization: floa
                 num_spec: int = 0, max_model_len: int | None = None,
                 max_num_batched_tokens: int = 2048, reserve_bytes: int | None = None,
                 kv_cache_dtype: str = "auto",
-                draft: DFlashConfig | None = None) -> MemoryPlan:
+                draft: DFlashConfig | None = None, num_checkpoints: int = 0) -> MemoryPlan:
     """Plan this rank (`model`: its meta-built shard; whether it has the MTP layer is read off
     it, so the cache plan cannot disagree with the weights). `block_size`: the runner's logical
     tokens per block; `num_slots`: max_num_seqs; `cache_dtype` defaults to the model's (the
@@ -246,7 +253,8 @@ def plan_memory(model: Glm5NextForCausalLM, device_bytes: int, utilization: floa
     `max_model_len` to the model's context. `reserve_bytes` replaces the reserve estimate
     (all of it counted as allocated after the caches). `draft`: a DFlash draft's config; its
     weights and per-slot ring (this rank's shard, in `cache_dtype`, as the runner loads it) join
-    the plan."""
+    the plan. `num_checkpoints`: the prefix cache's KDA state checkpoints (EngineConfig
+    .num_prefix_checkpoints), each a state slot and, with a draft, a ring."""
     cfg, ps = model.config, model.parallel
     cache_dtype = cache_dtype or model.embed_tokens.weight.dtype
     max_model_len = max_model_len or cfg.max_position_embeddings
@@ -273,7 +281,7 @@ def plan_memory(model: Glm5NextForCausalLM, device_bytes: int, utilization: floa
         draft_weight_bytes=draft_weight_bytes(draft, cache_dtype, ps) if draft else 0,
         draft_bytes_per_slot=ring_bytes_per_sequence(draft, cache_dtype, ps.tp_size)
         if draft else 0,
-        draft_workspace_bytes=draft_workspace)
+        draft_workspace_bytes=draft_workspace, num_checkpoints=num_checkpoints)
 
 
 def meta_shard(config: dict, *, tp: int = 1, ep: int = 1, dcp: int = 1, rank: int = 0,
@@ -296,10 +304,11 @@ def plan_for_config(config: dict, *, device_bytes: int, utilization: float = 0.9
                     max_num_seqs: int = 16, max_num_batched_tokens: int = 2048,
                     max_model_len: int | None = None,
                     kv_cache_dtype: str = "auto",
-                    draft_config: dict | None = None) -> MemoryPlan:
+                    draft_config: dict | None = None, num_checkpoints: int = 0) -> MemoryPlan:
     """The plan of `rank` for a `config.json` dict under engine settings (the core of
     `glm53 plan-memory`; names as in EngineConfig, `block_size` per DCP rank like
-    `--block-size`). `draft_config`: a DFlash draft's `config.json` dict. Builds the shard on
+    `--block-size`). `draft_config`: a DFlash draft's `config.json` dict; `num_checkpoints`:
+    the prefix cache's KDA checkpoints (EngineConfig.num_prefix_checkpoints). Builds the shard on
     the meta device: no memory is used."""
     model = meta_shard(config, tp=tp, ep=ep, dcp=dcp, rank=rank,
                        quantize_experts=quantize_experts, dtype=dtype, with_mtp=with_mtp)
@@ -307,7 +316,7 @@ def plan_for_config(config: dict, *, device_bytes: int, utilization: float = 0.9
     return plan_memory(model, device_bytes, utilization, block_size=block_size * dcp,
                        num_slots=max_num_seqs, num_spec=num_spec, max_model_len=max_model_len,
                        max_num_batched_tokens=max_num_batched_tokens,
-                       kv_cache_dtype=kv_cache_dtype,
+                       kv_cache_dtype=kv_cache_dtype, num_checkpoints=num_checkpoints,
                        draft=DFlashConfig.from_hf(draft_config) if draft_config else None)
 
 

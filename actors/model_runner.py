@@ -69,7 +69,8 @@ class ModelRunner:
         is refused with the numbers; after loading, the KV pool gets the measured free memory
         under `gpu_memory_utilization` (which caps weights, caches, activations and graphs)
         less the plan's workspace estimate for what is allocated after the caches.
-        `num_checkpoints` more state slots hold the engine's prefix-cache KDA checkpoints."""
+        `num_checkpoints` more state slots hold the engine's prefix-cache KDA checkpoints
+        (with a DFlash draft, each with a ring of its own)."""
         self.device = torch.device(device)
         self.ps = ps or ParallelState()
         if draft_sampling not in ("greedy", "probabilistic"):
@@ -88,7 +89,7 @@ class ModelRunner:
                 meta_model, total, gpu_memory_utilization, block_size=block_size,
                 num_slots=num_slots, num_spec=num_spec, max_model_len=max_model_len,
                 max_num_batched_tokens=max_num_batched_tokens,
-                kv_cache_dtype=kv_cache_dtype,
+                kv_cache_dtype=kv_cache_dtype, num_checkpoints=num_checkpoints,
                 draft=DFlashConfig.from_dir(draft_model) if draft_model and num_spec else None,
             ).check()
 
@@ -107,12 +108,12 @@ class ModelRunner:
                       if draft_model and num_spec else None)
         if not sized:
             cache_bytes = self._free_memory_budget(gpu_memory_utilization)
-        # the DFlash rings (one per running slot, allocated with the caches) come out of the
-        # same budget as the blocks
+        # the DFlash rings (one per running slot and per checkpoint, allocated with the
+        # caches) come out of the same budget as the blocks
         ring = (ring_bytes_per_sequence(self.draft.config, cache_dtype, self.ps.tp_size)
                 if self.draft is not None else 0)
         if cache_bytes is not None:
-            cache_bytes -= num_slots * ring
+            cache_bytes -= (num_slots + num_checkpoints) * ring
         self.proposer: MTPProposer | DFlashProposer | None = None
         # what this rank could hold; ranks agree on the smallest before allocating
         # the budget also pays for the padding slot of the CUDA graphs (see allocate_caches);
@@ -153,7 +154,7 @@ class ModelRunner:
             self.num_spec, self.kv_cache_dtype, self.kv_scales)
         if self.draft is not None:
             self.proposer = DFlashProposer(self.model, self.draft, self.plan.num_slots,
-                                           self.num_spec)
+                                           self.num_spec, self.plan.num_checkpoints)
         elif self.with_mtp and self.num_spec:
             self.proposer = MTPProposer(self.model, self.caches, self.num_spec,
                                         probabilistic=self.draft_sampling == "probabilistic")
@@ -200,6 +201,8 @@ class ModelRunner:
             step = resolve_after(step, *self.last_step, self.plan.block_size)
         if step.state_copies is not None:
             copy_state_slots(self.caches, step.state_copies)
+            if isinstance(self.proposer, DFlashProposer):
+                self._copy_draft_rings(step.state_copies)
         n_sample = len(step.sample_rows)
         rows = logits_row_index(np.concatenate([step.sample_rows, step.prompt_logprob_rows]),
                           self.device)
@@ -257,6 +260,16 @@ class ModelRunner:
                 torch.tensor(step.prompt_logprob_targets, device=self.device),
                 int(step.prompt_logprob_k.max()))
         return StepOutput(step.step_id, sampled, logprobs, prompt_logprobs, num_accepted, drafts)
+
+    def _copy_draft_rings(self, copies: np.ndarray) -> None:
+        """A KDA checkpoint also keeps the DFlash ring of its slot: saved with it (slot ->
+        checkpoint) and restored with it on a prefix-cache hit (checkpoint -> slot)."""
+        for src, dst in copies.tolist():
+            index = self.plan.checkpoint_of(dst)
+            if index is not None:
+                self.proposer.save(src, index)
+            else:
+                self.proposer.restore(self.plan.checkpoint_of(src), dst)
 
     def _batch(self, step: StepInput) -> ForwardBatch:
         return ForwardBatch.from_arrays(step.positions, step.cu_seqlens, step.block_tables,

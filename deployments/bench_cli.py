@@ -171,7 +171,10 @@ def bench_latency(args: argparse.Namespace) -> int:
                 num_speculative_tokens=k, draft_model=draft, enforce_eager=args.enforce_eager,
                 adaptive_drafts=adaptive, draft_cost_table=(
                     str(args.draft_cost_table) if adaptive and args.draft_cost_table else None),
-                async_scheduling=args.async_scheduling, seed=args.seed)
+                async_scheduling=args.async_scheduling, seed=args.seed,
+                # the cases' random prompts share nothing, and its checkpoint positions
+                # would cut the prefill chunks that the cases time
+                enable_prefix_caching=False)
             runner = LatencyRunner(config, seed=args.seed, synthetic_acceptance=(
                 args.synthetic_acceptance if method is not None else None))
         except (FileNotFoundError, CheckpointError, UnsupportedConfigError, ValueError) as exc:

@@ -14,6 +14,7 @@ from .bench_cli import add_bench_parser, run_bench
 from .engine_args import (
     ASYNC_SCHEDULING_HELP,
     NO_SPECULATION,
+    PREFIX_CACHING_HELP,
     QUANTIZE_HELP,
     add_engine_args,
     engine_config,
@@ -149,6 +150,11 @@ def _plan_parser(sub) -> None:
     pm.add_argument("--block-size", type=int, default=16)
     pm.add_argument("--kv-cache-dtype", choices=["auto", "bf16", "fp8", "nvfp4"], default="auto",
                     help="latent cache rows (fp8 528 B, nvfp4 304 B per token and layer)")
+    pm.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+                    default=None, help="plan the prefix cache's KDA state checkpoints (and "
+                                       "DFlash rings): as serve, on by default")
+    pm.add_argument("--prefix-checkpoints", type=int, default=None, metavar="N",
+                    help="checkpoints planned with prefix caching (default max-num-seqs)")
 
 
 def _draft_config(draft: str) -> dict:
@@ -167,6 +173,7 @@ def _draft_config(draft: str) -> dict:
 
 def _plan_memory(args) -> int:
     from glm53.raycluster.api import (
+        EngineConfig,
         GiB,
         MemoryPlanError,
         exl3_release_config,
@@ -188,6 +195,11 @@ def _plan_memory(args) -> int:
     method, k = args.speculative.method, args.speculative.k
     draft_config = _draft_config(args.speculative.draft) if method == "dflash" else None
     try:
+        settings = EngineConfig(model="unplanned", block_size=args.block_size,
+                                decode_context_parallel_size=args.dcp,
+                                max_num_seqs=args.max_num_seqs,
+                                enable_prefix_caching=args.enable_prefix_caching,
+                                prefix_checkpoints=args.prefix_checkpoints)
         plan = plan_for_config(
             config, device_bytes=int(args.device_gib * GiB),
             utilization=args.gpu_memory_utilization, tp=args.tp, ep=args.ep, dcp=args.dcp,
@@ -195,7 +207,7 @@ def _plan_memory(args) -> int:
             with_mtp=method == "mtp", num_spec=k, block_size=args.block_size,
             max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
             max_model_len=args.max_model_len, kv_cache_dtype=args.kv_cache_dtype,
-            draft_config=draft_config)
+            draft_config=draft_config, num_checkpoints=settings.num_prefix_checkpoints)
     except ValueError as exc:
         raise SystemExit(f"error: {exc}") from None
     print(plan.describe())
@@ -306,12 +318,11 @@ def _serve_parser(sub) -> None:
     eng.add_argument("--async-scheduling", action="store_true", default=None,
                      help=ASYNC_SCHEDULING_HELP)
     eng.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
-                     default=None, help="reuse cached prompt blocks and KDA state checkpoints "
-                                        "across requests (default off)")
+                     default=None, help=PREFIX_CACHING_HELP)
     eng.add_argument("--prefix-routing", action=argparse.BooleanOptionalAction,
                      default=None, help="send each request to the replica most likely to hold "
                                         "its prefix, load permitting (default: on with "
-                                        "--enable-prefix-caching)")
+                                        "prefix caching)")
     eng.add_argument("--prefix-checkpoints", type=int, default=None, metavar="N",
                      help="KDA state checkpoints kept for the prefix cache, each one state "
                           "slot per GPU (default max-num-seqs)")

@@ -206,11 +206,13 @@ class ServingConfig(BaseModel):
     max_num_batched_tokens: int = Field(2048, ge=1)
     max_num_seqs: int = Field(16, ge=1)
     max_waiting_requests: int = Field(256, ge=1)  # beyond it: 503 + Retry-After
-    # prefix caching: cached blocks + KDA state checkpoints (raycluster/prefix_cache.py); off
-    # until measured on the GPU
-    enable_prefix_caching: bool = False
+    # prefix caching: cached blocks + KDA state checkpoints (raycluster/prefix_cache.py).
+    # None: on unless the other settings cannot have it (then off, with a logged warning);
+    # True where they cannot is refused
+    enable_prefix_caching: bool | None = None
     prefix_checkpoints: int | None = Field(None, ge=1)  # default max_num_seqs
-    prefix_checkpoint_interval: int = Field(512, ge=1)  # tokens, a multiple of block_size
+    # tokens, a multiple of block_size x decode_context_parallel_size
+    prefix_checkpoint_interval: int = Field(512, ge=1)
     seed: int = 0
     # features
     speculative: SpeculativeConfig = SpeculativeConfig()
@@ -372,8 +374,20 @@ class ServingConfig(BaseModel):
         return options
 
     @property
+    def prefix_caching(self) -> bool:
+        """Whether the engines cache prefixes (EngineConfig.prefix_caching's rule)."""
+        if self.enable_prefix_caching is not None:
+            return self.enable_prefix_caching
+        from glm53.raycluster.api import EngineConfig
+
+        return EngineConfig(model="unused", block_size=self.block_size,
+                            decode_context_parallel_size=self.decode_context_parallel_size,
+                            prefix_checkpoint_interval=self.prefix_checkpoint_interval
+                            ).prefix_caching
+
+    @property
     def prefix_routing_enabled(self) -> bool:
         """Whether the LLM-server deployment routes by prefix (explicit, else with caching)."""
         if self.prefix_routing is not None:
             return self.prefix_routing
-        return self.enable_prefix_caching
+        return self.prefix_caching

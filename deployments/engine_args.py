@@ -14,6 +14,9 @@ from .config import CPU_CACHE_BYTES  # default KV/state budget on CPU when no si
 ASYNC_SCHEDULING_HELP = ("schedule step N+1 while step N runs (overlapped host work; off by "
                          "default until measured on a GPU; steps after speculative, grammar "
                          "or penalised sampling still wait)")
+PREFIX_CACHING_HELP = ("reuse cached prompt blocks and KDA state checkpoints across requests "
+                       "(default on, unless the other settings cannot have it: then off, with "
+                       "a warning)")
 QUANTIZE_HELP = ("quantise the routed experts of a BF16/FP8 checkpoint while loading: int4 = "
                  "4-bit codes with an fp16 scale and zero per 128 input columns (about 4.25 "
                  "bits per weight; lets the release fit a GPU pair)")
@@ -82,7 +85,9 @@ def add_engine_args(parser: argparse.ArgumentParser, *, max_num_seqs: int,
                      default="auto", help="latent cache rows (nvfp4 needs a scale bank)")
     eng.add_argument("--kv-scale-bank", default=None, metavar="PATH",
                      help="nvfp4 outer scales (default: kv_scales_nvfp4.json in the checkpoint)")
-    eng.add_argument("--enable-prefix-caching", action="store_true", help=prefix_caching_help)
+    eng.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+                     default=None, help=PREFIX_CACHING_HELP + (
+                         f"; {prefix_caching_help}" if prefix_caching_help else ""))
     eng.add_argument("--enforce-eager", action="store_true",
                      help="no CUDA graphs for decode steps (every step runs eagerly)")
     eng.add_argument("--async-scheduling", action="store_true", help=ASYNC_SCHEDULING_HELP)

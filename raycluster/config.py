@@ -50,10 +50,11 @@ class EngineConfig:
     # None = actors/cuda_graphs.py DEFAULT_BATCH_SIZES
     cuda_graph_batch_sizes: tuple[int, ...] | None = None
     # prefix caching (raycluster/prefix_cache.py): cached blocks + KDA state checkpoints, each
-    # checkpoint one more state slot per rank (None: max_num_seqs of them), taken every
-    # prefix_checkpoint_interval tokens of a prefill (a multiple of block_size) and at the end
-    # of each prompt and turn
-    enable_prefix_caching: bool = False
+    # checkpoint one more state slot per rank (and DFlash ring; None: max_num_seqs of them),
+    # taken every prefix_checkpoint_interval tokens of a prefill (a multiple of the block) and
+    # at the end of each prompt and turn. None: on unless the other settings cannot have it
+    # (`prefix_caching`; the engine logs why); True where they cannot is refused
+    enable_prefix_caching: bool | None = None
     prefix_checkpoints: int | None = None
     prefix_checkpoint_interval: int = 512
 
@@ -92,8 +93,6 @@ class EngineConfig:
             (not (self.adaptive_drafts and self.async_scheduling),
              "adaptive draft length with overlapped scheduling is not supported yet (the "
              "width is chosen from drafts the step in flight has not settled)"),
-            (not (self.enable_prefix_caching and self.async_scheduling),
-             "prefix caching with overlapped scheduling is not supported yet"),
             (self.draft_cost_table is None or self.adaptive_drafts,
              "draft_cost_table is for adaptive draft length"),
             (self.draft_sampling in ("greedy", "probabilistic"),
@@ -104,21 +103,37 @@ class EngineConfig:
              "cuda_graph_batch_sizes must be non-empty and >= 1"),
             (self.prefix_checkpoints is None or self.prefix_checkpoints >= 1,
              "prefix_checkpoints must be >= 1"),
-            (not self.enable_prefix_caching or self.prefix_checkpoint_interval >= 1
-             and self.prefix_checkpoint_interval % self.block_size == 0,
-             "prefix_checkpoint_interval must be a positive multiple of block_size"),
-            # the DFlash drafter keeps its own per-slot context ring, which no checkpoint holds
-            (not (self.enable_prefix_caching and self.speculative_method == "dflash"),
-             "prefix caching does not support DFlash speculation yet"),
+            (not self.enable_prefix_caching or self.prefix_caching_refusal is None,
+             f"enable_prefix_caching: {self.prefix_caching_refusal}"),
         ]
         for ok, message in checks:
             if not ok:
                 raise ValueError(message)
 
     @property
+    def prefix_caching_refusal(self) -> str | None:
+        """Why these settings cannot cache prefixes (None: they can). The one rule so far:
+        checkpoints inside a prefill sit at block boundaries."""
+        block = self.block_size * self.decode_context_parallel_size  # the engine's block
+        interval = self.prefix_checkpoint_interval
+        if interval < 1 or interval % block:
+            return (f"prefix_checkpoint_interval {interval} must be a positive multiple of the "
+                    f"block ({block} tokens: block_size {self.block_size} x "
+                    f"decode_context_parallel_size {self.decode_context_parallel_size})")
+        return None
+
+    @property
+    def prefix_caching(self) -> bool:
+        """Whether the engine caches prefixes: as asked, else (the default) wherever the other
+        settings allow it."""
+        if self.enable_prefix_caching is not None:
+            return self.enable_prefix_caching
+        return self.prefix_caching_refusal is None
+
+    @property
     def num_prefix_checkpoints(self) -> int:
         """State slots each rank allocates for prefix-cache checkpoints."""
-        if not self.enable_prefix_caching:
+        if not self.prefix_caching:
             return 0
         return self.prefix_checkpoints or self.max_num_seqs
 

@@ -17,6 +17,8 @@ A step whose result the next step needs on the host is waited for before the nex
 scheduled, as in the synchronous loop, if a grammar or penalties read a sampled token; a
 speculating request near its end (max_tokens, max_model_len) or before min_tokens, whose draft
 counts, proposals or banned tokens would depend on the acceptance, sits the next step out.
+With a prefix cache, the KDA state copies the engine queues run before the next step it
+builds, which is one step later than in the synchronous loop: see `_checkpoints_due`.
 """
 
 from __future__ import annotations
@@ -93,7 +95,9 @@ def _token_logprobs(lp: Logprobs, row: int, k: int, token: int) -> TokenLogprob:
 
 
 def _prefix_cache(config: EngineConfig, blocks: BlockPool, plan) -> PrefixCache | None:
-    if not config.enable_prefix_caching:
+    if not config.prefix_caching:
+        if config.enable_prefix_caching is None:  # the default: say why it is off
+            logger.warning("prefix caching is off: %s", config.prefix_caching_refusal)
         return None
     with_mtp = config.with_mtp or config.speculative_method == "mtp"
     identity = cache_identity(config.model, config.dtype, config.quantize_experts, with_mtp)
@@ -233,12 +237,15 @@ class LLMEngine:
 
     def _step_overlapped(self) -> list[RequestOutput]:
         outputs: list[RequestOutput] = []
-        if self._in_flight is None:
+        fresh = self._in_flight is None  # no step ran before it: see _checkpoints_due
+        if fresh:
             self._in_flight, outputs = self._submit(None)
             if self._in_flight is None:
                 return outputs
         current, self._in_flight = self._in_flight, None
         hold = self._hold(current.items)
+        if hold is not None and fresh and self.prefix is not None:
+            hold |= self._checkpoints_due(current.items)
         if hold is not None:  # step N+1 goes before step N's result is read
             self._in_flight, failed = self._submit(current, hold)
             outputs += failed
@@ -273,6 +280,17 @@ class LLMEngine:
                     return None
                 hold.add(r)
         return frozenset(hold)
+
+    def _checkpoints_due(self, items: list[ScheduledRequest]) -> frozenset[Request]:
+        """The requests that the step `items` leaves at a prefix-cache checkpoint position.
+        A state copy the engine queues runs before the next step it builds, so a position
+        reached by step N is checkpointed when the engine reads step N-1's result (step N,
+        then in flight, is passed to the scheduler's update). A step that had no step before
+        it in flight gets no such reading: its requests at a checkpoint position sit out the
+        next step, and are checkpointed when its own result is read (the KDA state still at
+        that position)."""
+        return frozenset(item.request for item in items
+                         if self.prefix.checkpoint_due(item.request))
 
     def _submit(self, in_flight: _InFlight | None, hold: frozenset[Request] = frozenset()
                 ) -> tuple[_InFlight | None, list[RequestOutput]]:
@@ -315,8 +333,9 @@ class LLMEngine:
         self.spec_stats.record(items, accepted)
         if self.draft_policy is not None:
             self.draft_policy.observe(items, accepted)
-        progressed = self.scheduler.update(items, result.sampled.tolist(), self.eos_ids,
-                                           accepted, drafts)
+        progressed = self.scheduler.update(
+            items, result.sampled.tolist(), self.eos_ids, accepted, drafts,
+            self._in_flight.items if self._in_flight is not None else ())
         now = time.monotonic()
         outputs: list[RequestOutput] = []
         for p in progressed:

@@ -33,7 +33,16 @@ asking for prompt logprobs compute their whole prompt (they still fill the cache
 
 Copies (slot -> checkpoint to save, checkpoint -> slot to restore) queue here and travel in
 the next StepInput, where every rank applies them in order before the forward; a checkpoint
-stays held until its copy has been handed to a step, so it is never evicted in between.
+stays held until its copy has been handed to a step, so it is never evicted in between. With a
+DFlash draft, each copy carries the slot's draft context ring along (the runner's).
+
+Overlapped scheduling (engine.py): the next step is built, and its copies taken, before the
+step in flight is read, so a request's counters (and its state when the queued copies run) are
+a step ahead of what the engine has read. `after_step` then sees the position the step in
+flight leaves, which is where the copy finds the state; a position whose tokens are not all
+known yet (the in-flight step's samples or drafts) is never checkpointed, so a checkpoint
+always stands for known tokens. `should_wait` compares with what the cache has recorded, not
+with those counters.
 Never touches tensors.
 """
 
@@ -148,23 +157,30 @@ class PrefixCache:
 
     def should_wait(self, request: Request, running: list[Request]) -> bool:
         """Whether a running request's prefill will soon checkpoint a longer prefix of
-        `request` than the cache holds now (n > 1 choices, identical parallel prompts): then
-        `request` waits for it instead of computing the same prefix again."""
+        `request` than the cache holds now (n > 1 choices, identical parallel prompts, a
+        shared system prompt): then `request` waits for it instead of computing the same
+        prefix again."""
         if request.params.prompt_logprobs is not None:
             return False
-        cacheable = (request.num_tokens - 1) // self.bs * self.bs
+        cacheable = (request.num_tokens - 1) // self.bs
         now = self.match(request).num_tokens
         mine = self.hashes(request)
         for other in running:
-            if other.num_computed_tokens >= len(other.prompt_ids):
-                continue  # not in prefill
+            # what the cache has recorded of `other` (its counters may be a step ahead: the
+            # checkpoint of a step in flight is taken once the step before it is read)
+            seen = self._registered.get(other, 0) * self.bs
             end = self._prompt_end(other)
-            target = end if end <= cacheable else cacheable // self.interval * self.interval
-            if target <= max(now, other.num_computed_tokens):
-                continue
+            if seen >= end:
+                continue  # no checkpoint of its prompt to come
             theirs = self.hashes(other)
-            j = target // self.bs - 1
-            if j < len(theirs) and j < len(mine) and theirs[j] == mine[j]:
+            shared = 0
+            while (shared < min(cacheable, end // self.bs, len(theirs), len(mine))
+                   and theirs[shared] == mine[shared]):
+                shared += 1
+            # the last checkpoint position of `other` inside the shared blocks
+            reach = shared * self.bs
+            target = end if reach == end else reach // self.interval * self.interval
+            if target > max(now, seen):
                 return True
         return False
 
@@ -187,28 +203,48 @@ class PrefixCache:
         checkpoint position. Call while it still holds its blocks and state slot."""
         if request.state_slot is None:
             return
-        computed = request.num_computed_tokens
         hashes = self.hashes(request)
-        full = min(computed // self.bs, len(hashes), len(request.block_ids))
+        full = self._full_blocks(request)
         for j in range(self._registered.get(request, 0), full):
             self.blocks.cache(request.block_ids[j], hashes[j])
         self._registered[request] = max(full, self._registered.get(request, 0))
-        if computed == 0 or computed % self.bs or computed // self.bs > full:
+        block_hash = self._checkpoint_hash(request)
+        if block_hash is None:
             return
-        decode = computed > self._prompt_end(request)
-        if not (decode or computed % self.interval == 0 or computed == self._prompt_end(request)):
-            return
-        block_hash = hashes[computed // self.bs - 1]
         index = self.checkpoints.save(block_hash)
         if index is None:
             return
         self._queue(request.state_slot, self.checkpoint_slots(index), index)
-        if decode:
+        if request.num_computed_tokens > self._prompt_end(request):  # decode
             previous = self._decode_checkpoint.get(request)
             # unless evicted and reused since, the previous decode checkpoint is superseded
             if previous is not None and self.checkpoints.hash_of(previous[0]) == previous[1]:
                 self.checkpoints.drop(previous[0])
             self._decode_checkpoint[request] = (index, block_hash)
+
+    def checkpoint_due(self, request: Request) -> bool:
+        """Whether `request` stands where after_step would take a checkpoint not cached yet
+        (overlapped scheduling keeps it out of the next step until then: see engine.py)."""
+        block_hash = self._checkpoint_hash(request)
+        return block_hash is not None and self.checkpoints.lookup(block_hash) is None
+
+    def _full_blocks(self, request: Request) -> int:
+        """Leading blocks both computed and hashable (every token in them known)."""
+        return min(request.num_computed_tokens // self.bs, len(self.hashes(request)),
+                   len(request.block_ids))
+
+    def _checkpoint_hash(self, request: Request) -> bytes | None:
+        """The key of a checkpoint of the request's state at its computed position, or None
+        where none is taken: not a checkpoint position, or a token before it not known yet
+        (a placeholder: sampled, or a draft, by a step in flight)."""
+        computed = request.num_computed_tokens
+        if computed == 0 or computed % self.bs or computed // self.bs > self._full_blocks(
+                request):
+            return None
+        end = self._prompt_end(request)
+        if not (computed > end or computed % self.interval == 0 or computed == end):
+            return None
+        return self.hashes(request)[computed // self.bs - 1]
 
     def on_release(self, request: Request, finished: bool) -> None:
         """The request gives back its slot and blocks (finished, aborted or preempted)."""

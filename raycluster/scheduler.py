@@ -20,6 +20,7 @@ the counters of the step in flight (its `num_preemptions` tells the incarnation 
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from .block_pool import BlockPool
@@ -241,14 +242,19 @@ class Scheduler:
     # ----- after the step -----
     def update(self, scheduled: list[ScheduledRequest], sampled: list[int],
                eos_ids: tuple[int, ...], num_accepted: list[int] | None = None,
-               drafts: list[list[int]] | None = None) -> list[Progress]:
+               drafts: list[list[int]] | None = None,
+               in_flight: Sequence[ScheduledRequest] = ()) -> list[Progress]:
         """For a committed step: roll back rejected drafts, append each sampling request's
         emitted tokens (its target sample, or its accepted drafts then the target's token) in
         place of its placeholders, apply stop rules, keep the proposer's next drafts, and free
         finished requests. `sampled` holds every sample row in order; `num_accepted` /
         `drafts` are per scheduled request (speculative engines). A request preempted since
         the step was scheduled (its counters already reset) still gets its tokens: they are
-        what its recompute would sample."""
+        what its recompute would sample.
+
+        Then the prefix cache records the blocks and checkpoints of the step's requests and of
+        `in_flight`'s, the step committed after this one (overlapped scheduling): their
+        counters already count it, and the state copies queued now run after it."""
         progressed: list[Progress] = []
         row = 0
         for i, item in enumerate(scheduled):
@@ -282,9 +288,9 @@ class Scheduler:
                            self.max_model_len - request.num_tokens) - 1
                 request.draft_ids = [d for d in drafts[i] if d >= 0][:max(room, 0)]
         if self.prefix is not None:
-            for item in scheduled:
-                if item.request.status == RequestStatus.RUNNING:
-                    self.prefix.after_step(item.request)
+            for request in dict.fromkeys(item.request for item in (*scheduled, *in_flight)):
+                if request.status == RequestStatus.RUNNING:
+                    self.prefix.after_step(request)
         return progressed
 
     def _stop_reason(self, request: Request, token: int,

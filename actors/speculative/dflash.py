@@ -53,7 +53,10 @@ def ring_bytes_per_sequence(cfg: DFlashConfig, dtype: torch.dtype, tp: int = 1) 
 
 class DFlashProposer:
     def __init__(self, target: Glm5NextForCausalLM, draft: DFlashDraftModel, num_slots: int,
-                 num_spec: int) -> None:
+                 num_spec: int, num_checkpoints: int = 0) -> None:
+        """`num_slots` rings for the running sequences (by state slot id) and
+        `num_checkpoints` more after them, holding the rings of the prefix cache's KDA state
+        checkpoints (save / restore)."""
         cfg = draft.config
         if num_spec > cfg.block_size - 1:
             raise ValueError(f"DFlash block {cfg.block_size} drafts at most "
@@ -63,11 +66,13 @@ class DFlashProposer:
         device = target.embed_tokens.weight.device
         dtype = draft.fc.weight.dtype
         w = cfg.sliding_window
-        # per slot and layer: keys and values of the last W context positions (this rank's
-        # KV heads)
-        self.ring = torch.zeros(num_slots, cfg.num_layers, 2, w, draft.num_kv_heads,
-                                cfg.head_dim, dtype=dtype, device=device)
-        self.ring_pos = torch.full((num_slots, w), -1, dtype=torch.long, device=device)
+        self.num_slots = num_slots
+        rows = num_slots + num_checkpoints
+        # per slot (then per checkpoint) and layer: keys and values of the last W context
+        # positions (this rank's KV heads)
+        self.ring = torch.zeros(rows, cfg.num_layers, 2, w, draft.num_kv_heads, cfg.head_dim,
+                                dtype=dtype, device=device)
+        self.ring_pos = torch.full((rows, w), -1, dtype=torch.long, device=device)
 
     @property
     def state_bytes_per_sequence(self) -> int:
@@ -76,8 +81,24 @@ class DFlashProposer:
 
     @property
     def state_bytes(self) -> int:
-        """Every slot's ring: what this proposer allocated on the device."""
+        """Every slot's and checkpoint's ring: what this proposer allocated on the device."""
         return self.ring.numel() * self.ring.element_size() + self.ring_pos.numel() * 8
+
+    # ----- prefix-cache checkpoints: the ring goes with the KDA state at a block boundary -----
+    def save(self, slot: int, checkpoint: int) -> None:
+        """Keep slot `slot`'s ring as checkpoint `checkpoint`'s (its positions are the
+        sequence's, all before the checkpoint's: only kept rows are ever written)."""
+        self._copy(slot, self.num_slots + checkpoint)
+
+    def restore(self, checkpoint: int, slot: int) -> None:
+        """Replace all of slot `slot`'s ring by checkpoint `checkpoint`'s, so a sequence
+        resuming from a cached prefix drafts from that prefix's context and from nothing a
+        previous occupant of the slot left behind."""
+        self._copy(self.num_slots + checkpoint, slot)
+
+    def _copy(self, src: int, dst: int) -> None:
+        self.ring[dst].copy_(self.ring[src])
+        self.ring_pos[dst].copy_(self.ring_pos[src])
 
     @torch.inference_mode()
     def propose(self, step: StepInput, hidden: torch.Tensor, kept: np.ndarray,

@@ -86,6 +86,12 @@ def test_plan_with_a_draft_holds_fewer_tokens_by_exactly_the_draft_bytes() -> No
     text = drafted.describe()
     assert re.search(r"dflash_draft +1.28 GiB\n", text)
     assert "16 DFlash rings x 20.0 MiB" in text
+    # prefix caching: each checkpoint is one more KDA state slot and one more ring
+    cached = plan_memory(model, int(139.8 * GiB), 0.9, draft=DFLASH2, num_checkpoints=16, **kw)
+    assert cached.state_bytes - drafted.state_bytes == 16 * (cached.bytes_per_slot
+                                                             + DFLASH2_TP2_RING)
+    assert ("(17 KDA state slots + 16 prefix checkpoints) x" in cached.describe()
+            and "32 DFlash rings x 20.0 MiB" in cached.describe())
 
 
 def test_draft_forward_is_in_the_reserve() -> None:
@@ -115,26 +121,26 @@ def _tensor_bytes(obj) -> int:
     return 0
 
 
-@pytest.mark.parametrize("tp", [1, 2])
-def test_runner_allocates_what_the_plan_counts(tiny, tp) -> None:
+@pytest.mark.parametrize("tp,checkpoints", [(1, 0), (1, 3), (2, 3)])
+def test_runner_allocates_what_the_plan_counts(tiny, tp, checkpoints) -> None:
     """The tiny model with its DFlash draft on CPU under a byte budget, at TP1 and as rank 1
     of TP2 (emulated: its shapes, no other rank): the caches and the proposer's rings together
     are the CachePlan's bytes, within the budget; the blocks are the MemoryPlan's for the same
     KV pool, and the target's and draft's parameters are the plan's weights (no memory outside
     the plan). At TP2 the rank keeps its half of the draft's heads and MLP, as cut from the
-    checkpoint."""
+    checkpoint. Prefix-cache checkpoints each take a state slot and a ring."""
     target, config, draft = tiny
     budget, slots = 1 * MiB, 4
     ps = ParallelState(ParallelConfig(tp=tp), rank=tp - 1, emulated=True)
     runner = ModelRunner(str(target), num_slots=slots, cache_bytes=budget, num_spec=7,
-                         draft_model=str(draft), ps=ps)
+                         draft_model=str(draft), ps=ps, num_checkpoints=checkpoints)
     plan = runner.allocate_caches(runner.plan.num_blocks)
     dcfg = DFlashConfig.from_dir(draft)
     ring = ring_bytes_per_sequence(dcfg, runner.draft.fc.weight.dtype, tp)
     # 2 layers x (K, V) x 16 positions x 2 / tp KV heads x 16 x 4 B + 16 int64 positions
     assert plan.draft_bytes_per_slot == ring == 2 * 2 * 16 * (2 // tp) * 16 * 4 + 16 * 8
     caches = sum(_tensor_bytes(s) for s in (*runner.caches.layers, runner.caches.mtp))
-    assert runner.proposer.state_bytes == slots * ring
+    assert runner.proposer.state_bytes == (slots + checkpoints) * ring
     allocated = caches + runner.proposer.state_bytes
     assert allocated == plan.total_bytes <= budget
     assert budget - allocated < plan.bytes_per_block  # the rest is less than one block
@@ -145,7 +151,7 @@ def test_runner_allocates_what_the_plan_counts(tiny, tp) -> None:
     assert weights == sum(_tensor_bytes(p) for m in (runner.model, runner.draft)
                           for p in m.parameters())
     memory = plan_memory(model, weights + budget, 1.0, block_size=16, num_slots=slots,
-                         num_spec=7, reserve_bytes=0, draft=dcfg)
+                         num_spec=7, reserve_bytes=0, draft=dcfg, num_checkpoints=checkpoints)
     assert memory.kv_pool_bytes == budget
     assert (memory.num_blocks, memory.bytes_per_block, memory.bytes_per_slot,
             memory.draft_bytes_per_slot) == (plan.num_blocks, plan.bytes_per_block,

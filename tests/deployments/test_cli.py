@@ -278,15 +278,23 @@ def test_plan_memory_of_the_release(capsys: pytest.CaptureFixture[str]) -> None:
 
 def test_plan_memory_counts_a_dflash_draft(capsys: pytest.CaptureFixture[str]) -> None:
     """The published DFlash2 (by name, no download): this rank's half of its weights (TP2) and
-    a 20 MiB ring of its 4 KV heads per running slot are in the plan, and at 16 slots of 128K
-    it still holds more tokens than MTP3."""
+    a 20 MiB ring of its 4 KV heads per running slot and per prefix checkpoint are in the plan,
+    and at 16 slots of 128K it still holds more tokens than MTP3."""
     args = ["plan-memory", "--release", "exl3", "--tp", "2", "--ep", "2", "--dcp", "2",
             "--max-model-len", "131072"]
-    assert main([*args, "--speculative", "dflash:incoai/GLM-5.3-Flash-DFlash2:7"]) == 0
+    dflash = "dflash:incoai/GLM-5.3-Flash-DFlash2:7"
+    assert main([*args, "--speculative", dflash]) == 0
     out = capsys.readouterr().out
     assert re.search(r"dflash_draft +1.28 GiB\n", out)
-    assert "16 DFlash rings x 20.0 MiB" in out
-    assert main([*args, "--speculative", "mtp:3"]) == 0
+    # prefix caching (on by default): a ring per checkpoint too, one checkpoint per slot
+    assert "(17 KDA state slots + 16 prefix checkpoints) x" in out
+    assert "32 DFlash rings x 20.0 MiB" in out
+    assert main([*args, "--speculative", dflash, "--prefix-checkpoints", "4"]) == 0
+    assert "20 DFlash rings x 20.0 MiB" in capsys.readouterr().out
+    assert main([*args, "--speculative", dflash, "--no-enable-prefix-caching"]) == 0
+    out = capsys.readouterr().out
+    assert "= 17 KDA state slots x" in out and "16 DFlash rings x 20.0 MiB" in out
+    assert main([*args, "--speculative", "mtp:3", "--no-enable-prefix-caching"]) == 0
     tokens = [int(line.split()[1].replace(",", "")) for line in
               (out + capsys.readouterr().out).splitlines() if line.startswith("  capacity")]
     assert tokens[0] > tokens[1]  # DFlash vs MTP3 at 16 running sequences
@@ -383,7 +391,7 @@ def test_speculative_flag_errors(text: str, capsys: pytest.CaptureFixture[str]) 
     assert "--speculative" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("flags, on", [([], False), (["--enable-prefix-caching"], True),
+@pytest.mark.parametrize("flags, on", [([], True), (["--enable-prefix-caching"], True),
                                        (["--no-enable-prefix-caching"], False)])
 def test_serve_prefix_caching_switch_reaches_the_engine(flags, on):
     from glm53.deployments.cli import _parser, serving_config
@@ -391,5 +399,22 @@ def test_serve_prefix_caching_switch_reaches_the_engine(flags, on):
     args = ["serve", "--speculative", "none", "--prefix-checkpoints", "3",
             "--prefix-checkpoint-interval", "64", *flags]
     engine = serving_config(_parser().parse_args(args)).engine_config("m", "cpu")
-    assert engine.enable_prefix_caching is on
+    assert engine.prefix_caching is on
     assert (engine.num_prefix_checkpoints, engine.prefix_checkpoint_interval) == (3 * on, 64)
+
+
+def test_prefix_caching_by_default_gives_way_but_an_explicit_one_is_refused():
+    """On by default: settings that cannot have it (a checkpoint interval off the block) turn
+    it off (the engine logs why: test_prefix_cache.py); asked for explicitly, they are
+    refused."""
+    from glm53.deployments.cli import _parser, serving_config
+
+    args = ["serve", "--speculative", "none", "--block-size", "24"]
+    config = serving_config(_parser().parse_args(args))
+    assert not config.prefix_caching and not config.prefix_routing_enabled
+    engine = config.engine_config("m", "cpu")
+    assert engine.enable_prefix_caching is None and engine.num_prefix_checkpoints == 0
+    with pytest.raises(ValueError, match="prefix_checkpoint_interval 512 must be a positive "
+                                         r"multiple of the block \(24 tokens"):
+        serving_config(_parser().parse_args([*args, "--enable-prefix-caching"])
+                       ).engine_config("m", "cpu")

@@ -165,7 +165,8 @@ def test_router_routes_promptless_calls_by_power_of_two():
     assert len(ranks) == 1 and len(ranks[0]) == 2
 
 
-@pytest.mark.parametrize("fields, on", [({}, False), ({"enable_prefix_caching": True}, True),
+@pytest.mark.parametrize("fields, on", [({}, True), ({"enable_prefix_caching": False}, False),
+                                        ({"enable_prefix_caching": True}, True),
                                         ({"enable_prefix_caching": True,
                                           "prefix_routing": False}, False),
                                         ({"prefix_routing": True}, True)])
@@ -188,7 +189,8 @@ def test_deployment_uses_the_router_with_prefix_caching(fields, on):
 
 @pytest.mark.parametrize("flags, on", [(["--enable-prefix-caching"], True),
                                        (["--enable-prefix-caching", "--no-prefix-routing"],
-                                        False), (["--prefix-routing"], True), ([], False)])
+                                        False), (["--prefix-routing"], True), ([], True),
+                                       (["--no-enable-prefix-caching"], False)])
 def test_serve_prefix_routing_flag(flags, on):
     from glm53.deployments.cli import _parser, serving_config
 

@@ -181,7 +181,8 @@ def test_aborted_requests_carry_their_timing(tiny):
 def test_stats_snapshot_the_scheduler_and_ledgers(tiny):
     path, model = tiny
     engine = _engine(path, max_num_seqs=2)
-    for prompt in _prompts(3, model.config.vocab_size):
+    prompts = _prompts(3, model.config.vocab_size)
+    for prompt in prompts:
         engine.add_request(prompt, GREEDY)
     capacity = engine.executor.cache_plan.tokens_per_gib  # static: the cache's layout
     assert capacity > 0
@@ -192,7 +193,9 @@ def test_stats_snapshot_the_scheduler_and_ledgers(tiny):
     assert 0 < stats.kv_cache_usage < 1
     while engine.has_unfinished:
         engine.step()
-    assert engine.stats() == EngineStats(kv_cache_tokens_per_gib=capacity)
+    # the prefix cache (on by default) looked every prompt up; they share nothing
+    assert engine.stats() == EngineStats(kv_cache_tokens_per_gib=capacity,
+                                         prefix_cache_queries=sum(map(len, prompts)))
 
 
 def test_seeded_sampling_is_independent_of_the_batch(tiny):
