@@ -328,7 +328,7 @@ def _serve_parser(sub) -> None:
                           "slot per GPU (default max-num-seqs)")
     eng.add_argument("--prefix-checkpoint-interval", type=int, default=None, metavar="TOKENS",
                      help="checkpoint long prefills every TOKENS tokens, a multiple of "
-                          "block-size (default 512)")
+                          "block-size (default 2048, the default step budget)")
     eng.add_argument("--verify", action="store_true", default=None,
                      help="check the checkpoint (and DFlash draft) against its SHA-256 "
                           "manifest before loading; refuse to start on a mismatch")

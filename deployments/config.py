@@ -212,7 +212,7 @@ class ServingConfig(BaseModel):
     enable_prefix_caching: bool | None = None
     prefix_checkpoints: int | None = Field(None, ge=1)  # default max_num_seqs
     # tokens, a multiple of block_size x decode_context_parallel_size
-    prefix_checkpoint_interval: int = Field(512, ge=1)
+    prefix_checkpoint_interval: int = Field(2048, ge=1)
     seed: int = 0
     # features
     speculative: SpeculativeConfig = SpeculativeConfig()

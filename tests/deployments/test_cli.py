@@ -414,7 +414,7 @@ def test_prefix_caching_by_default_gives_way_but_an_explicit_one_is_refused():
     assert not config.prefix_caching and not config.prefix_routing_enabled
     engine = config.engine_config("m", "cpu")
     assert engine.enable_prefix_caching is None and engine.num_prefix_checkpoints == 0
-    with pytest.raises(ValueError, match="prefix_checkpoint_interval 512 must be a positive "
+    with pytest.raises(ValueError, match="prefix_checkpoint_interval 2048 must be a positive "
                                          r"multiple of the block \(24 tokens"):
         serving_config(_parser().parse_args([*args, "--enable-prefix-caching"])
                        ).engine_config("m", "cpu")

@@ -268,12 +268,12 @@ def test_tp2_dcp2_workers_copy_their_own_checkpoint_shards(ray_session, tiny, dr
 
 
 def test_by_default_settings_that_cannot_cache_turn_it_off_with_a_warning(tiny, caplog):
-    """The default is on; a 24-token block does not divide the 512-token checkpoint interval."""
+    """The default is on; a 24-token block does not divide the 2048-token checkpoint interval."""
     config = EngineConfig(model=tiny, num_blocks=30, block_size=24)
     with caplog.at_level("WARNING", logger="glm53.raycluster.engine"):
         engine = LLMEngine(config)
     assert engine.prefix is None and engine.executor.cache_plan.num_checkpoints == 0
-    assert "prefix caching is off: prefix_checkpoint_interval 512" in caplog.text
+    assert "prefix caching is off: prefix_checkpoint_interval 2048" in caplog.text
     assert LLMEngine(EngineConfig(model=tiny, num_blocks=30)).prefix is not None
     with pytest.raises(ValueError, match="multiple of the block"):
         EngineConfig(model=tiny, block_size=24, enable_prefix_caching=True)
