@@ -47,7 +47,9 @@ def hc_mix_kernel(streams, fn, mix_part, ss_part, ND, SPLIT, M: tl.constexpr, BM
 def hc_pre_kernel(streams, mix_part, ss_part, mixed, base, scale, norm_w, post, comb, collapsed,
                   normed, rms_eps, hc_eps, norm_eps, iters, D, SPLIT, N: tl.constexpr,
                   BM: tl.constexpr, BS: tl.constexpr, BD: tl.constexpr, NORM: tl.constexpr):
-    """Program i_t: token i_t's gates and comb from the mixing pass's parts, the collapsed block
+    """Program i_t (16 warps: at decode one program is the whole site's latency, and a
+    release row, [n, 4096], is one step of the loops): token i_t's gates and comb from the
+    mixing pass's parts, the collapsed block
     input sum_i pre_i X_i and, with NORM, its RMSNorm (as `rms_norm`: the collapsed row rounded
     to the streams' dtype, normalised in fp32, rounded, scaled)."""
     i_t = tl.program_id(0).to(tl.int64)
@@ -132,7 +134,7 @@ def hc_pre(
                                 scale.float().contiguous(), norm_weight if norm else collapsed,
                                 post, comb, collapsed, out, rms_eps, hc_eps, float(norm_eps),
                                 sinkhorn_iters, d, split, N=n, BM=bm, BS=next_pow2(split),
-                                BD=min(next_pow2(d), 1024), NORM=norm)
+                                BD=min(next_pow2(d), 4096), NORM=norm, num_warps=16)
     return post, comb, out
 
 
