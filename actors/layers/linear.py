@@ -59,11 +59,10 @@ class MergedLinear(Linear):
 
     def __init__(self, in_features: int, parts: tuple[int, ...]) -> None:
         super().__init__(in_features, sum(parts))
-        self.parts = tuple(parts)
-        self.weight.part_sizes = self.parts
+        self.weight.part_sizes = tuple(parts)
 
     def split(self, y: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        return y.split(self.parts, dim=-1)
+        return y.split(self.weight.part_sizes, dim=-1)
 
 
 class MergedColumnParallelLinear(MergedLinear):
