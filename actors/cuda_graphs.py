@@ -43,6 +43,7 @@ from .caches import ModelCaches
 from .forward_batch import ForwardBatch
 from .models.glm5_next import Glm5NextForCausalLM
 from .step import StepInput
+from .transfers import to_device
 
 logger = logging.getLogger(__name__)
 
@@ -80,7 +81,7 @@ class _Graph:
 
 
 class StaticInputs:
-    """The device buffers every graph reads, with a host mirror (pinned on CUDA), and the
+    """The device buffers every graph reads, with two host mirrors (pinned on CUDA), and the
     persistent block tables.
 
     int64 buffer: token_ids, positions, query_seq, slot_mapping [T_max] each, cu_seqlens
@@ -99,21 +100,22 @@ class StaticInputs:
                      state_ids=n)
         pin = device.type == "cuda"
         total = sum(sizes.values())
-        self.host = torch.zeros(total, dtype=torch.int64, pin_memory=pin)
+        # two host mirrors, used in turn: a step is loaded while the one before it may still
+        # be copying from its mirror (overlapped execution keeps at most two steps in flight)
+        self.mirrors = [(torch.zeros(total, dtype=torch.int64, pin_memory=pin),
+                         torch.zeros(2, n, dtype=torch.bool, pin_memory=pin)) for _ in range(2)]
         self.dev = torch.zeros(total, dtype=torch.int64, device=device)
-        self.host_flags = torch.zeros(2, n, dtype=torch.bool, pin_memory=pin)
         self.dev_flags = torch.zeros(2, n, dtype=torch.bool, device=device)
         self.tables = torch.zeros(pad_slot + 1, max_blocks, dtype=torch.int64, device=device)
-        self._host_np = self.host.numpy()
-        self._flags_np = self.host_flags.numpy()
+        self.turn = 0
         self.offsets: dict[str, int] = {}
         start = 0
         for name, size in sizes.items():
             self.offsets[name] = start
             start += size
 
-    def _host(self, name: str, size: int) -> np.ndarray:
-        return self._host_np[self.offsets[name]:self.offsets[name] + size]
+    def _host(self, host: torch.Tensor, name: str, size: int) -> np.ndarray:
+        return host.numpy()[self.offsets[name]:self.offsets[name] + size]
 
     def _dev(self, name: str, size: int) -> torch.Tensor:
         return self.dev[self.offsets[name]:self.offsets[name] + size]
@@ -139,17 +141,16 @@ class StaticInputs:
         (slot, column, block) entries set) in one small copy, or without one its whole tables.
         Every step the runner executes comes here, so the rows never go stale."""
         if step.block_table_updates is None:
-            rows = torch.from_numpy(np.asarray(step.state_ids, np.int64)).to(self.device)
+            rows = to_device(np.asarray(step.state_ids, np.int64), self.device)
             width = step.block_tables.shape[1]
             self.tables[rows] = 0
-            self.tables[rows, :width] = torch.from_numpy(
-                step.block_tables.astype(np.int64)).to(self.device)
+            self.tables[rows, :width] = to_device(step.block_tables.astype(np.int64),
+                                                  self.device)
             return
         resets, updates = step.block_table_resets, step.block_table_updates
         if not len(resets) and not len(updates):
             return
-        packed = torch.from_numpy(np.concatenate([resets, updates.T.reshape(-1)])).to(
-            self.device, non_blocking=True)
+        packed = to_device(np.concatenate([resets, updates.T.reshape(-1)]), self.device)
         r = len(resets)
         self.tables[packed[:r]] = 0
         slots, cols, blocks = packed[r:].view(3, -1)
@@ -162,27 +163,30 @@ class StaticInputs:
         `fill` (device token rows, ids) then overwrites the step's placeholder tokens."""
         n = 0 if step is None else len(step.state_ids)
         t, real = b * w, n * w
+        host, host_flags = self.mirrors[self.turn]
+        self.turn ^= 1
+        flags = host_flags.numpy()
         pad_pos = np.tile(np.arange(w, dtype=np.int64), b - n)
-        token_ids, positions = self._host("token_ids", t), self._host("positions", t)
-        slots, cu = self._host("slot_mapping", t), self._host("cu_seqlens", b + 1)
-        state_ids = self._host("state_ids", b)
+        token_ids, positions = self._host(host, "token_ids", t), self._host(host, "positions", t)
+        slots = self._host(host, "slot_mapping", t)
+        cu, state_ids = self._host(host, "cu_seqlens", b + 1), self._host(host, "state_ids", b)
         token_ids[real:] = 0
         positions[real:] = pad_pos
         slots[real:] = pad_pos % self.block_size  # block 0: the null block
         state_ids[n:] = self.pad_slot
-        self._host("query_seq", t)[:] = np.repeat(np.arange(b), w)
+        self._host(host, "query_seq", t)[:] = np.repeat(np.arange(b), w)
         cu[:] = np.arange(b + 1) * w
-        self._flags_np[:, :b] = False
+        flags[:, :b] = False
         if n:
             token_ids[:real] = step.token_ids
             positions[:real] = step.positions
             slots[:real] = step.slot_mapping
             state_ids[:n] = step.state_ids
-            self._flags_np[0, :n] = step.positions[step.cu_seqlens[:-1]] > 0
+            flags[0, :n] = step.positions[step.cu_seqlens[:-1]] > 0
             if step.num_drafts is not None:
-                self._flags_np[1, :n] = step.num_drafts > 0
-        self.dev.copy_(self.host, non_blocking=True)
-        self.dev_flags.copy_(self.host_flags, non_blocking=True)
+                flags[1, :n] = step.num_drafts > 0
+        self.dev.copy_(host, non_blocking=True)
+        self.dev_flags.copy_(host_flags, non_blocking=True)
         if fill is not None:  # stream-ordered after the copy
             self._dev("token_ids", t)[fill[0]] = fill[1]
 

@@ -10,7 +10,13 @@ The sampled ids of the last step stay on the device: a step scheduled before tha
 reached the engine (overlapped scheduling) names the tokens it needs by their sample rows
 (`StepInput.placeholder_rows` / `placeholder_sources`), and they are copied there on the device,
 after the step's own inputs. A speculative step scheduled so (`previous_seqs`) is settled on the
-host from the last step's output, which acceptance has brought there anyway (overlap.py)."""
+host from the last step's output, which acceptance has brought there anyway (overlap.py).
+
+`execute` is `launch` then `finish`. An executor that overlaps steps (raycluster's
+StepPipeline) launches step N+1 before it finishes step N, so the device never waits for the
+host work of a step (building its inputs, staging them, launching the graph): the copies
+`launch` makes go through pinned memory (`to_device`), which queues them without waiting for
+the step in flight."""
 
 from __future__ import annotations
 
@@ -33,9 +39,23 @@ from .speculative.dflash import DFlashProposer, ring_bytes_per_sequence
 from .speculative.dflash_model import DFlashConfig, load_draft
 from .speculative.mtp import MTPProposer
 from .speculative.verify import accept_drafts
-from .step import StepInput, StepOutput
+from .step import Logprobs, StepInput, StepOutput
+from .transfers import to_device, to_host
 
 logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class LaunchedStep:
+    """A step whose work is queued on the device (`ModelRunner.launch`). A plain step's
+    samples are on their way to `sampled` (host memory) once `ready` (a CUDA event; None on
+    CPU) has passed; a speculative step was finished at launch and carries its `output`."""
+    step: StepInput
+    sampled: torch.Tensor | None  # [R] int64 on the host
+    ready: torch.cuda.Event | None
+    logprobs: Logprobs | None = None
+    prompt_logprobs: Logprobs | None = None
+    output: StepOutput | None = None
 
 
 class ModelRunner:
@@ -190,11 +210,20 @@ class ModelRunner:
         # draft), less what is allocated after the caches (activations, graph pool, DFlash forward)
         return int(utilization * total) - (total - free) - self.memory_plan.after_cache_bytes
 
-    @torch.inference_mode()
     def execute(self, step: StepInput) -> StepOutput | None:
-        """Run one step; rank 0 returns the StepOutput, other ranks None. Every rank samples
-        (the gathered logits are identical), so acceptance, the KDA commit and the MTP drafts
-        agree everywhere without a broadcast."""
+        """Run one step; rank 0 returns the StepOutput, other ranks None (`launch`, then
+        `finish`)."""
+        return self.finish(self.launch(step))
+
+    @torch.inference_mode()
+    def launch(self, step: StepInput) -> LaunchedStep:
+        """Queue one step's work on the device and return without waiting for it, unless it
+        speculates: acceptance is decided on the host, so a speculative step is finished here.
+        A plain step's samples travel to the host behind the step; `finish` waits for them.
+        The next step may be launched before this one is finished if it does not continue a
+        speculative step of this one (`previous_seqs`: settled from `last_step`, which
+        `finish` sets). Every rank samples (the gathered logits are identical), so
+        acceptance, the KDA commit and the MTP drafts agree everywhere without a broadcast."""
         if step.previous_seqs is not None:
             if self.last_step is None:
                 raise RuntimeError(f"step {step.step_id} continues a step that did not run")
@@ -205,7 +234,7 @@ class ModelRunner:
                 self._copy_draft_rings(step.state_copies)
         n_sample = len(step.sample_rows)
         rows = logits_row_index(np.concatenate([step.sample_rows, step.prompt_logprob_rows]),
-                          self.device)
+                                self.device)
         fill = self._placeholder_fill(step)
         key = None
         if self.graphs is not None:
@@ -227,39 +256,55 @@ class ModelRunner:
         else:
             sampled, logprobs, probs = self.sampler(logits[:n_sample], step.sampling,
                                                     with_probs=True)
-        self.last_sampled = sampled if step.num_drafts is None else None
+        # read before the next step's forward overwrites the graph's logits
+        prompt_logprobs = self._prompt_logprobs(step, logits[n_sample:])
+        if step.num_drafts is None:
+            self.last_sampled = sampled
+            return LaunchedStep(step, *to_host(sampled), logprobs, prompt_logprobs)
+        self.last_sampled = None
         sampled = sampled.cpu().numpy()
-        num_accepted = drafts = None
-        if step.num_drafts is not None:
-            num_accepted, emitted = self.verify_drafts(
-                sampled, step.sample_seqs, step.num_drafts, step.draft_ids, probs, draft_probs,
-                step.sampling.seeds, step.sampling.positions)
-            row = 0  # the engine reads each sequence's emitted tokens from its sample rows
-            for seq, tokens in zip(dict.fromkeys(step.sample_seqs.tolist()), emitted,
-                                   strict=True):
-                sampled[row:row + len(tokens)] = tokens
-                row += 1 + int(step.num_drafts[seq])
-            if logprobs is not None and probs is not None:  # rejection may change tokens
-                logprobs = gather_logprobs(torch.log(probs),
-                                           torch.tensor(sampled, device=self.device),
-                                           int(step.sampling.num_logprobs.max()))
-            if step.num_drafts.any():  # the verifying sequences' KDA states were deferred
-                self.model.commit_speculative(
-                    batch if batch is not None else self._batch(step), self.caches,
-                    torch.tensor(1 + num_accepted, device=self.device))
-            if self.proposer is not None:
-                drafts = self._propose(step, hidden, taps, num_accepted, emitted)
-        self.last_step = (step, StepOutput(step.step_id, sampled, num_accepted=num_accepted,
-                                           draft_ids=drafts))
-        if self.ps.rank != 0:
+        num_accepted, emitted = self.verify_drafts(
+            sampled, step.sample_seqs, step.num_drafts, step.draft_ids, probs, draft_probs,
+            step.sampling.seeds, step.sampling.positions)
+        row = 0  # the engine reads each sequence's emitted tokens from its sample rows
+        for seq, tokens in zip(dict.fromkeys(step.sample_seqs.tolist()), emitted, strict=True):
+            sampled[row:row + len(tokens)] = tokens
+            row += 1 + int(step.num_drafts[seq])
+        if logprobs is not None and probs is not None:  # rejection may change tokens
+            logprobs = gather_logprobs(torch.log(probs),
+                                       torch.tensor(sampled, device=self.device),
+                                       int(step.sampling.num_logprobs.max()))
+        if step.num_drafts.any():  # the verifying sequences' KDA states were deferred
+            self.model.commit_speculative(
+                batch if batch is not None else self._batch(step), self.caches,
+                torch.tensor(1 + num_accepted, device=self.device))
+        drafts = None
+        if self.proposer is not None:
+            drafts = self._propose(step, hidden, taps, num_accepted, emitted)
+        output = StepOutput(step.step_id, sampled, logprobs, prompt_logprobs, num_accepted,
+                            drafts)
+        self.last_step = (step, output)
+        return LaunchedStep(step, None, None, output=output)
+
+    def finish(self, launched: LaunchedStep) -> StepOutput | None:
+        """Wait for a launched step's samples; rank 0 returns its StepOutput, other ranks
+        None. Steps are finished in the order they were launched."""
+        output = launched.output
+        if output is None:
+            if launched.ready is not None:
+                launched.ready.synchronize()
+            output = StepOutput(launched.step.step_id, launched.sampled.numpy(),
+                                launched.logprobs, launched.prompt_logprobs)
+            self.last_step = (launched.step, output)
+        return output if self.ps.rank == 0 else None
+
+    def _prompt_logprobs(self, step: StepInput, logits: torch.Tensor) -> Logprobs | None:
+        """Rank 0's logprobs of the prompt tokens of `step.prompt_logprob_rows` (logits: theirs)."""
+        if self.ps.rank != 0 or not len(step.prompt_logprob_rows):
             return None
-        prompt_logprobs = None
-        if len(step.prompt_logprob_rows):
-            prompt_logprobs = gather_logprobs(
-                torch.log_softmax(logits[n_sample:], dim=-1),
-                torch.tensor(step.prompt_logprob_targets, device=self.device),
-                int(step.prompt_logprob_k.max()))
-        return StepOutput(step.step_id, sampled, logprobs, prompt_logprobs, num_accepted, drafts)
+        return gather_logprobs(torch.log_softmax(logits, dim=-1),
+                               to_device(step.prompt_logprob_targets, self.device),
+                               int(step.prompt_logprob_k.max()))
 
     def _copy_draft_rings(self, copies: np.ndarray) -> None:
         """A KDA checkpoint also keeps the DFlash ring of its slot: saved with it (slot ->
@@ -283,15 +328,15 @@ class ModelRunner:
         if self.last_sampled is None:
             raise RuntimeError(f"step {step.step_id} has placeholders, but the step before it "
                                f"left no samples on the device (none ran, or it speculated)")
-        sources = torch.from_numpy(step.placeholder_sources).to(self.device, non_blocking=True)
-        rows = torch.from_numpy(step.placeholder_rows).to(self.device, non_blocking=True)
+        sources = to_device(step.placeholder_sources, self.device)
+        rows = to_device(step.placeholder_rows, self.device)
         return rows, self.last_sampled[sources]
 
     def _forward(self, step: StepInput, batch: ForwardBatch,
                  fill: tuple[torch.Tensor, torch.Tensor] | None = None,
                  ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The eager forward: (hidden [T, D], tap states [T, n_taps * D] or None)."""
-        tokens = torch.tensor(step.token_ids, device=self.device)
+        tokens = to_device(step.token_ids, self.device)
         if fill is not None:
             tokens[fill[0]] = fill[1]
         tap_layers = getattr(self.proposer, "tap_layers", ())
@@ -346,4 +391,4 @@ def logits_row_index(rows: np.ndarray, device: torch.device) -> slice | torch.Te
     step), which needs no copy to the device and no gather kernel."""
     if len(rows) and (np.diff(rows) == 1).all():
         return slice(int(rows[0]), int(rows[-1]) + 1)
-    return torch.tensor(rows, dtype=torch.long, device=device)
+    return to_device(rows.astype(np.int64), device)

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from glm53.kernels import ops
 
 from .step import Logprobs, SamplingInputs, SamplingParams
+from .transfers import to_device
 
 # (params, seed, position of the output token being sampled, prompt ids, output ids so far,
 #  ids banned from this draw)
@@ -79,7 +80,7 @@ def apply_token_bitmask(logits: torch.Tensor, bitmask: np.ndarray) -> torch.Tens
     """logits [R, V] with the tokens bitmask [R, W] int32 does not allow set to -inf (bit b of
     word w allows token 32 w + b; vocabulary rows past 32 W are not allowed). One copy of the
     packed mask to the device, unpacked there."""
-    words = torch.from_numpy(bitmask).to(logits.device)
+    words = to_device(bitmask, logits.device)
     shifts = torch.arange(32, dtype=torch.int32, device=logits.device)
     allowed = ((words.unsqueeze(-1) >> shifts) & 1).bool().flatten(1)
     vocab = logits.shape[-1]
@@ -90,7 +91,7 @@ def apply_token_bitmask(logits: torch.Tensor, bitmask: np.ndarray) -> torch.Tens
 
 def _device(arrays: list[np.ndarray], dtype: type, device: torch.device) -> list[torch.Tensor]:
     """Copy same-length arrays to the device as one packed transfer; one tensor per array."""
-    packed = torch.from_numpy(np.stack(arrays).astype(dtype)).to(device)
+    packed = to_device(np.stack(arrays).astype(dtype), device)
     return list(packed.unbind(0))
 
 
@@ -125,11 +126,11 @@ class Sampler:
         """
         s, device = inputs, logits.device
         logits = logits.float()
-        # parameters go to the device only for the ops that read them: a pageable copy waits
-        # for the stream, so an all-greedy step (argmax) copies nothing
+        # parameters go to the device only for the ops that read them: an all-greedy step
+        # (argmax) copies nothing
         if len(s.banned_ids):
             rows = np.repeat(np.arange(len(s.banned_offsets) - 1), np.diff(s.banned_offsets))
-            index = torch.from_numpy(np.stack([rows, s.banned_ids])).to(device)
+            index = to_device(np.stack([rows, s.banned_ids]), device)
             logits = logits.index_put((index[0], index[1]),
                                       torch.tensor(float("-inf"), device=device))
         if s.token_bitmask is not None:
@@ -137,7 +138,7 @@ class Sampler:
         if np.any((s.presence_penalty != 0) | (s.frequency_penalty != 0)
                   | (s.repetition_penalty != 1)):
             parts = [s.prompt_ids, s.prompt_offsets, s.output_ids, s.output_offsets]
-            ragged = torch.from_numpy(np.concatenate(parts).astype(np.int64)).to(device)
+            ragged = to_device(np.concatenate(parts).astype(np.int64), device)
             prompt_ids, prompt_offsets, output_ids, output_offsets = ragged.split(
                 [len(p) for p in parts])
             presence, frequency, repetition = _device(
@@ -162,6 +163,6 @@ class Sampler:
         probs = torch.softmax(processed, dim=-1)
         greedy = np.flatnonzero(s.temperature == 0)
         if len(greedy):
-            rows = torch.from_numpy(greedy).to(device)
+            rows = to_device(greedy, device)
             probs[rows] = F.one_hot(ids[rows], probs.shape[-1]).to(probs.dtype)
         return ids, logprobs, probs

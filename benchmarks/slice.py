@@ -42,6 +42,7 @@ from glm53.actors.model_runner import logits_row_index
 from glm53.actors.sampler import Sampler, build_sampling_inputs
 from glm53.actors.step import SamplingParams, StepInput
 from glm53.actors.tiny import release_config, tiny_text_config
+from glm53.actors.transfers import to_device, to_host
 
 DEV = "cuda"
 BLOCK = 64
@@ -137,8 +138,11 @@ def engine_step_ms(model, caches: ModelCaches, cfg: ModelConfig, batch_size: int
     """ms per greedy decode step through DecodeGraphs, as ModelRunner.execute runs it: block
     tables as wide as the model's context (the engine's fixed graph width), the pad slot last.
     Also where the host spends a step (medians, ms): building the step and loading + replaying
-    the graph, the sampler's calls, and the wait for the tokens; with `profile`, the host
-    calls that take the most CPU time in one step (torch.profiler)."""
+    the graph, the sampler's calls, and the wait for the tokens; `overlapped_ms`, the step as
+    overlapped execution runs it (ModelRunner.launch of step N+1, whose tokens are step N's
+    samples filled in on the device, before finish of step N: the host work hides behind the
+    running step); with `profile`, the host calls that take the most CPU time in one step
+    (torch.profiler)."""
     graphs = DecodeGraphs(model, caches, pad_slot=caches.layers[0].conv.shape[0] - 1,
                           max_blocks=cfg.max_position_embeddings // BLOCK,
                           batch_sizes=(batch_size,), widths=(1,))
@@ -151,22 +155,45 @@ def engine_step_ms(model, caches: ModelCaches, cfg: ModelConfig, batch_size: int
     token_ids = np.random.default_rng(0).integers(0, cfg.vocab_size, batch_size)
     marks: list[tuple[float, float, float]] = []
 
-    def decode() -> np.ndarray:
-        t0 = time.perf_counter()
+    def launch(previous: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, object]:
+        """Steps 'build -> load + replay -> sample' of one step; its tokens are `previous`
+        (the last step's samples, on the device) when given."""
         step = StepInput(0, [""] * batch_size, token_ids, positions,
                          np.arange(batch_size + 1, dtype=np.int64), table,
                          slot_mapping_for(positions, rows, table, BLOCK), rows, rows, rows,
                          sampling)
-        _, _, logits = graphs.run(step, graphs.bucket(step))
+        fill = None if previous is None else (to_device(rows, DEV), previous)
+        _, _, logits = graphs.run(step, graphs.bucket(step), fill)
         t1 = time.perf_counter()
         ids, _ = sampler(logits[logits_row_index(step.sample_rows, DEV)], step.sampling)
+        return (ids, *to_host(ids)), t1
+
+    def decode() -> np.ndarray:
+        t0 = time.perf_counter()
+        (_, host, ready), t1 = launch(None)
         t2 = time.perf_counter()
-        out = ids.cpu().numpy()
+        ready.synchronize()
         marks.append((t1 - t0, t2 - t1, time.perf_counter() - t2))
-        return out
+        return host.numpy()
+
     ms = _timed(decode, steps)
     split = [float(v) for v in np.median(np.array(marks[1:]), axis=0) * 1e3]  # [0]: warm-up
     host = dict(build_load_replay_ms=split[0], sampler_calls_ms=split[1], wait_ms=split[2])
+
+    def overlapped(n: int) -> None:
+        (ids, host, ready), _ = launch(None)
+        for _ in range(n):
+            nxt, _ = launch(ids)
+            ready.synchronize()
+            host.numpy()
+            (ids, host, ready) = nxt
+        ready.synchronize()
+
+    overlapped(2)  # warm-up
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    overlapped(steps)
+    host["overlapped_ms"] = (time.perf_counter() - start) / (steps + 1) * 1e3
     if profile:
         host["profile"] = host_profile(decode)
     return ms, host

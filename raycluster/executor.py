@@ -5,16 +5,20 @@ benchmarks); `RayExecutor` places one worker actor per GPU and talks to them thr
 shared-memory step channel. Ray places, starts and supervises the workers; it is not on the
 per-step path.
 
-`execute` runs a step and waits for it; `submit` hands it to one background thread that runs
-the steps in submission order and returns at once, so the engine can schedule and build the
-next step while this one runs (overlapped scheduling).
+`execute` runs a step and waits for it; `submit` hands it to a StepPipeline that runs the steps
+in submission order and returns at once, so the engine can schedule and build the next step
+while this one runs (overlapped scheduling). In process, the pipeline also launches a step on
+the device before the previous one is finished; through the step channel, the workers run
+steps one after the other.
 """
 
 from __future__ import annotations
 
 import logging
+import queue
+import threading
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from typing import Protocol
 
 from glm53.actors.caches import CachePlan
@@ -41,24 +45,71 @@ class Executor(Protocol):
     def shutdown(self) -> None: ...
 
 
-class StepThread:
-    """One thread that runs `execute` on submitted steps, one at a time, in order (a step's
-    placeholders name the samples of the step submitted just before it). Started on the first
-    submit, so engines that never overlap have no thread."""
+class StepPipeline:
+    """Runs submitted steps in submission order on two threads: one launches each step
+    (`launch`: queue its device work), the other finishes them in order (`finish`: wait for its
+    result), so step N+1 is launched while step N still runs and the device does not wait for
+    the host work between them. At most two steps are in flight (the runner's input mirrors
+    are two), and a step that continues a speculative one (`previous_seqs`) is launched only
+    once that one is finished (its tokens are settled from its output). `launch` defaults to
+    passing the step through, for executors whose `finish` runs the whole step. Threads start
+    on the first submit, so engines that never overlap have none."""
 
-    def __init__(self, execute: Callable[[StepInput], StepOutput]) -> None:
-        self._execute = execute
-        self._pool: ThreadPoolExecutor | None = None
+    def __init__(self, finish: Callable, launch: Callable | None = None) -> None:
+        self._launch = launch or (lambda step: step)
+        self._finish = finish
+        self._steps: queue.SimpleQueue | None = None
+        self._launched: queue.SimpleQueue = queue.SimpleQueue()
+        self._threads: list[threading.Thread] = []
 
     def submit(self, step: StepInput) -> Future[StepOutput]:
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(1, thread_name_prefix="glm53-step")
-        return self._pool.submit(self._execute, step)
+        if self._steps is None:
+            self._steps = queue.SimpleQueue()
+            self._threads = [threading.Thread(target=loop, name=f"glm53-step-{loop.__name__}",
+                                              daemon=True)
+                             for loop in (self._launch_loop, self._finish_loop)]
+            for t in self._threads:
+                t.start()
+        future: Future[StepOutput] = Future()
+        self._steps.put((step, future))
+        return future
+
+    def _launch_loop(self) -> None:
+        before = last = None  # finish events of the last two steps launched
+        while (item := self._steps.get()) is not None:
+            step, future = item
+            if before is not None:
+                before.wait()
+            if last is not None and step.previous_seqs is not None:
+                last.wait()
+            done = threading.Event()
+            try:
+                launched = self._launch(step)
+            except BaseException as exc:  # noqa: BLE001 - the engine reads it from the future
+                future.set_exception(exc)
+                done.set()
+            else:
+                self._launched.put((launched, future, done))
+            before, last = last, done
+        self._launched.put(None)
+
+    def _finish_loop(self) -> None:
+        while (item := self._launched.get()) is not None:
+            launched, future, done = item
+            try:
+                future.set_result(self._finish(launched))
+            except BaseException as exc:  # noqa: BLE001 - the engine reads it from the future
+                future.set_exception(exc)
+            finally:
+                done.set()
 
     def shutdown(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(wait=True, cancel_futures=True)
-            self._pool = None
+        """Finish every submitted step, then stop the threads."""
+        if self._steps is not None:
+            self._steps.put(None)
+            for t in self._threads:
+                t.join()
+            self._steps = None
 
 
 def runner_kwargs(config: EngineConfig) -> dict:
@@ -89,7 +140,7 @@ class InProcessExecutor:
         self.runner = ModelRunner(config.model, progress=progress, **runner_kwargs(config))
         self.model_config = self.runner.config
         self.cache_plan = self.runner.allocate_caches(self.runner.plan.num_blocks)
-        self._thread = StepThread(self.execute)
+        self._thread = StepPipeline(self.runner.finish, self.runner.launch)
 
     def execute(self, step: StepInput) -> StepOutput:
         return self.runner.execute(step)
@@ -138,7 +189,7 @@ class RayExecutor:
         self.channel: StepChannel | None = None
         self._loops: list = []
         # one step on the channel at a time: submitted steps go through execute in order
-        self._thread = StepThread(self.execute)
+        self._thread = StepPipeline(self.execute)
         try:
             address = ray.get(self.workers[0].rendezvous_address.remote())
             kwargs = runner_kwargs(config)

@@ -1,6 +1,8 @@
 """CUDA graphs on the GPU: the tiny model through the in-process engine with graphs on gives the
 greedy tokens of the same engine under enforce_eager, with requests arriving and finishing
 across steps (bucket changes and padding) and with MTP speculation; graphs really replayed.
+With overlapped scheduling too: step N+1 is launched before step N is finished (its tokens
+filled in on the device), asking no logprobs, so that nothing makes the host wait in between.
 
 fp32 must match exactly. bf16 may split only at a near tie: a padded batch changes the GEMM
 shapes, so bf16 rounding can move logits by ~1e-2; at the first differing position the eager
@@ -9,6 +11,8 @@ different sequences and are not compared further).
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import numpy as np
 import pytest
@@ -23,6 +27,7 @@ pytestmark = [pytest.mark.gpu,
 NEAR_TIE = 0.05
 PARAMS = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, logprobs=2)
           for n in (20, 5, 24, 13, 9, 17, 3, 11)]
+NO_LOGPROBS = [dataclasses.replace(p, logprobs=None) for p in PARAMS]
 
 
 @pytest.fixture(scope="module")
@@ -30,13 +35,13 @@ def tiny(tiny_checkpoint):
     return str(tiny_checkpoint)
 
 
-def _run(engine: LLMEngine) -> list[tuple[list[int], list]]:
+def _run(engine: LLMEngine, params=PARAMS) -> list[tuple[list[int], list]]:
     """Two requests arrive per step while others decode and finish."""
     rng = np.random.default_rng(0)
     prompts = [rng.integers(0, 272, n).tolist() for n in (1, 7, 30, 4, 17, 2, 45, 9)]
     tokens: dict[str, list[int]] = {}
     lps: dict[str, list] = {}
-    ids, pending = [], list(zip(prompts, PARAMS, strict=True))
+    ids, pending = [], list(zip(prompts, params, strict=True))
     while pending or engine.has_unfinished:
         for _ in range(min(2, len(pending))):
             ids.append(engine.add_request(*pending.pop(0)))
@@ -47,20 +52,21 @@ def _run(engine: LLMEngine) -> list[tuple[list[int], list]]:
     return [(tokens[i], lps[i]) for i in ids]
 
 
+@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlapped"])
 @pytest.mark.parametrize("k", [0, 1, 3])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_graphs_match_eager(tiny, dtype, k):
+def test_graphs_match_eager(tiny, dtype, k, overlap):
     spec = {"speculative_method": "mtp", "num_speculative_tokens": k} if k else {}
     kw = dict(model=tiny, dtype=dtype, device="cuda", num_blocks=256, max_num_seqs=6,
               max_num_batched_tokens=48, **spec)
     eager_engine = LLMEngine(EngineConfig(enforce_eager=True, **kw))
     assert eager_engine.executor.runner.graphs is None
     eager = _run(eager_engine)
-    graph_engine = LLMEngine(EngineConfig(**kw))
+    graph_engine = LLMEngine(EngineConfig(async_scheduling=overlap, **kw))
     graphs = graph_engine.executor.runner.graphs
     assert graphs is not None and graphs.graphs, "capture failed (see the log)"
     assert graphs.batch_sizes == (1, 2, 4, 6)
-    replayed = _run(graph_engine)
+    replayed = _run(graph_engine, NO_LOGPROBS if overlap else PARAMS)
     assert graphs.num_replays >= 5
     if k:
         assert graph_engine.spec_stats.num_drafts > 0
