@@ -59,7 +59,7 @@ def _rel_err(out, ref) -> float:
     return float((out - ref).norm() / ref.norm().clamp(min=1e-30))
 
 
-def _bf16(n_local, d, inter, rnd, dtype):
+def _bf16(n_local, d, inter, rnd, dtype, n_experts):
     w13 = (torch.randn(n_local, 2 * inter, d, **rnd) * 0.02).to(dtype)
     w2 = (torch.randn(n_local, d, inter, **rnd) * 0.02).to(dtype)
     return (lambda x, wts, ids, off: moe.fused_moe(x, w13, w2, wts, ids, LIMIT, off),
@@ -68,18 +68,20 @@ def _bf16(n_local, d, inter, rnd, dtype):
             3 * d * inter * dtype.itemsize)
 
 
-def _int4(n_local, d, inter, rnd, dtype):
+def _int4(n_local, d, inter, rnd, dtype, n_experts):
     def linear(n, kin):
         q = torch.randint(0, 256, (n_local, n, kin // 2), dtype=torch.uint8, **rnd)
         scale = (torch.rand(n_local, n, kin // min(GROUP, kin), **rnd) * 1e-3 + 2e-3).half()
         return q, scale, (-7.5 * scale.float()).half()
     w = (*linear(2 * inter, d), *linear(d, inter))
-    return (lambda x, wts, ids, off: int4.moe_int4(x, *w, wts, ids, LIMIT, off, GROUP),
+    # the launch is sized for this rank's share of the pairs (EP2: half of them)
+    return (lambda x, wts, ids, off: int4.moe_int4(x, *w, wts, ids, LIMIT, off, GROUP,
+                                                   n_experts),
             lambda x, wts, ids, off: ref_int4.moe_int4(x, *w, wts, ids, LIMIT, off, GROUP),
             sum(t.nbytes for t in w) // n_local)
 
 
-def _exl3_format(n_local, d, inter, rnd, dtype):
+def _exl3_format(n_local, d, inter, rnd, dtype, n_experts):
     mods = _exl3()
     if mods is None:
         raise SystemExit("exl3 requested but glm53.kernels.exl3 (or its reference) cannot be "
@@ -186,8 +188,9 @@ def main() -> None:
     dtype = torch.bfloat16 if dev == "cuda" else torch.float32
     gen = torch.Generator(device=dev).manual_seed(0)
     rnd = dict(generator=gen, device=dev)
-    # name -> (op(x, wts, ids, offset), its reference, bytes per expert)
-    formats = {name: FORMATS[name](n_local, d, inter, rnd, dtype) for name in names}
+    # name -> (op(x, wts, ids, offset), its reference, bytes per expert); n_exp: all ranks'
+    # experts (int4 sizes its decode launch by this rank's share of the pairs)
+    formats = {name: FORMATS[name](n_local, d, inter, rnd, dtype, n_exp) for name in names}
     timed = dev == "cuda" and not args.smoke
     rows = []
     for t in tokens:

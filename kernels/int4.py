@@ -561,15 +561,19 @@ def _words_aligned(w13, w2) -> bool:
 
 
 def _moe_decode_pairs(x, w13, w2, g13, g2, topk_ids, topk_weights, expert_offset, limit,
-                      out) -> None:
+                      out, num_experts: int) -> None:
     """The dot-free variant on the unsorted pairs (T <= PAIRS_MAX_TOKENS): one block a pair, so
     an expert chosen by several tokens is read once per token, against the sort, searchsorted
-    and align launches it saves (~2 us each at decode sizes)."""
+    and align launches it saves (~2 us each at decode sizes). Under EP the pairs of other
+    ranks' experts exit at once: the launch is sized for the pairs expected to be this rank's
+    (E / num_experts of them), so that those fill the SMs (at EP2 and 1 token, w13's columns
+    per program halve: ~4 live pairs, not 8)."""
     n_tok, k = topk_ids.shape
     ids = topk_ids.reshape(-1)
     wts = topk_weights.reshape(-1).float()
     n_local = w13[0].shape[0]
-    _gemv_launch(x, w13, w2, g13, g2, 1, ids, ids, wts, n_tok * k, min(n_local, n_tok * k),
+    live = max(1, -(-n_tok * k * n_local // num_experts))
+    _gemv_launch(x, w13, w2, g13, g2, 1, ids, ids, wts, n_tok * k, min(n_local, live),
                  limit, out, pairs=(k, expert_offset, n_local))
 
 
@@ -648,15 +652,17 @@ def moe_int4_on_path(
     swiglu_limit: float,
     expert_offset: int,
     group_size: int,
+    num_experts: int | None = None,
     *,
     path: str | None = None,
 ) -> torch.Tensor:
     """x: [T, D] (rows may be strided); w13_q: uint8 [E, 2I, D/2] (gate rows, then up rows),
     w13_scale / w13_zero: fp16 [E, 2I, D/g13]; w2_q: uint8 [E, D, I/2], w2_scale / w2_zero:
     fp16 [E, D, I/g2] (g = min(group_size, in_features)); topk_weights: [T, k] fp32; topk_ids:
-    [T, k] global ids (experts outside [expert_offset, expert_offset + E) are skipped).
-    path: DECODE or PREFILL to force one (default: the switch rule in the module docstring;
-    the op `moe_int4` takes that default). Returns [T, D] in x's dtype."""
+    [T, k] global ids (experts outside [expert_offset, expert_offset + E) are skipped);
+    num_experts: all EP ranks' experts (None: E), for sizing launches only. path: DECODE or
+    PREFILL to force one (default: the switch rule in the module docstring; the op
+    `moe_int4` takes that default). Returns [T, D] in x's dtype."""
     n_tok, k = topk_ids.shape
     n_local, two_i, _ = w13_q.shape
     d, inter = x.shape[1], two_i // 2
@@ -682,7 +688,7 @@ def moe_int4_on_path(
     if (path == DECODE and 0 < n_tok <= PAIRS_MAX_TOKENS and _words_aligned(w13, w2)
             and _gemv_rows_per_block(n_tok, g13, g2) == 1):
         _moe_decode_pairs(x, w13, w2, g13, g2, topk_ids, topk_weights, expert_offset,
-                          swiglu_limit, out)
+                          swiglu_limit, out, num_experts or n_local)
         return out.to(x.dtype)
     local = topk_ids.reshape(-1) - expert_offset
     key = torch.where((local >= 0) & (local < n_local), local, n_local)
@@ -711,7 +717,9 @@ def moe_int4(
     swiglu_limit: float,
     expert_offset: int,
     group_size: int,
+    num_experts: int | None = None,
 ) -> torch.Tensor:
     """The op, signature of the reference's: `moe_int4_on_path` on the switch rule's path."""
     return moe_int4_on_path(x, w13_q, w13_scale, w13_zero, w2_q, w2_scale, w2_zero,
-                            topk_weights, topk_ids, swiglu_limit, expert_offset, group_size)
+                            topk_weights, topk_ids, swiglu_limit, expert_offset, group_size,
+                            num_experts)

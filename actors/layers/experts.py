@@ -50,6 +50,7 @@ class RoutedExperts(nn.Module):
     def __init__(self, cfg: ModelConfig, ps: ParallelState) -> None:
         super().__init__()
         self.n_local = split(cfg.n_routed_experts, ps.ep_size, "n_routed_experts")
+        self.num_experts = cfg.n_routed_experts
         self.expert_offset = ps.ep_rank * self.n_local
         # without EP, the experts' intermediate is TP-sharded (gate and up rows, down columns)
         self.tp = ps.tp_size if ps.ep_size == 1 else 1
@@ -151,7 +152,7 @@ class Int4Experts(RoutedExperts):
     def forward(self, x, weights, ids):
         return ops.moe_int4(x, self.w13_q, self.w13_scale, self.w13_zero, self.w2_q,
                             self.w2_scale, self.w2_zero, weights, ids, self.limit,
-                            self.expert_offset, self.group_size)
+                            self.expert_offset, self.group_size, self.num_experts)
 
 
 def routed_experts(cfg: ModelConfig, ps: ParallelState) -> RoutedExperts:

@@ -68,6 +68,7 @@ def moe_int4(
     swiglu_limit: float,
     expert_offset: int,
     group_size: int,
+    num_experts: int | None = None,
 ) -> torch.Tensor:
     """Routed experts on INT4 weights, fp32 math.
 
@@ -75,8 +76,9 @@ def moe_int4(
     [E, 2I, D/g13]; w2_q: uint8 [E, D, I/2], w2_scale / w2_zero: fp16 [E, D, I/g2];
     topk_weights: [T, k] fp32; topk_ids: [T, k] global expert ids (experts outside
     [expert_offset, expert_offset + E) are another EP rank's and are skipped). Each projection's
-    group is min(group_size, in_features) (spec: g = min(128, in_features)).
-    Returns [T, D] in x's dtype.
+    group is min(group_size, in_features) (spec: g = min(128, in_features)). num_experts: the
+    experts of all EP ranks (None: E), which the kernels size their launches by; the result
+    does not depend on it. Returns [T, D] in x's dtype.
     """
     n_local, two_i, _ = w13_q.shape
     d, inter = x.shape[1], two_i // 2

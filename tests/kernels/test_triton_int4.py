@@ -154,11 +154,14 @@ def test_decode_group_not_multiple_of_8(monkeypatch, variant):
     assert rel_err(out, want) < TOL
 
 
+@pytest.mark.parametrize("ep", [1, 3])
 @pytest.mark.parametrize("pairs_max", [0, 64])
 @pytest.mark.parametrize("t,k,n_local,offset", [(1, 4, 6, 0), (6, 3, 4, 2), (9, 2, 3, 5)])
-def test_decode_unsorted_pairs(monkeypatch, pairs_max, t, k, n_local, offset):
+def test_decode_unsorted_pairs(monkeypatch, pairs_max, t, k, n_local, offset, ep):
     """Up to PAIRS_MAX_TOKENS the dot-free variant runs on the unsorted pairs (experts chosen
-    twice, another rank's experts skipped); 0 forces the sorted blocks on the same inputs."""
+    twice, another rank's experts skipped); 0 forces the sorted blocks on the same inputs.
+    With ep ranks' experts named (num_experts), the launch is sized for this rank's share of
+    the pairs: fewer columns per program, the same result."""
     from glm53.kernels import int4
 
     monkeypatch.setattr(int4, "PAIRS_MAX_TOKENS", pairs_max)
@@ -170,6 +173,6 @@ def test_decode_unsorted_pairs(monkeypatch, pairs_max, t, k, n_local, offset):
         ids[1, 0] = offset  # the same expert for two tokens
     want = ref_int4.moe_int4(x, *packed, wts, ids, 7.0, offset, 32)
     out = int4.moe_int4_on_path(*(a.to(DEVICE) for a in (x, *packed, wts, ids)), 7.0, offset,
-                                32, path="decode")
+                                32, ep * n_local, path="decode")
     assert len(calls) == (pairs_max >= t)
     assert rel_err(out, want) < TOL
