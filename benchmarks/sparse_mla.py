@@ -31,7 +31,7 @@ from unittest import mock
 import torch
 from bench_common import git_commit, graph_ms
 
-from glm53.kernels import sparse_mla
+from glm53.kernels import radix_select, sparse_mla
 from glm53.kernels.ref import latent_quant
 from glm53.kernels.ref import sparse_mla as ref_sparse_mla
 from glm53.kernels.utils import is_sm120
@@ -124,10 +124,10 @@ def bench_case(batch, ctx, heads_list, gen, rows):
     n_pools = table.shape[1] * (BLOCK // KPOOL)
     visible = ctx // KPOOL
     scores = _score(q_idx, w, pools, table, qs, pos)
-    tokens = sparse_mla._select_pools(scores, pos, BUDGET, KPOOL)
+    tokens = radix_select.select_pools(scores, pos, BUDGET, KPOOL)
     k = min(BUDGET, n_pools)
     t_score = _us(lambda: _score(q_idx, w, pools, table, qs, pos))
-    t_select = _us(lambda: sparse_mla._select_pools(scores, pos, BUDGET, KPOOL))
+    t_select = _us(lambda: radix_select.select_pools(scores, pos, BUDGET, KPOOL))
     t_topk = _us(lambda: torch.topk(scores, k, dim=-1, sorted=False))
     t_index = _us(lambda: _indexer(q_idx, w, pools, table, qs, pos))
     latent_row, pool_row = _row_bytes()
@@ -180,9 +180,10 @@ ATTENTION_VARIANTS = (
 )
 
 
-def _constants(**overrides):
-    """kernels/sparse_mla.py's module constants overridden inside a with-block."""
-    return mock.patch.multiple(sparse_mla, **overrides)
+def _constants(module, **overrides):
+    """A kernel module's constants (kernels/sparse_mla.py, radix_select.py) overridden inside a
+    with-block."""
+    return mock.patch.multiple(module, **overrides)
 
 
 def bench_sweep(gen, rows, save):
@@ -193,14 +194,14 @@ def bench_sweep(gen, rows, save):
     for batch in (1, 16, 64):
         table, latent, pools, q_idx, w, pos, qs = _case_inputs(batch, 32768, gen)
         scores = _score(q_idx, w, pools, table, qs, pos)
-        tokens = sparse_mla._select_pools(scores, pos, BUDGET, KPOOL)
+        tokens = radix_select.select_pools(scores, pos, BUDGET, KPOOL)
         q = torch.randn(batch, 64, LATENT, device=DEV, dtype=torch.bfloat16, generator=gen)
         att_bytes = int((tokens >= 0).sum()) * _row_bytes()[0]
         o_default = _attention(q, latent, table, qs, tokens)[0]
         for variant in ATTENTION_VARIANTS:
             row = dict(kernel="sweep_attention", batch=batch, heads=64, **variant)
             try:  # a variant may not compile (shared memory, registers)
-                with _constants(**variant):
+                with _constants(sparse_mla, **variant):
                     o = _attention(q, latent, table, qs, tokens)[0]
                     t = _us(lambda: _attention(q, latent, table, qs, tokens))
                 err = float((o.float() - o_default.float()).norm() / o_default.float().norm())
@@ -212,8 +213,8 @@ def bench_sweep(gen, rows, save):
             print(json.dumps(row), flush=True)
             save()
         for chunk in (1024, 2048, 4096):
-            with _constants(SELECT_CHUNK=chunk):
-                t = _us(lambda: sparse_mla._select_pools(scores, pos, BUDGET, KPOOL))
+            with _constants(radix_select, SELECT_CHUNK=chunk):
+                t = _us(lambda: radix_select.select_pools(scores, pos, BUDGET, KPOOL))
             rows.append(dict(kernel="sweep_select", batch=batch, select_chunk=chunk,
                              select_us=t))
             print(json.dumps(rows[-1]), flush=True)

@@ -171,7 +171,18 @@ class _Recorder:
 def _cases(arch: int) -> dict[str, Callable[[], object]]:
     """One call per op and regime (decode, verify, prefill) at the model's real widths; the
     swept Hopper tilings of the attention only for sm_90 (their constants are Hopper's)."""
-    from glm53.kernels import exl3, int4, kda, kda_mixer, latent_quant, mhc, moe, norm, sparse_mla
+    from glm53.kernels import (
+        exl3,
+        int4,
+        kda,
+        kda_mixer,
+        latent_quant,
+        mhc,
+        moe,
+        norm,
+        radix_select,
+        sparse_mla,
+    )
 
     bf, f32, i64 = torch.bfloat16, torch.float32, torch.long
 
@@ -219,13 +230,14 @@ def _cases(arch: int) -> dict[str, Callable[[], object]]:
                                          cu(lens), torch.arange(n), torch.ones(n, dtype=bool),
                                          planes=3)
 
-    def with_constants(call, **constants):
-        """call() with module constants of kernels/sparse_mla.py overridden (if any)."""
+    def with_constants(module, call, **constants):
+        """call() with constants of `module` (kernels/sparse_mla.py, radix_select.py) overridden
+        (if any)."""
         if not constants:
             return call
 
         def run():
-            with mock.patch.multiple(sparse_mla, **constants):
+            with mock.patch.multiple(module, **constants):
                 call()
         return run
 
@@ -238,7 +250,7 @@ def _cases(arch: int) -> dict[str, Callable[[], object]]:
         # a table wider than the context, of an odd width, as a serving table is
         blocks = ctx // 64 + 3
         table = torch.arange(batch * blocks).view(batch, blocks)
-        return with_constants(lambda: sparse_mla.indexer_topk(
+        return with_constants(radix_select, lambda: sparse_mla.indexer_topk(
             z(batch, 32, 128), z(batch, 32, dtype=f32), pool_cache(batch * blocks, fmt), table,
             torch.arange(batch), torch.full((batch,), ctx - 1), budget, kpool, fmt), **constants)
 
@@ -254,7 +266,7 @@ def _cases(arch: int) -> dict[str, Callable[[], object]]:
 
     def attention_call(queries, width, dcp=1, fmt="plain", **constants):
         table = torch.arange(64).view(1, 64)
-        return with_constants(lambda: sparse_mla.sparse_mla_attention(
+        return with_constants(sparse_mla, lambda: sparse_mla.sparse_mla_attention(
             z(queries, heads, latent), latent_cache(dcp, fmt), table,
             torch.zeros(queries, dtype=i64), z(queries, width, dtype=i64), 1 / 16, dcp - 1, dcp,
             fmt), **constants)

@@ -16,10 +16,11 @@ import numpy as np
 import torch
 import triton.runtime.interpreter as I
 
+from glm53.kernels import radix_select
 from glm53.kernels import sparse_mla as S
 
 batch, ctx, heads = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
-S.SELECT_CHUNK, S.COL_TILE, S.MIN_SPLIT_ROWS = 2048, 256, 128
+radix_select.SELECT_CHUNK, S.COL_TILE, S.MIN_SPLIT_ROWS = 2048, 256, 128
 RANGES = []
 BAD = []
 def reg(name, t):
@@ -73,7 +74,7 @@ qs = reg("qs", torch.arange(batch))
 print("inputs", time.time() - t0, flush=True)
 scores = S._score_pools(q_idx, w, pools, table, qs, pos, KPOOL)
 print("score", time.time() - t0, flush=True)
-tokens = S._select_pools(scores, pos, BUDGET, KPOOL)
+tokens = radix_select.select_pools(scores, pos, BUDGET, KPOOL)
 print("select", time.time() - t0, "token range", int(tokens.min()), int(tokens.max()),
       "rows", int((tokens >= 0).sum()), flush=True)
 ref = torch.topk(scores, BUDGET, dim=-1).indices

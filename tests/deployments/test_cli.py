@@ -322,7 +322,7 @@ def test_plan_memory_follows_the_kv_cache_dtype(capsys: pytest.CaptureFixture[st
 def test_serve_on_cpu_gives_each_rank_a_fake_gpu(flags, has_cuda, placement):
     """`glm53 serve --tp 2` on a machine without GPUs: its private Ray gets one fake GPU per
     rank of every replica, so the replicas' GPU bundles can be placed (they never could)."""
-    from glm53.deployments.cli import _parser, local_placement, serving_config
+    from glm53.deployments.serve_cli import local_placement, serving_config
 
     config = serving_config(_parser().parse_args(["serve", "--speculative", "none", *flags]))
     assert local_placement(config, has_cuda) == placement
@@ -335,7 +335,7 @@ def test_serve_starts_a_private_ray_on_loopback():
     is read when ray is imported), with the fake GPUs it is given."""
     env = {k: v for k, v in os.environ.items()
            if k not in ("RAY_ADDRESS", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER")}
-    code = ("from glm53.deployments.cli import _start_ray\n"
+    code = ("from glm53.deployments.serve_cli import _start_ray\n"
             "ray = _start_ray(num_gpus=2)\n"
             "print(ray.util.get_node_ip_address(), ray.get_runtime_context().gcs_address,\n"
             "      ray.cluster_resources().get('GPU'))\n"
@@ -394,7 +394,7 @@ def test_speculative_flag_errors(text: str, capsys: pytest.CaptureFixture[str]) 
 @pytest.mark.parametrize("flags, on", [([], True), (["--enable-prefix-caching"], True),
                                        (["--no-enable-prefix-caching"], False)])
 def test_serve_prefix_caching_switch_reaches_the_engine(flags, on):
-    from glm53.deployments.cli import _parser, serving_config
+    from glm53.deployments.serve_cli import serving_config
 
     args = ["serve", "--speculative", "none", "--prefix-checkpoints", "3",
             "--prefix-checkpoint-interval", "64", *flags]
@@ -407,7 +407,7 @@ def test_prefix_caching_by_default_gives_way_but_an_explicit_one_is_refused():
     """On by default: settings that cannot have it (a checkpoint interval off the block) turn
     it off (the engine logs why: test_prefix_cache.py); asked for explicitly, they are
     refused."""
-    from glm53.deployments.cli import _parser, serving_config
+    from glm53.deployments.serve_cli import serving_config
 
     args = ["serve", "--speculative", "none", "--block-size", "24"]
     config = serving_config(_parser().parse_args(args))

@@ -22,9 +22,10 @@ from starlette.responses import PlainTextResponse
 from starlette.testclient import TestClient
 
 from glm53.deployments.app import build_app
-from glm53.deployments.cli import _parser, serving_config
+from glm53.deployments.cli import _parser
 from glm53.deployments.config import ServingConfig
 from glm53.deployments.drain import DrainGate, DrainState, StopSignals
+from glm53.deployments.serve_cli import serving_config
 from tests.deployments.local_ingress import local_ingress
 
 CHAT = {"model": "scripted", "messages": [{"role": "user", "content": "SCRIPT:</think>hi"}]}

@@ -192,7 +192,8 @@ def test_deployment_uses_the_router_with_prefix_caching(fields, on):
                                         False), (["--prefix-routing"], True), ([], True),
                                        (["--no-enable-prefix-caching"], False)])
 def test_serve_prefix_routing_flag(flags, on):
-    from glm53.deployments.cli import _parser, serving_config
+    from glm53.deployments.cli import _parser
+    from glm53.deployments.serve_cli import serving_config
 
     config = serving_config(_parser().parse_args(["serve", "--speculative", "none", *flags]))
     assert config.prefix_routing_enabled is on

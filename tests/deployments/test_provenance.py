@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from glm53.deployments import tiny_model
-from glm53.deployments.cli import _parser, main, serving_config
+from glm53.deployments.cli import _parser, main
 from glm53.deployments.config import ServingConfig
 from glm53.deployments.llm_server import LLMServer, checkpoint_provenance, describe_provenance
 from glm53.deployments.provenance import (
@@ -21,6 +21,7 @@ from glm53.deployments.provenance import (
     verify,
     write_manifest,
 )
+from glm53.deployments.serve_cli import serving_config
 from tests.deployments.scripted_engine import ScriptedEngine
 
 

@@ -7,13 +7,14 @@ import pytest
 from pydantic import ValidationError
 
 from glm53.deployments.app import build_app
-from glm53.deployments.cli import _parser, exposure_warnings, main, proxy_options, serving_config
+from glm53.deployments.cli import _parser, main
 from glm53.deployments.config import (
     CPU_CACHE_BYTES,
     PROFILES,
     NotSupportedYetError,
     ServingConfig,
 )
+from glm53.deployments.serve_cli import exposure_warnings, proxy_options, serving_config
 
 
 def test_profiles_mirror_the_reference_runtime():

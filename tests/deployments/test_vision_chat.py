@@ -105,7 +105,8 @@ def test_text_only_deployment_refuses_images(monkeypatch):
 def test_serve_vision_runs_the_embedded_model_with_its_tower(monkeypatch, tmp_path):
     """`glm53 serve --vision` with no model: the embedded tiny checkpoint has a vision tower
     (served with the default profile's MTP drafts); `--image-urls` turns fetching on."""
-    from glm53.deployments.cli import _parser, serving_config
+    from glm53.deployments.cli import _parser
+    from glm53.deployments.serve_cli import serving_config
 
     monkeypatch.setenv("GLM53_CACHE_DIR", str(tmp_path))
     config = serving_config(_parser().parse_args(["serve", "--vision", "--num-blocks", "128"]))

@@ -1,4 +1,5 @@
-"""Loads scripts/validate_k8s.py and scripts/monitoring.py (scripts/ is not a package)."""
+"""Loads scripts/validate_k8s.py, k8s_conventions.py and monitoring.py (scripts/ is not a
+package)."""
 
 from __future__ import annotations
 
@@ -36,6 +37,11 @@ def load_script(name: str) -> ModuleType:
 @pytest.fixture(scope="session")
 def vk() -> ModuleType:
     return load_script("validate_k8s")
+
+
+@pytest.fixture(scope="session")
+def conventions() -> ModuleType:
+    return load_script("k8s_conventions")
 
 
 @pytest.fixture(scope="session")

@@ -280,9 +280,9 @@ def test_yaml_lint_catches_duplicate_keys(vk):
     assert vk.lint_yaml("a: 1\na: 2\n", "dup")
 
 
-def test_versions_agree_with_dockerfile_and_pyproject(vk):
-    assert vk.check_versions() == []
-    v = vk.expected_versions()
+def test_versions_agree_with_dockerfile_and_pyproject(conventions):
+    assert conventions.check_versions() == []
+    v = conventions.expected_versions()
     assert v["ray"] == "2.60.0" and v["image"].endswith("-ray2.60.0")
     assert "FROM rayproject/ray:2.60.0-py312-gpu" in (REPO / "Dockerfile").read_text()
 

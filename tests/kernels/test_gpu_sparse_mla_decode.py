@@ -139,7 +139,7 @@ def _indexer_inputs(batch, ctx, verify, gen, spare_blocks=0):
 def test_indexer_topk(batch, ctx, verify, monkeypatch):
     """Against the reference; the select folds the chunk histograms by the last program or not
     (SELECT_FOLD_PROGRAMS), and both ways give the same tokens."""
-    from glm53.kernels import sparse_mla
+    from glm53.kernels import radix_select, sparse_mla
 
     gen = torch.Generator(device=DEV).manual_seed(batch + ctx + verify)
     q, w, pools, table, qs, pos = _indexer_inputs(batch, ctx, verify, gen, spare_blocks=7)
@@ -149,7 +149,7 @@ def test_indexer_topk(batch, ctx, verify, monkeypatch):
     out = sparse_mla.indexer_topk(q, w, pools, table, qs, pos, BUDGET, KPOOL)
     assert torch.equal(out, sparse_mla.indexer_topk(q, w, pools, table, qs, pos, BUDGET, KPOOL))
     for fold_programs in (0, 1 << 30):
-        monkeypatch.setattr(sparse_mla, "SELECT_FOLD_PROGRAMS", fold_programs)
+        monkeypatch.setattr(radix_select, "SELECT_FOLD_PROGRAMS", fold_programs)
         assert torch.equal(out, sparse_mla.indexer_topk(q, w, pools, table, qs, pos, BUDGET,
                                                         KPOOL))
     out = out.cpu()

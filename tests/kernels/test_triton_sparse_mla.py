@@ -248,9 +248,9 @@ def test_indexer_topk_radix_select_matches_ref(fold, monkeypatch):
     visible, and carry the top-k scores (rel 1e-5); tie-free queries equal the reference as
     sets; the tails equal exactly. Both ways to carry the prefix between passes: re-read from
     every chunk's histograms, or folded once by the query's last program (`fold`)."""
-    from glm53.kernels import sparse_mla
+    from glm53.kernels import radix_select, sparse_mla
 
-    monkeypatch.setattr(sparse_mla, "SELECT_FOLD_PROGRAMS", 0 if fold else 1 << 30)
+    monkeypatch.setattr(radix_select, "SELECT_FOLD_PROGRAMS", 0 if fold else 1 << 30)
 
     g = torch.Generator().manual_seed(13)
     hi, d, kpool, bs, budget = 6, 16, 4, 16, 20
