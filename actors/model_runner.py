@@ -57,6 +57,10 @@ class LaunchedStep:
     prompt_logprobs: Logprobs | None = None
     output: StepOutput | None = None
 
+    def done(self) -> bool:
+        """Whether `finish` would return without waiting."""
+        return self.ready is None or self.ready.query()
+
 
 class ModelRunner:
     def __init__(self, model_dir: str, *, device: str = "cpu", dtype: str | None = None,

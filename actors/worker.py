@@ -5,7 +5,9 @@ serves the shared-memory step channel. The executor wraps it as a Ray actor."""
 from __future__ import annotations
 
 import logging
+import os
 import socket
+import time
 import traceback
 
 import torch
@@ -73,28 +75,57 @@ class Worker:
     def execute(self, step: StepInput) -> StepOutput | None:
         return self.runner.execute(step)
 
-    def serve_channel(self, name: str) -> str:
-        """Execute steps from the shared-memory channel until the engine closes it. Returns
-        "closed"; a failing step is reported to the engine (rank 0) and re-raised."""
-        channel = StepChannel(name, create=False)
+    def serve_channel(self, name: str, ranks: int) -> str:
+        """Execute steps from the shared-memory channel (of `ranks` workers) until the engine
+        closes it. A step is launched as soon as it arrives, before the step in flight is
+        finished (ModelRunner.launch / finish), unless it continues a speculative step of it;
+        rank 0 answers each step in order. Returns "closed"; a failing step is reported to the
+        engine (rank 0) and re-raised."""
+        channel = StepChannel(name, create=False, ranks=ranks, rank=self.rank)
+        pending = None  # the launched step not yet finished
         try:
             while True:
+                if pending is not None and not self._next_or_done(channel, pending):
+                    self._answer(channel, self.runner.finish(pending))
+                    pending = None
                 try:
                     step = channel.receive_request()
                 except ChannelClosed:
                     return "closed"
                 try:
-                    out = self.runner.execute(step)
+                    if pending is not None and step.previous_seqs is not None:
+                        self._answer(channel, self.runner.finish(pending))
+                        pending = None
+                    launched = self.runner.launch(step)
+                    if pending is not None:
+                        self._answer(channel, self.runner.finish(pending))
+                    pending = launched
                 except Exception as exc:
                     if self.rank == 0:
                         channel.respond(RuntimeError(
                             f"rank {self.rank} failed a step: {type(exc).__name__}: {exc}\n"
                             f"{traceback.format_exc()}"))
                     raise
-                if self.rank == 0:
-                    channel.respond(out)
         finally:
             channel.close()
+
+    @staticmethod
+    def _next_or_done(channel: StepChannel, pending) -> bool:
+        """Wait until the next step arrives (True) or the step in flight is done (False)."""
+        spins = 0
+        while not channel.request_ready():
+            if pending.done():
+                return False
+            spins += 1
+            if spins < 5000:
+                os.sched_yield()
+            else:
+                time.sleep(0.00005)
+        return True
+
+    def _answer(self, channel: StepChannel, out: StepOutput | None) -> None:
+        if self.rank == 0:
+            channel.respond(out)
 
     def parameter_bytes(self) -> dict[str, int]:
         """Bytes of each parameter on this rank (tests check the sharding)."""

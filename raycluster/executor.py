@@ -7,9 +7,9 @@ per-step path.
 
 `execute` runs a step and waits for it; `submit` hands it to a StepPipeline that runs the steps
 in submission order and returns at once, so the engine can schedule and build the next step
-while this one runs (overlapped scheduling). In process, the pipeline also launches a step on
-the device before the previous one is finished; through the step channel, the workers run
-steps one after the other.
+while this one runs (overlapped scheduling). The runner launches a step on the device before
+the one before it is finished: in process through the pipeline's two threads, through the
+step channel because the pipeline sends the next step while the workers run this one.
 """
 
 from __future__ import annotations
@@ -188,7 +188,7 @@ class RayExecutor:
             for rank, bundle in enumerate(bundles)]
         self.channel: StepChannel | None = None
         self._loops: list = []
-        # one step on the channel at a time: submitted steps go through execute in order
+        # plain actor calls: submitted steps go through execute one at a time, in order
         self._thread = StepPipeline(self.execute)
         try:
             address = ray.get(self.workers[0].rendezvous_address.remote())
@@ -207,8 +207,12 @@ class RayExecutor:
                            "through Ray calls (~1 ms more per step) instead of shared memory")
             channel = "ray"
         if channel == "shm":
-            self.channel = StepChannel()
-            self._loops = [w.serve_channel.remote(self.channel.name) for w in self.workers]
+            self.channel = StepChannel(ranks=self.world)
+            self._loops = [w.serve_channel.remote(self.channel.name, self.world)
+                           for w in self.workers]
+            # the workers launch a step while the one before it runs: submitted steps are
+            # sent as soon as the pipeline allows (two unanswered), answers read in order
+            self._thread = StepPipeline(self._answer, self._send)
 
     def _placement(self, ray, node: str) -> tuple[object, list[int], bool]:
         """(placement group, bundle index per rank, whether we created it). A caller that runs
@@ -252,7 +256,14 @@ class RayExecutor:
     def execute(self, step: StepInput) -> StepOutput:
         if self.channel is None:
             return self._gather([w.execute.remote(step) for w in self.workers])[0]
+        return self._answer(self._send(step))
+
+    def _send(self, step: StepInput) -> StepInput:
         self.channel.send(step)
+        return step
+
+    def _answer(self, step: StepInput) -> StepOutput:
+        """Rank 0's answer to the oldest step sent and not answered (`step`)."""
         out = self.channel.receive_response(alive=self._check_alive)
         if isinstance(out, Exception):
             # a peer that died makes rank 0's collective fail: name the dead rank if it is one

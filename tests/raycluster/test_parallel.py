@@ -71,6 +71,28 @@ def test_layout_matches_tp1(ray_session, tiny, reference, layout):
         assert ours.shape == ref.shape and np.abs(ours - ref).max() <= 1e-4
 
 
+@pytest.mark.parametrize("k", [0, 2], ids=["plain", "mtp2"])
+def test_overlapped_execution_matches_tp1(ray_session, tiny_checkpoints, k):
+    """Overlapped scheduling through the step channel: the engine sends step N+1 while the
+    workers run step N, and they launch it before finishing N (two steps in flight); with MTP
+    drafts too (a step verifying them waits for its predecessor's acceptance)."""
+    path = str(tiny_checkpoints(seed=4, layers=5, index_topk=8, mtp=True))
+    one = LLMEngine(_config(path))
+    prompts = _prompts(one.model_config.vocab_size)
+    ref_tokens, ref_logprobs = _run(one, prompts)
+    spec = {"speculative_method": "mtp", "num_speculative_tokens": k} if k else {}
+    engine = LLMEngine(_config(path, 2, 2, 2, async_scheduling=True, **spec))
+    try:
+        tokens, logprobs = _run(engine, prompts)
+        drafts = engine.spec_stats.num_drafts if k else None
+    finally:
+        engine.shutdown()
+    assert tokens == ref_tokens
+    assert not k or drafts > 0
+    for ours, ref in zip(logprobs, ref_logprobs, strict=True):
+        assert ours.shape == ref.shape and np.abs(ours - ref).max() <= 1e-4
+
+
 def test_dcp_multiplies_token_capacity(ray_session, tiny):
     one = LLMEngine(EngineConfig(model=tiny, block_size=8, cache_bytes=2**20))
     two = RayExecutor(EngineConfig(model=tiny, block_size=8, cache_bytes=2**20,
