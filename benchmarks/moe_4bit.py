@@ -17,7 +17,7 @@ bf16 activations in and out; % of 4.3 TB/s (the H200 copy bandwidth of benchmark
 With --profile, each (format, tokens) row also gets the device time per kernel of one eager
 call (torch.profiler); --int4-sweep times int4 at each token count under every setting of
 INT4_SWEEP (the dot-free variant's tiles, warps, K splits and the unsorted-pairs bound), the
-defaults row included, so the module's constants are chosen on measurements.
+defaults row included, so kernels/int4_gemv.py's constants are chosen on measurements.
 
     python benchmarks/moe_4bit.py [--ep2] [--json benchmarks/results/moe_4bit_h200_<commit>.json]
     TRITON_INTERPRET=1 python benchmarks/moe_4bit.py --smoke   # CPU: tiny shapes, no timing
@@ -34,7 +34,7 @@ from datetime import UTC, datetime
 import torch
 from bench_common import git_commit, kernel_profile
 
-from glm53.kernels import int4, moe
+from glm53.kernels import int4, int4_gemv, moe
 from glm53.kernels.ref import int4 as ref_int4
 from glm53.kernels.ref import moe as ref_moe
 
@@ -103,8 +103,8 @@ def _exl3_format(n_local, d, inter, rnd, dtype, n_experts):
 
 
 FORMATS = {"bf16": _bf16, "exl3": _exl3_format, "int4": _int4}
-# kernels/int4.py constants swept by --int4-sweep: each entry is one setting (the product of
-# these lists, on top of the module's defaults)
+# kernels/int4_gemv.py constants swept by --int4-sweep: each entry is one setting (the product
+# of these lists, on top of the module's defaults)
 INT4_SWEEP = {"GEMV_BN13": [32, 64, 128], "GEMV_BN2": [64, 128, 256], "GEMV_WARPS": [4, 8],
               "GEMV_PROGRAMS_PER_SM": [4, 8], "GEMV_AHEAD": [1, 2]}
 
@@ -115,19 +115,19 @@ def int4_sweep(op, routes, replays: int, repeats: int) -> list[dict]:
     import itertools
 
     names = list(INT4_SWEEP)
-    saved = {n: getattr(int4, n) for n in names}
+    saved = {n: getattr(int4_gemv, n) for n in names}
     rows = []
     try:
         for values in itertools.product(*INT4_SWEEP.values()):
             setting = dict(zip(names, values, strict=True))
             for n, v in setting.items():
-                setattr(int4, n, v)
+                setattr(int4_gemv, n, v)
             calls = [lambda r=r: op(*r, 0) for r in routes]
             ms = statistics.median(graph_call_ms(calls, replays, repeats))
             rows.append(dict(setting=setting, ms=ms))
     finally:
         for n, v in saved.items():
-            setattr(int4, n, v)
+            setattr(int4_gemv, n, v)
     return sorted(rows, key=lambda r: r["ms"])
 
 

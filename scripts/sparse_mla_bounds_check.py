@@ -72,7 +72,7 @@ w = reg("w", torch.randn(batch, 32, generator=g) * 32 ** -0.5)
 pos = reg("pos", torch.full((batch,), ctx - 1))
 qs = reg("qs", torch.arange(batch))
 print("inputs", time.time() - t0, flush=True)
-scores = S._score_pools(q_idx, w, pools, table, qs, pos, KPOOL)
+scores = S._score_pools(q_idx, w, pools, table, qs, pos, KPOOL, "plain")  # bf16 pool keys
 print("score", time.time() - t0, flush=True)
 tokens = radix_select.select_pools(scores, pos, BUDGET, KPOOL)
 print("select", time.time() - t0, "token range", int(tokens.min()), int(tokens.max()),

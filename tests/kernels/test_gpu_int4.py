@@ -79,12 +79,12 @@ def test_moe_int4_ep_rank(tokens):
 @pytest.mark.parametrize("variant", ["dot", "gemv1", "gemv2", "gemv4", "gemv1-split8"])
 @pytest.mark.parametrize("tokens", [1, 8, 64])
 def test_moe_int4_decode_variants(experts_288, monkeypatch, variant, tokens):
-    from glm53.kernels import int4
+    from glm53.kernels import int4, int4_gemv
 
     bm = {"dot": 0, "gemv1": 1, "gemv2": 2, "gemv4": 4, "gemv1-split8": 1}[variant]
-    monkeypatch.setattr(int4, "DECODE_GEMV", ((10**9, bm),) if bm else ())
+    monkeypatch.setattr(int4_gemv, "DECODE_GEMV", ((10**9, bm),) if bm else ())
     if variant.endswith("split8"):
-        monkeypatch.setattr(int4, "GEMV_W2_SPLIT", 8)
+        monkeypatch.setattr(int4_gemv, "GEMV_W2_SPLIT", 8)
     gen = torch.Generator(device=DEV).manual_seed(200 + tokens)
     x = torch.randn(tokens, D, generator=gen, device=DEV, dtype=torch.bfloat16)
     wts, ids = _routes(tokens, 288, gen)

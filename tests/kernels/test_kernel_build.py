@@ -53,7 +53,7 @@ def _kernel_names() -> set[str]:
     from glm53.kernels import ops
 
     names = set()
-    for mod in (*ops.KERNEL_MODULES, "kda_chunk", "radix_select"):
+    for mod in (*ops.KERNEL_MODULES, "int4_gemv", "kda_chunk", "radix_select"):
         module = importlib.import_module(f"glm53.kernels.{mod}")
         names |= {n for n, obj in vars(module).items()
                   if n.endswith("_kernel") and hasattr(obj, "fn")}

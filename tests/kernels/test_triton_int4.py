@@ -1,4 +1,4 @@
-"""Triton INT4 kernels (kernels/int4.py) vs the reference on awkward sizes.
+"""Triton INT4 kernels (kernels/int4.py, int4_gemv.py) vs the reference on awkward sizes.
 
 Dequantisation is bit-exact (a 4-bit code times an fp16 scale is exact in fp32). moe_int4, both
 paths: relative error 1e-5 under the interpreter (fp32 operands; sums in another order) and 2e-2
@@ -6,8 +6,8 @@ on CUDA (fp16/bf16 operands, fp32 accumulation). Group sizes: 32 (several groups
 a K step of one group) and 128, which exceeds every in_features here, so each projection's
 group is its whole row (96 and 64: whole-group K steps; 48: per-element scales).
 
-The fused path's two variants are forced through DECODE_GEMV (the dot-free one at 1, 2 and 4
-rows per block, and the tl.dot one), with several K splits of the dot-free w2 and a group
+The fused path's two variants are forced through int4_gemv.DECODE_GEMV (the dot-free one at 1, 2
+and 4 rows per block, and the tl.dot one), with several K splits of the dot-free w2 and a group
 that is no multiple of 8 (the dot-free variant falls back to tl.dot).
 """
 
@@ -109,11 +109,11 @@ GEMV = {"dot": ((), 1), "gemv1": (((10**9, 1),), 1), "gemv2": (((10**9, 2),), 1)
     (64, 128, 32, 5, 2, 3, 4),     # w2: 4 steps of 4 words in 4 splits (w13: 2 of 4 each)
 ])
 def test_decode_variants(monkeypatch, variant, d, inter, group_size, t, k, n_local, split):
-    from glm53.kernels import int4
+    from glm53.kernels import int4, int4_gemv
 
-    monkeypatch.setattr(int4, "DECODE_GEMV", GEMV[variant][0])
-    monkeypatch.setattr(int4, "GEMV_AHEAD", GEMV[variant][1])
-    monkeypatch.setattr(int4, "GEMV_W2_SPLIT", split)
+    monkeypatch.setattr(int4_gemv, "DECODE_GEMV", GEMV[variant][0])
+    monkeypatch.setattr(int4_gemv, "GEMV_AHEAD", GEMV[variant][1])
+    monkeypatch.setattr(int4_gemv, "GEMV_W2_SPLIT", split)
     x, packed, wts, ids = _case(d, inter, group_size, t, k, n_local, seed=t + inter)
     want = ref_int4.moe_int4(x, *packed, wts, ids, 7.0, 2, group_size)
     out = int4.moe_int4_on_path(*(a.to(DEVICE) for a in (x, *packed, wts, ids)), 7.0, 2,
@@ -124,29 +124,29 @@ def test_decode_variants(monkeypatch, variant, d, inter, group_size, t, k, n_loc
 def test_decode_variant_choice(monkeypatch):
     """The dot-free rows per block from T; none for groups that are no multiple of 8 words; K
     splits are powers of two dividing the steps."""
-    from glm53.kernels import int4
+    from glm53.kernels import int4_gemv
 
-    assert [int4._gemv_rows_per_block(t, 128, 128) for t in (1, 16, 17, 64, 65, 128, 129)] == \
+    assert [int4_gemv.rows_per_block(t, 128, 128) for t in (1, 16, 17, 64, 65, 128, 129)] == \
         [1, 1, 2, 2, 4, 4, 0]
-    assert int4._gemv_rows_per_block(1, 12, 128) == 0
+    assert int4_gemv.rows_per_block(1, 12, 128) == 0
     cpu = torch.device("cpu")
-    assert int4._w2_split(16, 256, cpu) == 2  # T = 1: 8 experts x 32 column tiles
+    assert int4_gemv._w2_split(16, 256, cpu) == 2  # T = 1: 8 experts x 32 column tiles
     # w13 columns: halved while under half of 4 programs x 132 SMs
-    assert int4._w13_columns(2048, 1, 8, cpu) == 32  # T = 1: 512 programs
-    assert int4._w13_columns(2048, 1, 64, cpu) == 64  # T = 8: 2048 programs
-    assert int4._w13_columns(2048, 2, 128, cpu) == 32  # 2 rows a block: half the columns
-    assert int4._w2_split(16, 4096, cpu) == 1
-    monkeypatch.setattr(int4, "GEMV_W2_SPLIT", 8)
-    assert int4._w2_split(12, 1, cpu) == 4 and int4._w2_split(16, 1, cpu) == 8
+    assert int4_gemv._w13_columns(2048, 1, 8, cpu) == 32  # T = 1: 512 programs
+    assert int4_gemv._w13_columns(2048, 1, 64, cpu) == 64  # T = 8: 2048 programs
+    assert int4_gemv._w13_columns(2048, 2, 128, cpu) == 32  # 2 rows a block: half the columns
+    assert int4_gemv._w2_split(16, 4096, cpu) == 1
+    monkeypatch.setattr(int4_gemv, "GEMV_W2_SPLIT", 8)
+    assert int4_gemv._w2_split(12, 1, cpu) == 4 and int4_gemv._w2_split(16, 1, cpu) == 8
 
 
 @pytest.mark.parametrize("variant", ["gemv1", "gemv4"])
 def test_decode_group_not_multiple_of_8(monkeypatch, variant):
     """Group 12: the dot-free variant is skipped (tl.dot with per-element scales)."""
-    from glm53.kernels import int4
+    from glm53.kernels import int4, int4_gemv
 
-    monkeypatch.setattr(int4, "DECODE_GEMV", GEMV[variant][0])
-    monkeypatch.setattr(int4, "GEMV_AHEAD", GEMV[variant][1])
+    monkeypatch.setattr(int4_gemv, "DECODE_GEMV", GEMV[variant][0])
+    monkeypatch.setattr(int4_gemv, "GEMV_AHEAD", GEMV[variant][1])
     x, packed, wts, ids = _case(48, 24, 12, 5, 2, 3, seed=5)
     want = ref_int4.moe_int4(x, *packed, wts, ids, 7.0, 0, 12)
     out = int4.moe_int4_on_path(*(a.to(DEVICE) for a in (x, *packed, wts, ids)), 7.0, 0, 12,
@@ -162,11 +162,11 @@ def test_decode_unsorted_pairs(monkeypatch, pairs_max, t, k, n_local, offset, ep
     twice, another rank's experts skipped); 0 forces the sorted blocks on the same inputs.
     With ep ranks' experts named (num_experts), the launch is sized for this rank's share of
     the pairs: fewer columns per program, the same result."""
-    from glm53.kernels import int4
+    from glm53.kernels import int4, int4_gemv
 
-    monkeypatch.setattr(int4, "PAIRS_MAX_TOKENS", pairs_max)
-    calls, pairs = [], int4._moe_decode_pairs
-    monkeypatch.setattr(int4, "_moe_decode_pairs", lambda *a: calls.append(pairs(*a)))
+    monkeypatch.setattr(int4_gemv, "PAIRS_MAX_TOKENS", pairs_max)
+    calls, pairs = [], int4_gemv.moe_decode_pairs
+    monkeypatch.setattr(int4_gemv, "moe_decode_pairs", lambda *a: calls.append(pairs(*a)))
     x, packed, wts, ids = _case(64, 32, 32, t, k, n_local, seed=31 + t)
     ids[0, 0] = offset  # one local expert at least
     if t > 1:

@@ -1,0 +1,345 @@
+"""The dot-free (GEMV) variant of `int4`'s fused decode path, for T <= 128 tokens.
+
+Blocks of BM = 1, 2 or 4 rows (T <= 16, 64, 128; table DECODE_GEMV, read by `rows_per_block`).
+The codes are read as int32 words (8 codes, [BN rows, 16 words] per K step = 64 contiguous
+bytes a row), and each code becomes the fp32 1 + code/16 with one shift and one and-or (code
+under the mantissa of 1.0: no int-to-float conversion, whose 16/clk/SM would cap T=1 at ~45% of
+the bandwidth); x . (code * s + z) = 16 s (x . (1 + code/16)) + (z - 16 s) sum(x), so a weight
+costs one FMA per row and the scale and zero are applied once per step (a step lies in one
+group). Products stay per K lane in registers and are reduced once at the end: no shared-memory
+round trip, no 16-row padding. The next step's words and scales are loaded before this step's
+arithmetic. w2 is also split along K (atomics are there anyway) until ~GEMV_PROGRAMS_PER_SM
+programs per SM, and w13's columns per program are halved while its programs would fill under
+half of that: at T = 1, 8 experts give 512 w13 programs (BN 32: 64 rows x 4096 columns each)
+and 256 x 2 w2 programs. sm_90 SASS per K step and thread: 128 weights for ~600 instructions
+(~4.7 a weight, 128 registers, no spills); at 4 warps and ~4 programs an SM that is ~1.5x the
+issue rate 4.3 TB/s of int4 needs, hence >= 50% of it expected at T = 1 (to be measured). BM
+rows share the unpacking (one FMA a row a weight): BM = 2 beats re-reading for T ~ 32-64 (~1.8
+rows per expert hit at T = 64, 288 experts).
+
+`launch` runs the two kernels over the sorted blocks of `int4.align_kernel`, or, up to
+PAIRS_MAX_TOKENS tokens, over the unsorted (token, expert) pairs, one a block
+(`moe_decode_pairs`).
+
+The constants are read at call time: tests and benchmarks/moe_4bit.py set them on this module.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from .utils import next_pow2
+
+__all__ = ["launch", "moe_decode_pairs", "rows_per_block", "words_aligned"]
+
+# dot-free (GEMV) variant of the fused path: (max tokens, rows per block) in order; the first
+# entry with T <= its bound is taken, none: the tl.dot variant. Chosen on cost per weight (see
+# the module docstring), to be tuned on the GPU.
+DECODE_GEMV = ((16, 1), (64, 2), (128, 4))
+# per program: output columns of w13 (x2 rows: gate and up) and of w2 (halved at 2 rows per
+# block, quartered at 4: registers), words of 8 codes per K step (at most; inside one group),
+# warps
+GEMV_BN13, GEMV_BN2, GEMV_BKW, GEMV_WARPS = 64, 128, 16, 4
+# steps of words loaded ahead of the arithmetic (1 or 2; `gemv_rows`)
+GEMV_AHEAD = 1
+# w2's K split: None picks it (programs per SM of the blocks that can hold rows, K steps kept
+# per split); an int forces that many splits (at most, a power of two dividing the steps)
+GEMV_W2_SPLIT: int | None = None
+GEMV_PROGRAMS_PER_SM, GEMV_MIN_STEPS = 4, 4
+# up to this many tokens (and one row per block) the dot-free variant runs on the unsorted
+# (token, expert) pairs: no sort, searchsorted or align launch (`moe_decode_pairs`); on an
+# H200 (moe_4bit_h200_8fdaacd.json) 0.069 ms against 0.131 sorted at 1 token, 0.40 vs 0.72 at 8
+PAIRS_MAX_TOKENS = 16
+ONE_F32_BITS = 0x3F800000
+
+
+@triton.jit
+def nibble_f32(w, one, I: tl.constexpr):
+    """Code I (input column 8c + I) of each int32 word w (8 codes, code I at bits 4I..4I+3) as
+    the fp32 1 + code / 16: the code moved to mantissa bits 19..22 under the exponent of 1.0
+    (one shift and one and-or per weight, no int-to-float conversion). one: 0x3F800000 passed
+    as a kernel argument, so that ptxas fuses the and-or into one LOP3 (of two immediates it
+    makes two)."""
+    v = w << (19 - 4 * I) if I <= 4 else w >> (4 * I - 19)
+    return ((v & 0x780000) | one).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def gemv_rows(p_w, p_s, p_z, p_x0, p_x1, p_x2, p_x3, w0, n_steps, GW, one, BM: tl.constexpr,
+              BN: tl.constexpr, BKW: tl.constexpr, AHEAD: tl.constexpr):
+    """y_m[n] = sum over n_steps * BKW words from word w0 of x_m . W[n] for the BM <= 4 input
+    rows m, without tl.dot: W's codes and x meet in fp32 registers (FMAs), reduced over K once
+    at the end. p_w, p_s, p_z: [BN] pointers to each weight row's word w0 (int32, 8 codes) and
+    to its first scale / zero; p_xm: row m's input at column 8 w0. Each step of BKW words lies
+    inside one group (GW words), so a row has one (scale, zero) per step, and
+    x . (code * s + z) = 16 s (x . (1 + code / 16)) + (z - 16 s) sum(x): the codes enter as
+    `nibble_f32`, the scale and zero once per step per row. The words and scales of the step
+    AHEAD (1 or 2) steps on are loaded before this step's arithmetic (in flight while it runs:
+    two keep twice the bytes in flight per program at the cost of one more step of registers)."""
+    c = tl.arange(0, BKW)
+    a0 = tl.zeros([BN, BKW], dtype=tl.float32)
+    a1 = tl.zeros([BN, BKW], dtype=tl.float32)
+    a2 = tl.zeros([BN, BKW], dtype=tl.float32)
+    a3 = tl.zeros([BN, BKW], dtype=tl.float32)
+    w = tl.load(p_w[:, None] + c[None, :])
+    s = tl.load(p_s + w0 // GW).to(tl.float32)
+    z = tl.load(p_z + w0 // GW).to(tl.float32)
+    # the step after this one (unused when AHEAD is 1)
+    w_1 = tl.load(p_w[:, None] + (BKW + c)[None, :], mask=(n_steps > 1) & (AHEAD > 1), other=0)
+    s_1 = tl.load(p_s + (w0 + BKW) // GW, mask=(n_steps > 1) & (AHEAD > 1), other=0.0)
+    z_1 = tl.load(p_z + (w0 + BKW) // GW, mask=(n_steps > 1) & (AHEAD > 1), other=0.0)
+    s_1, z_1 = s_1.to(tl.float32), z_1.to(tl.float32)
+    for t in range(n_steps):
+        kw = t * BKW
+        more = t + AHEAD < n_steps
+        w_nx = tl.load(p_w[:, None] + (kw + AHEAD * BKW + c)[None, :], mask=more, other=0)
+        g_nx = (w0 + kw + AHEAD * BKW) // GW
+        s_nx = tl.load(p_s + g_nx, mask=more, other=0.0).to(tl.float32)
+        z_nx = tl.load(p_z + g_nx, mask=more, other=0.0).to(tl.float32)
+        s16 = (16.0 * s)[:, None]
+        z16 = (z - 16.0 * s)[:, None]
+        o_x = 8 * (kw + c)
+        p0 = tl.zeros([BN, BKW], dtype=tl.float32)
+        p1 = tl.zeros([BN, BKW], dtype=tl.float32)
+        p2 = tl.zeros([BN, BKW], dtype=tl.float32)
+        p3 = tl.zeros([BN, BKW], dtype=tl.float32)
+        x0s = tl.zeros([BKW], dtype=tl.float32)
+        x1s = tl.zeros([BKW], dtype=tl.float32)
+        x2s = tl.zeros([BKW], dtype=tl.float32)
+        x3s = tl.zeros([BKW], dtype=tl.float32)
+        for i in tl.static_range(8):
+            f = nibble_f32(w, one, i)
+            xv = tl.load(p_x0 + o_x + i).to(tl.float32)
+            p0 += xv[None, :] * f
+            x0s += xv
+            if BM > 1:
+                xv = tl.load(p_x1 + o_x + i).to(tl.float32)
+                p1 += xv[None, :] * f
+                x1s += xv
+            if BM > 2:
+                xv = tl.load(p_x2 + o_x + i).to(tl.float32)
+                p2 += xv[None, :] * f
+                x2s += xv
+                xv = tl.load(p_x3 + o_x + i).to(tl.float32)
+                p3 += xv[None, :] * f
+                x3s += xv
+        a0 += s16 * p0 + z16 * x0s[None, :]
+        if BM > 1:
+            a1 += s16 * p1 + z16 * x1s[None, :]
+        if BM > 2:
+            a2 += s16 * p2 + z16 * x2s[None, :]
+            a3 += s16 * p3 + z16 * x3s[None, :]
+        if AHEAD > 1:
+            w, s, z, w_1, s_1, z_1 = w_1, s_1, z_1, w_nx, s_nx, z_nx
+        else:
+            w, s, z = w_nx, s_nx, z_nx
+    return tl.sum(a0, 1), tl.sum(a1, 1), tl.sum(a2, 1), tl.sum(a3, 1)
+
+
+@triton.jit
+def pair_block(blocks, i_b, e_off, E, PAIRS: tl.constexpr):
+    """(local expert, first row, end row) of block i_b. Sorted: blocks [NB, 3] from
+    `int4.align_kernel`. PAIRS: blocks are the flat top-k ids [T k] and block i_b is pair i_b
+    alone (row i_b of act; no sort, no align launch), empty when its expert is another rank's."""
+    if PAIRS:
+        e = tl.load(blocks + i_b).to(tl.int64) - e_off
+        r0 = i_b
+        r1 = tl.where((e >= 0) & (e < E), i_b + 1, i_b)
+        e = tl.minimum(tl.maximum(e, 0), E - 1)
+    else:
+        e = tl.load(blocks + i_b * 3).to(tl.int64)
+        r0 = tl.load(blocks + i_b * 3 + 1)
+        r1 = tl.load(blocks + i_b * 3 + 2)
+    return e, r0, r1
+
+
+@triton.jit
+def row_token(sorted_tok, r, K, PAIRS: tl.constexpr):
+    """The token of row r: sorted_tok[r], or r // K for unsorted pairs (K = top-k)."""
+    if PAIRS:
+        return (r // K).to(tl.int64)
+    else:
+        return tl.load(sorted_tok + r).to(tl.int64)
+
+
+@triton.jit
+def swiglu_store(h, act, r, ok, o_n, m_n, INTER, limit, BN: tl.constexpr):
+    """act[r, o_n] = swiglu of h [2 BN] (gate, up interleaved) where ok and m_n."""
+    b_g, b_u = tl.split(tl.reshape(h, [BN, 2]))
+    b_g = tl.minimum(b_g, limit)
+    b_u = tl.minimum(tl.maximum(b_u, -limit), limit)
+    tl.store(act + r * INTER + o_n, b_g * tl.sigmoid(b_g) * b_u, mask=m_n & ok)
+
+
+@triton.jit
+def w13_gemv_kernel(x, q, scale, zero, blocks, sorted_tok, act, stride_x, INTER, KW, NG, limit,
+                    GW, one, K, e_off, E, BM: tl.constexpr, BN: tl.constexpr, BKW: tl.constexpr,
+                    PAIRS: tl.constexpr, AHEAD: tl.constexpr):
+    """`int4.w13_swiglu_kernel` for blocks of BM <= 4 rows, dot-free (`gemv_rows`): one program
+    computes gate and up (rows interleaved in one [2 BN] tile) for BN output columns.
+    q: int32 words [E, 2I, D/8]. PAIRS (BM = 1): unsorted, see `pair_block`."""
+    i_b, i_n = tl.program_id(0), tl.program_id(1)
+    e, r0, r1 = pair_block(blocks, i_b, e_off, E, PAIRS)
+    if r0 >= r1:  # past the last block, or another rank's expert: read no weights
+        return
+    j = tl.arange(0, 2 * BN)
+    o_n = i_n * BN + tl.arange(0, BN)
+    m_n = o_n < INTER
+    rows = tl.minimum(i_n * BN + j // 2, INTER - 1) + (j % 2) * INTER  # gate, up, gate, ...
+    p_w = q + e * 2 * INTER * KW + rows * KW
+    p_s = scale + e * 2 * INTER * NG + rows * NG
+    p_z = zero + e * 2 * INTER * NG + rows * NG
+    # rows past the block's end re-read its last row (results not stored)
+    p_x0 = x + row_token(sorted_tok, r0, K, PAIRS) * stride_x
+    p_x1 = x + row_token(sorted_tok, tl.minimum(r0 + 1, r1 - 1), K, PAIRS) * stride_x
+    p_x2 = x + row_token(sorted_tok, tl.minimum(r0 + 2, r1 - 1), K, PAIRS) * stride_x
+    p_x3 = x + row_token(sorted_tok, tl.minimum(r0 + 3, r1 - 1), K, PAIRS) * stride_x
+    h0, h1, h2, h3 = gemv_rows(p_w, p_s, p_z, p_x0, p_x1, p_x2, p_x3, 0, KW // BKW, GW, one, BM,
+                               2 * BN, BKW, AHEAD)
+    swiglu_store(h0, act, r0, r0 < r1, o_n, m_n, INTER, limit, BN)
+    if BM > 1:
+        swiglu_store(h1, act, r0 + 1, r0 + 1 < r1, o_n, m_n, INTER, limit, BN)
+    if BM > 2:
+        swiglu_store(h2, act, r0 + 2, r0 + 2 < r1, o_n, m_n, INTER, limit, BN)
+        swiglu_store(h3, act, r0 + 3, r0 + 3 < r1, o_n, m_n, INTER, limit, BN)
+
+
+@triton.jit
+def w2_gemv_kernel(act, q, scale, zero, blocks, sorted_tok, sorted_w, out, D, INTER, KW, NG, GW,
+                   STEPS, one, K, e_off, E, BM: tl.constexpr, BN: tl.constexpr,
+                   BKW: tl.constexpr, PAIRS: tl.constexpr, AHEAD: tl.constexpr):
+    """`int4.w2_kernel` for blocks of BM <= 4 rows, dot-free (`gemv_rows`), split along K: program
+    (block, n, s) covers the STEPS * BKW words from s * STEPS * BKW and adds its part of
+    weight * y into out with atomics. q: int32 words [E, D, I/8]. PAIRS (BM = 1): unsorted,
+    see `pair_block` (sorted_w: the pairs' routing weights in pair order)."""
+    i_b, i_n, i_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    e, r0, r1 = pair_block(blocks, i_b, e_off, E, PAIRS)
+    if r0 >= r1:
+        return
+    o_n = i_n * BN + tl.arange(0, BN)
+    m_n = o_n < D
+    rows = tl.minimum(o_n, D - 1)
+    w0 = i_k * STEPS * BKW
+    p_w = q + e * D * KW + rows * KW + w0
+    p_s = scale + e * D * NG + rows * NG
+    p_z = zero + e * D * NG + rows * NG
+    ra = act + 8 * w0
+    y0, y1, y2, y3 = gemv_rows(p_w, p_s, p_z, ra + r0 * INTER,
+                               ra + tl.minimum(r0 + 1, r1 - 1) * INTER,
+                               ra + tl.minimum(r0 + 2, r1 - 1) * INTER,
+                               ra + tl.minimum(r0 + 3, r1 - 1) * INTER, w0, STEPS, GW, one, BM, BN,
+                               BKW, AHEAD)
+    tok = row_token(sorted_tok, r0, K, PAIRS)
+    tl.atomic_add(out + tok * D + o_n, y0 * tl.load(sorted_w + r0), mask=m_n)
+    if BM > 1:
+        ok = r0 + 1 < r1
+        tok = tl.load(sorted_tok + r0 + 1, mask=ok, other=0).to(tl.int64)
+        wt = tl.load(sorted_w + r0 + 1, mask=ok, other=0.0)
+        tl.atomic_add(out + tok * D + o_n, y1 * wt, mask=m_n & ok)
+    if BM > 2:
+        ok = r0 + 2 < r1
+        tok = tl.load(sorted_tok + r0 + 2, mask=ok, other=0).to(tl.int64)
+        wt = tl.load(sorted_w + r0 + 2, mask=ok, other=0.0)
+        tl.atomic_add(out + tok * D + o_n, y2 * wt, mask=m_n & ok)
+        ok = r0 + 3 < r1
+        tok = tl.load(sorted_tok + r0 + 3, mask=ok, other=0).to(tl.int64)
+        wt = tl.load(sorted_w + r0 + 3, mask=ok, other=0.0)
+        tl.atomic_add(out + tok * D + o_n, y3 * wt, mask=m_n & ok)
+
+
+def rows_per_block(n_tok: int, g13: int, g2: int) -> int:
+    """BM of the dot-free variant for T tokens (each expert has at most T rows), 0 for the
+    tl.dot variant: the first entry of DECODE_GEMV with T <= its bound. Groups must be
+    multiples of 8 input columns (a code word never straddles two groups)."""
+    if g13 % 8 or g2 % 8:
+        return 0
+    return next((bm for max_tok, bm in DECODE_GEMV if n_tok <= max_tok), 0)
+
+
+def words_aligned(w13, w2) -> bool:
+    """Codes viewable as int32 words (the dot-free variant reads words of 8 codes)."""
+    return w13[0].storage_offset() % 4 == 0 and w2[0].storage_offset() % 4 == 0
+
+
+@functools.cache
+def _num_sms(device: torch.device) -> int:
+    """SMs of `device`, asked once (the decode launches size their grids from it every step)."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 132  # an H100 / H200
+
+
+def _w2_split(steps: int, programs: int, device: torch.device) -> int:
+    """K splits of the dot-free w2 launch: GEMV_W2_SPLIT if set, else doubled while the
+    programs of the blocks that can hold rows stay under GEMV_PROGRAMS_PER_SM per SM and each
+    split keeps GEMV_MIN_STEPS steps; always a power of two dividing `steps`."""
+    split = 1
+    while steps % (2 * split) == 0 and (
+            split < GEMV_W2_SPLIT if GEMV_W2_SPLIT else
+            steps // (2 * split) >= GEMV_MIN_STEPS
+            and 2 * split * programs <= GEMV_PROGRAMS_PER_SM * _num_sms(device)):
+        split *= 2
+    return split
+
+
+def _w13_columns(inter: int, bm: int, blocks: int, device: torch.device) -> int:
+    """Output columns per dot-free w13 program: GEMV_BN13 (halved at 2 rows per block,
+    quartered at 4), halved again down to 16 while the `blocks` that can hold rows would fill
+    under half of GEMV_PROGRAMS_PER_SM per SM (measured on an H200 at 1 token: BN 32 0.069 ms
+    vs BN 64 0.072 ms; at 8 and 16 tokens BN 64 is best)."""
+    bn = max(8, min(GEMV_BN13 >> bm // 2, next_pow2(inter)))
+    while bn > 16 and 2 * blocks * triton.cdiv(inter, bn) <= \
+            GEMV_PROGRAMS_PER_SM * _num_sms(device):
+        bn //= 2
+    return bn
+
+
+def launch(x, w13, w2, g13, g2, bm, blocks, tok32, wts, n_blk, n_hit, limit, out, *,
+           pairs=None) -> None:
+    """The dot-free variant's two launches over n_blk blocks of bm rows (n_hit: experts that
+    can hold rows). pairs: (k, expert offset, local experts) when blocks are the flat top-k ids
+    (one pair a block, bm = 1; act rows and wts in pair order; tok32 unused)."""
+    (q13, s13, z13), (q2, s2, z2) = w13, w2
+    d, inter = out.shape[1], q13.shape[1] // 2
+    n_pairs = n_blk * bm if pairs else tok32.numel()
+    act = torch.empty((n_pairs, inter), dtype=torch.float32, device=x.device)
+    k, e_off, n_local = pairs or (1, 0, q13.shape[0])
+    # words (8 codes) per group; steps of BKW words inside one group
+    gw13, gw2 = g13 // 8, g2 // 8
+    bn = _w13_columns(inter, bm, min(n_blk, n_hit), x.device)
+    bkw = min(GEMV_BKW, gw13 & -gw13)
+    w13_gemv_kernel[(n_blk, triton.cdiv(inter, bn))](
+        x, q13.view(torch.int32), s13, z13, blocks, tok32, act, x.stride(0), inter, d // 8,
+        s13.shape[-1], float(limit), gw13, ONE_F32_BITS, k, e_off, n_local, BM=bm, BN=bn,
+        BKW=bkw, PAIRS=pairs is not None, AHEAD=GEMV_AHEAD, num_warps=GEMV_WARPS)
+    bn = max(16, min(GEMV_BN2 >> bm // 2, next_pow2(d)))
+    bkw = min(GEMV_BKW, gw2 & -gw2)
+    steps = inter // 8 // bkw
+    n_n = triton.cdiv(d, bn)
+    split = _w2_split(steps, min(n_blk, n_hit) * n_n, x.device)
+    w2_gemv_kernel[(n_blk, n_n, split)](
+        act, q2.view(torch.int32), s2, z2, blocks, tok32, wts, out, d, inter, inter // 8,
+        s2.shape[-1], gw2, steps // split, ONE_F32_BITS, k, e_off, n_local, BM=bm, BN=bn,
+        BKW=bkw, PAIRS=pairs is not None, AHEAD=GEMV_AHEAD, num_warps=GEMV_WARPS)
+
+
+def moe_decode_pairs(x, w13, w2, g13, g2, topk_ids, topk_weights, expert_offset, limit,
+                     out, num_experts: int) -> None:
+    """The dot-free variant on the unsorted pairs (T <= PAIRS_MAX_TOKENS): one block a pair, so
+    an expert chosen by several tokens is read once per token, against the sort, searchsorted
+    and align launches it saves (~2 us each at decode sizes). Under EP the pairs of other
+    ranks' experts exit at once: the launch is sized for the pairs expected to be this rank's
+    (E / num_experts of them), so that those fill the SMs (at EP2 and 1 token, w13's columns
+    per program halve: ~4 live pairs, not 8)."""
+    n_tok, k = topk_ids.shape
+    ids = topk_ids.reshape(-1)
+    wts = topk_weights.reshape(-1).float()
+    n_local = w13[0].shape[0]
+    live = max(1, -(-n_tok * k * n_local // num_experts))
+    launch(x, w13, w2, g13, g2, 1, ids, ids, wts, n_tok * k, min(n_local, live), limit, out,
+           pairs=(k, expert_offset, n_local))
+
