@@ -352,25 +352,33 @@ class ModelRunner:
         """(flat rows, embeddings) of the step's image placeholders. An image is embedded
         whole, once: its embeddings are kept until its last placeholder is computed, or
         dropped (and recomputed from the pixels the step carries) when its request skips a
-        step, so nothing outlives an aborted or preempted request."""
+        step, so nothing outlives an aborted or preempted request. The images a step embeds
+        go through the tower in one call (its attention keeps each image to itself), not one
+        call each: the eager tower's launches, not its math, bound one small image."""
         if not step.images:
             self.image_embeds.clear()
             return None
         if self.model.visual is None:
             raise RuntimeError("a step carries images but the model has no vision tower")
+        new = list({item.key: item.image for item in step.images
+                    if item.key not in self.image_embeds}.items())
+        embedded = dict(self.image_embeds)
+        if new:
+            pixels = to_device(np.concatenate([image.pixel_values for _, image in new]),
+                               self.device)
+            out = self.model.visual(pixels, [image.grid_thw for _, image in new])
+            embedded.update(zip((key for key, _ in new),
+                                out.split([image.num_tokens for _, image in new]),
+                                strict=True))
         kept, rows, parts = {}, [], []
         for item in step.images:
-            embeds = self.image_embeds.get(item.key)
-            if embeds is None:
-                pixels = torch.from_numpy(item.image.pixel_values).to(self.device)
-                embeds = self.model.visual(pixels, [item.image.grid_thw])
+            embeds = embedded[item.key]
             if item.end < item.image.num_tokens:
                 kept[item.key] = embeds
             rows.append(item.rows)
             parts.append(embeds[item.start:item.end])
         self.image_embeds = kept
-        return (torch.tensor(np.concatenate(rows), device=self.device),
-                torch.cat(parts))
+        return to_device(np.concatenate(rows), self.device), torch.cat(parts)
 
     def _draft_probs(self, step: StepInput) -> list[torch.Tensor | None] | None:
         """Per sequence, the distributions its drafts were drawn from (probabilistic MTP)."""

@@ -74,6 +74,9 @@ def test_chunked_image_prefill_equals_whole_prompt(tiny, tokens, tight):
         return execute(step)
 
     engine.executor.execute = counting
+    calls = []  # images per tower call
+    engine.executor.runner.model.visual.register_forward_pre_hook(
+        lambda tower, args: calls.append(len(args[1])))
     ids = [engine.add_request(p, GREEDY, images=imgs) for p, imgs in requests]
     assert engine.scheduler.requests[ids[1]].image_digests == ("digest-1-0", "digest-1-1")
     results: dict[str, list[int]] = {}
@@ -86,6 +89,10 @@ def test_chunked_image_prefill_equals_whole_prompt(tiny, tokens, tight):
     assert max(carried) <= engine.config.max_step_image_bytes
     if tokens == 64:  # several images fit in one step's tokens; the pixel budget decides
         assert (max(carried) == largest) == tight
+    # every image embedded once; the images of one step in one tower call
+    assert sum(calls) == 4
+    if tokens == 64 and not tight:
+        assert max(calls) > 1
 
 
 def test_image_bookkeeping_is_checked(tiny):
