@@ -159,7 +159,7 @@ def test_serve_drains_on_sigterm(tmp_path: Path):
             env=env, stdout=out, stderr=subprocess.STDOUT)
     try:
         _wait_serving(proc, log, 120)
-        body = {"model": "glm53-tiny", "prompt": "hello", "max_tokens": 600,
+        body = {"model": "glm53-tiny", "prompt": "hello", "max_tokens": 300,
                 "ignore_eos": True, "stream": True}
         with httpx.Client(timeout=60) as client, client.stream(
                 "POST", f"{base}/v1/completions", json=body) as stream:
