@@ -16,9 +16,18 @@ weight GiB per part and the KV pool left on the rank, for each latent-cache form
 whose sequences do not fit the pool shares physical blocks between its sequences
 (`kv_shared`: same bytes read per step, the capacity is reported separately).
 
+Each case also times the MTP3 cycle of issue 20 (`mtp3_cycle_ms`, mtp_cycle.py): the verify
+step of 4 tokens a sequence through the runner's decode graphs, sampling, acceptance on the
+host, the KDA commit and the MTP proposer's 3 drafts, as ModelRunner.launch runs it, with its
+split (`mtp3_cycle_split`: verify + sample, accept + commit, propose, and the drafts the timed
+cycles accepted). Acceptance is synthetic by default (`--mtp-acceptance 1,1,0`: 2 drafts a
+cycle, 3 tokens, the whole number nearest the published runs; `measured` applies the real
+rule to the random model's drafts). `mtp3_tokens_per_cycle_assumed` is the accepted length of
+published GLM-5.3-Flash MTP3 runs (2.6-2.8 tokens a cycle, issue 20), stated, not measured.
+
     python benchmarks/rank0.py [--json benchmarks/results/rank0_h200_<commit>.json]
         [--commit SHA] [--decode 1x8192,...] [--experts exl3|int4] [--utilization 0.9]
-        [--profile] [--kv-cache-dtype bf16[,fp8,nvfp4]]
+        [--profile] [--kv-cache-dtype bf16[,fp8,nvfp4]] [--mtp-acceptance 1,1,0|measured]
 """
 
 from __future__ import annotations
@@ -32,6 +41,7 @@ from datetime import UTC, datetime
 
 import torch
 from bench_common import kernel_profile, unit_scale_bank
+from mtp_cycle import mtp_cycle_ms
 from slice import BLOCK, _timed, engine_step_ms
 
 from glm53.actors.caches import ModelCaches, cache_bytes, latent_bytes_per_token, pool_row
@@ -47,6 +57,9 @@ DEV = "cuda"
 PLAN = ParallelConfig(tp=2, ep=2, dcp=2)
 HBM_BYTES_PER_S = 4.3e12  # measured device-to-device copy on the H200 (performance.md)
 GRAPH_RESERVE = 6 * 2**30  # graphs' private pools and workspace during the run
+MTP_SPEC = 3  # drafts a cycle of the MTP3 setting
+# tokens an MTP3 cycle emits in published GLM-5.3-Flash runs (issue 20): stated, not measured
+MTP3_TOKENS_PER_CYCLE = (2.6, 2.8)
 
 
 def emulation_config(experts: str, layers: int | None = None) -> ModelConfig:
@@ -143,7 +156,12 @@ def main() -> None:
                     help="device time per kernel of one eager decode step per case")
     ap.add_argument("--kv-cache-dtype", default="bf16",
                     help="latent-cache formats to run, comma-separated (bf16, fp8, nvfp4)")
+    ap.add_argument("--mtp-acceptance", default="1,1,0",
+                    help="the MTP3 cycle's synthetic acceptance probability per draft "
+                         "position, or 'measured' (the real rule on the random drafts)")
     args = ap.parse_args()
+    acceptance = (None if args.mtp_acceptance == "measured" else
+                  tuple(float(p) for p in args.mtp_acceptance.split(",")))
     cases = [tuple(int(v) for v in c.split("x")) for c in args.decode.split(",") if c]
     cfg = emulation_config(args.experts, args.layers)
     torch.manual_seed(0)
@@ -164,7 +182,9 @@ def main() -> None:
         kv_block_tokens=BLOCK, kv_caches={},
         note="collectives are no-ops (not timed); random weights; uniform routing; "
              "engine_step_ms includes host work; engine_step_overlapped_ms hides it behind the "
-             "step in flight; graph_ms is one graph replay")
+             "step in flight; graph_ms is one graph replay; mtp3_cycle_ms: verify width 4 + 3 "
+             "MTP drafts with host work, acceptance as its split says; "
+             "mtp3_tokens_per_cycle_assumed: published runs, not measured")
     rows = []
 
     def save():
@@ -174,12 +194,13 @@ def main() -> None:
 
     for kv_dtype in args.kv_cache_dtype.split(","):
         budget = int(args.utilization * total) - (total - free) - GRAPH_RESERVE
+        # sized for the MTP3 cycle's verify steps (the indexer ring holds the drafts)
         per_block, per_slot = cache_bytes(cfg, BLOCK, torch.bfloat16, True, model.parallel,
-                                          kv_cache_dtype=kv_dtype)
+                                          MTP_SPEC, kv_cache_dtype=kv_dtype)
         num_blocks = (budget - (max_batch + 1) * per_slot) // per_block
         caches = ModelCaches.allocate(cfg, num_blocks, BLOCK, max_batch + 1, torch.bfloat16, DEV,
-                                      with_mtp=True, ps=model.parallel, kv_cache_dtype=kv_dtype,
-                                      kv_scales=unit_scale_bank(cfg))
+                                      with_mtp=True, ps=model.parallel, num_spec=MTP_SPEC,
+                                      kv_cache_dtype=kv_dtype, kv_scales=unit_scale_bank(cfg))
         kv_tokens = (num_blocks - 1) * BLOCK
         meta["kv_caches"][kv_dtype] = dict(
             kv_blocks=num_blocks, kv_tokens_per_rank=kv_tokens,
@@ -187,14 +208,17 @@ def main() -> None:
             kv_tokens_per_gib=round(2**30 * BLOCK / per_block),
             kv_128k_sequences=kv_tokens // 131072)
         print(json.dumps(meta, indent=1), flush=True)
-        run_cases(model, caches, cfg, cases, num_blocks, kv_dtype, args.profile, rows, save)
+        run_cases(model, caches, cfg, cases, num_blocks, kv_dtype, args.profile, rows, save,
+                  acceptance)
         del caches
         gc.collect()
         torch.cuda.empty_cache()
 
 
-def run_cases(model, caches, cfg, cases, num_blocks, kv_dtype, profile, rows, save) -> None:
-    """Time each (batch, context) case on `caches` (latent rows in `kv_dtype`) into `rows`."""
+def run_cases(model, caches, cfg, cases, num_blocks, kv_dtype, profile, rows, save,
+              acceptance: tuple[float, ...] | None) -> None:
+    """Time each (batch, context) case on `caches` (latent rows in `kv_dtype`) into `rows`;
+    the MTP3 cycle under `acceptance` (mtp_cycle_ms's)."""
     with torch.inference_mode():
         for batch, context in cases:
             per = -(-context // BLOCK)
@@ -224,6 +248,16 @@ def run_cases(model, caches, cfg, cases, num_blocks, kv_dtype, profile, rows, sa
                 row["engine_step_overlapped_ms"] = row["engine_step_host"]["overlapped_ms"]
             except Exception as exc:  # noqa: BLE001
                 row["engine_step_error"] = repr(exc)[:400]
+            gc.collect()
+            torch.cuda.empty_cache()
+            try:
+                row["mtp3_cycle_ms"], row["mtp3_cycle_split"] = mtp_cycle_ms(
+                    model, caches, cfg, batch, context, tables, num_spec=MTP_SPEC,
+                    steps=reps_for(2 * row.get("graph_ms", 100.0)), acceptance=acceptance)
+            except Exception:  # noqa: BLE001
+                row["mtp3_cycle_error"] = traceback.format_exc()[-3000:]
+                print(row["mtp3_cycle_error"], flush=True)
+            row["mtp3_tokens_per_cycle_assumed"] = list(MTP3_TOKENS_PER_CYCLE)
             gc.collect()
             torch.cuda.empty_cache()
             rows.append(row)

@@ -154,14 +154,20 @@ def engine_step_ms(model, caches: ModelCaches, cfg: ModelConfig, batch_size: int
         [(SamplingParams(temperature=0.0), 0, ctx, (), (), ())] * batch_size)
     token_ids = np.random.default_rng(0).integers(0, cfg.vocab_size, batch_size)
     marks: list[tuple[float, float, float]] = []
+    empty = np.zeros(0, dtype=np.int64)
 
-    def launch(previous: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, object]:
+    def launch(previous: torch.Tensor | None,
+               delta: bool = True) -> tuple[torch.Tensor, torch.Tensor, object]:
         """Steps 'build -> load + replay -> sample' of one step; its tokens are `previous`
-        (the last step's samples, on the device) when given."""
+        (the last step's samples, on the device) when given. The graphs read the block
+        tables from their persistent rows: `delta`, the step brings the engine's steady-state
+        change to them (none); else its whole tables are written there (the first step)."""
         step = StepInput(0, [""] * batch_size, token_ids, positions,
                          np.arange(batch_size + 1, dtype=np.int64), table,
                          slot_mapping_for(positions, rows, table, BLOCK), rows, rows, rows,
-                         sampling)
+                         sampling, block_table_resets=empty if delta else None,
+                         block_table_updates=empty.reshape(0, 3) if delta else None)
+        graphs.static.update_tables(step)  # as ModelRunner.launch does
         fill = None if previous is None else (to_device(rows, DEV), previous)
         _, _, logits = graphs.run(step, graphs.bucket(step), fill)
         t1 = time.perf_counter()
@@ -176,6 +182,7 @@ def engine_step_ms(model, caches: ModelCaches, cfg: ModelConfig, batch_size: int
         marks.append((t1 - t0, t2 - t1, time.perf_counter() - t2))
         return host.numpy()
 
+    launch(None, delta=False)
     ms = _timed(decode, steps)
     split = [float(v) for v in np.median(np.array(marks[1:]), axis=0) * 1e3]  # [0]: warm-up
     host = dict(build_load_replay_ms=split[0], sampler_calls_ms=split[1], wait_ms=split[2])
