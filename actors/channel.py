@@ -34,6 +34,16 @@ _HEADER = 8 * (_TAKEN + MAX_RANKS)  # bytes
 STOP = "__stop__"
 
 
+def _pause(spins: int, longest: float = 0.002) -> None:
+    """The poll loops' wait after `spins` empty polls: spin first, letting other runnable ranks
+    have the core, then back off to sleeps of up to `longest` seconds, so that an idle rank
+    costs (almost) nothing."""
+    if spins < 5000:
+        os.sched_yield()
+    else:
+        time.sleep(min(longest, 0.0002 if spins < 20000 else 0.002))
+
+
 class ChannelClosed(RuntimeError):
     """The other side stopped the channel."""
 
@@ -90,9 +100,16 @@ class StepChannel:
         return obj
 
     # ----- worker side -----
-    def request_ready(self) -> bool:
-        """Whether a request this rank has not taken is published (no wait)."""
-        return int(self._header[_REQ_SEQ]) != self._seen_request
+    def wait_request(self, or_until: Callable[[], bool]) -> bool:
+        """Wait until a request this rank has not taken is published (True) or `or_until()`
+        holds (False), polling it at most every 50 us."""
+        spins = 0
+        while int(self._header[_REQ_SEQ]) == self._seen_request:
+            if or_until():
+                return False
+            spins += 1
+            _pause(spins, longest=0.00005)
+        return True
 
     def receive_request(self, timeout: float | None = None) -> object:
         obj = self._wait(_REQ_SEQ, None, timeout, response=False)
@@ -125,10 +142,7 @@ class StepChannel:
         spins = 0
         while int(self._header[seq_field]) == seen:
             spins += 1
-            if spins < 5000:
-                os.sched_yield()  # spin, but let other runnable ranks have the core first
-            else:  # idle for a while: back off so an idle rank costs (almost) nothing
-                time.sleep(0.0002 if spins < 20000 else 0.002)
+            _pause(spins)
             now = time.perf_counter()
             if alive is not None and now - last_check > 0.05:
                 alive()

@@ -5,9 +5,7 @@ serves the shared-memory step channel. The executor wraps it as a Ray actor."""
 from __future__ import annotations
 
 import logging
-import os
 import socket
-import time
 import traceback
 
 import torch
@@ -85,7 +83,8 @@ class Worker:
         pending = None  # the launched step not yet finished
         try:
             while True:
-                if pending is not None and not self._next_or_done(channel, pending):
+                # the next step arrives, or the one in flight ends first: answer it now
+                if pending is not None and not channel.wait_request(or_until=pending.done):
                     self._answer(channel, self.runner.finish(pending))
                     pending = None
                 try:
@@ -108,20 +107,6 @@ class Worker:
                     raise
         finally:
             channel.close()
-
-    @staticmethod
-    def _next_or_done(channel: StepChannel, pending) -> bool:
-        """Wait until the next step arrives (True) or the step in flight is done (False)."""
-        spins = 0
-        while not channel.request_ready():
-            if pending.done():
-                return False
-            spins += 1
-            if spins < 5000:
-                os.sched_yield()
-            else:
-                time.sleep(0.00005)
-        return True
 
     def _answer(self, channel: StepChannel, out: StepOutput | None) -> None:
         if self.rank == 0:

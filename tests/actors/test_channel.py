@@ -29,9 +29,9 @@ def test_two_steps_in_flight_answered_in_order(channel):
     engine.send({"step": 0})
     engine.send({"step": 1})  # before any answer
     for w in (rank0, rank1):
-        assert w.request_ready()
+        assert w.wait_request(or_until=lambda: True)  # published: no wait
         assert [w.receive_request()["step"] for _ in range(2)] == [0, 1]
-        assert not w.request_ready()
+        assert not w.wait_request(or_until=lambda: True)  # nothing new: gives up
     rank0.respond("out0")
     rank0.respond("out1")
     assert [engine.receive_response(timeout=1) for _ in range(2)] == ["out0", "out1"]
