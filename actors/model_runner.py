@@ -398,7 +398,7 @@ class ModelRunner:
         return self.proposer.propose(step, hidden, kept, next_tokens, taps)
 
 
-def logits_row_index(rows: np.ndarray, device: torch.device) -> slice | torch.Tensor:
+def logits_row_index(rows: np.ndarray, device: torch.device | str) -> slice | torch.Tensor:
     """Index of the logits rows a step reads: a slice when they are consecutive (every decode
     step), which needs no copy to the device and no gather kernel."""
     if len(rows) and (np.diff(rows) == 1).all():

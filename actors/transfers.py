@@ -13,11 +13,11 @@ import numpy as np
 import torch
 
 
-def to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
+def to_device(array: np.ndarray, device: torch.device | str) -> torch.Tensor:
     """A copy of `array` on `device` (never sharing its memory), through pinned memory on CUDA
     (queued behind the stream's work)."""
     t = torch.from_numpy(np.ascontiguousarray(array))
-    if device.type != "cuda":
+    if torch.device(device).type != "cuda":
         return t.to(device, copy=True)
     return t.pin_memory().to(device, non_blocking=True)
 

@@ -109,13 +109,25 @@ def randomize_(model: torch.nn.Module) -> None:
             p.normal_(0.0, 1.0 / math.sqrt(p.shape[-1]))
 
 
+def _sync() -> None:
+    """Wait for the GPU (nothing to wait for without one: the CPU runs ops as they are called)."""
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def _wait(ready: torch.cuda.Event | None) -> None:
+    """Wait for a to_host copy (None: it was on the host already)."""
+    if ready is not None:
+        ready.synchronize()
+
+
 def _timed(fn, steps: int) -> float:
     fn()
-    torch.cuda.synchronize()
+    _sync()
     start = time.perf_counter()
     for _ in range(steps):
         fn()
-    torch.cuda.synchronize()
+    _sync()
     return (time.perf_counter() - start) / steps * 1e3
 
 
@@ -142,10 +154,13 @@ def engine_step_ms(model, caches: ModelCaches, cfg: ModelConfig, batch_size: int
     overlapped execution runs it (ModelRunner.launch of step N+1, whose tokens are step N's
     samples filled in on the device, before finish of step N: the host work hides behind the
     running step); with `profile`, the host calls that take the most CPU time in one step
-    (torch.profiler)."""
+    (torch.profiler). Runs on the model's device: CUDA graphs on CUDA, their eager emulation
+    elsewhere."""
+    device = next(model.parameters()).device
     graphs = DecodeGraphs(model, caches, pad_slot=caches.layers[0].conv.shape[0] - 1,
                           max_blocks=cfg.max_position_embeddings // BLOCK,
-                          batch_sizes=(batch_size,), widths=(1,))
+                          batch_sizes=(batch_size,), widths=(1,),
+                          capture=device.type == "cuda")
     sampler = Sampler()
     rows = np.arange(batch_size, dtype=np.int64)
     positions = np.full(batch_size, ctx - 1, dtype=np.int64)
@@ -168,17 +183,17 @@ def engine_step_ms(model, caches: ModelCaches, cfg: ModelConfig, batch_size: int
                          sampling, block_table_resets=empty if delta else None,
                          block_table_updates=empty.reshape(0, 3) if delta else None)
         graphs.static.update_tables(step)  # as ModelRunner.launch does
-        fill = None if previous is None else (to_device(rows, DEV), previous)
+        fill = None if previous is None else (to_device(rows, device), previous)
         _, _, logits = graphs.run(step, graphs.bucket(step), fill)
         t1 = time.perf_counter()
-        ids, _ = sampler(logits[logits_row_index(step.sample_rows, DEV)], step.sampling)
+        ids, _ = sampler(logits[logits_row_index(step.sample_rows, device)], step.sampling)
         return (ids, *to_host(ids)), t1
 
     def decode() -> np.ndarray:
         t0 = time.perf_counter()
         (_, host, ready), t1 = launch(None)
         t2 = time.perf_counter()
-        ready.synchronize()
+        _wait(ready)
         marks.append((t1 - t0, t2 - t1, time.perf_counter() - t2))
         return host.numpy()
 
@@ -191,13 +206,13 @@ def engine_step_ms(model, caches: ModelCaches, cfg: ModelConfig, batch_size: int
         (ids, host, ready), _ = launch(None)
         for _ in range(n):
             nxt, _ = launch(ids)
-            ready.synchronize()
+            _wait(ready)
             host.numpy()
             (ids, host, ready) = nxt
-        ready.synchronize()
+        _wait(ready)
 
     overlapped(2)  # warm-up
-    torch.cuda.synchronize()
+    _sync()
     start = time.perf_counter()
     overlapped(steps)
     host["overlapped_ms"] = (time.perf_counter() - start) / (steps + 1) * 1e3

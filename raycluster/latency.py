@@ -126,10 +126,10 @@ class LatencyRunner:
     def warm_up(self, batch: int, context: int) -> None:
         """One short untimed case: kernels compile at their first call, not in a timed one.
         Its output outlasts the chunked prefill (the first requests decode while the last
-        still prefill) by a few full-batch steps."""
+        still prefill, up to 1 + k tokens a step with k drafts) by a few full-batch steps."""
         k = self.config.num_speculative_tokens
         prefill_steps = -(-batch * context // self.config.max_num_batched_tokens)
-        self.measure(LatencyCase(batch, context, prefill_steps + 2 * (k + 1) + 2))
+        self.measure(LatencyCase(batch, context, (prefill_steps + 3) * (k + 1)))
 
     def measure(self, case: LatencyCase) -> LatencyResult:
         engine, spec = self.engine, self.engine.spec_stats
@@ -167,8 +167,9 @@ class LatencyRunner:
         if not step_times:
             raise ValueError(
                 f"no step ran the full batch of {case.batch} after its prefill: output_len "
-                f"{case.output_len} is too short (give at least {k + 2} tokens), or the cache "
-                "cannot hold the batch (see the capacity line)")
+                f"{case.output_len} is too short (the first requests decode up to {k + 1} "
+                "tokens a step while the last ones still prefill: give a few steps more than "
+                "that), or the cache cannot hold the batch (see the capacity line)")
         times = np.array(step_times)
         tokens_per_step = tokens / case.batch / len(times)
         result = dict(
