@@ -82,3 +82,33 @@ class ForwardBatch:
             positions, np.concatenate([[0], np.cumsum(num_tokens)]).astype(np.int64), tables,
             slot_mapping_for(positions, query_seq, tables, block_size),
             np.asarray(state_ids, dtype=np.int64), device)
+
+
+@dataclass(frozen=True)
+class DeferredStates:
+    """The sequences of a verify step whose KDA states wait for acceptance (those verifying
+    drafts), as the commit after acceptance reads them: M sequences."""
+
+    cu_seqlens: torch.Tensor  # [M+1] int64, over their rows only
+    state_ids: torch.Tensor  # [M] int64
+    has_initial_state: torch.Tensor  # [M] bool
+    # [R] int64, their rows among the step's rows; None when every row of the step is theirs
+    rows: torch.Tensor | None = None
+
+    @classmethod
+    def of_step(cls, positions: np.ndarray, cu_seqlens: np.ndarray, state_ids: np.ndarray,
+                num_drafts: np.ndarray, device: torch.device | str = "cpu") -> DeferredStates:
+        """From the step's host arrays (positions [T], cu_seqlens [N+1], state_ids and
+        num_drafts [N]), in one copy to the device: nothing is read back from it."""
+        mine = num_drafts > 0
+        starts, lengths = cu_seqlens[:-1][mine], np.diff(cu_seqlens)[mine]
+        cu = np.concatenate([[0], np.cumsum(lengths)])
+        every = bool(mine.all())
+        rows = np.zeros(0, np.int64) if every else np.concatenate(
+            [np.zeros(0, np.int64), *(np.arange(s, s + n) for s, n in zip(starts, lengths,
+                                                                            strict=True))])
+        m = int(mine.sum())
+        packed = torch.from_numpy(np.concatenate(
+            [cu, state_ids[mine], positions[starts] > 0, rows]).astype(np.int64)).to(device)
+        parts = packed.split([m + 1, m, m, len(rows)])
+        return cls(parts[0], parts[1], parts[2].bool(), None if every else parts[3])

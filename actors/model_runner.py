@@ -28,7 +28,7 @@ import torch
 
 from .caches import CachePlan, ModelCaches, copy_state_slots, plan_cache
 from .cuda_graphs import DecodeGraphs, batch_buckets
-from .forward_batch import ForwardBatch
+from .forward_batch import DeferredStates, ForwardBatch
 from .kv_scale_bank import bank_path, load_scale_bank
 from .loader import DTYPES, load_model
 from .memory_plan import MemoryPlan, plan_memory
@@ -246,12 +246,10 @@ class ModelRunner:
             # a chunk of image placeholders is never a decode step, whatever its width
             key = None if step.images else self.graphs.bucket(step)
         if key is not None:
-            batch = None  # built only if a verify step must commit its KDA states
             hidden, taps, all_logits = self.graphs.run(step, key, fill)
             logits = all_logits[rows]
         else:
-            batch = self._batch(step)
-            hidden, taps = self._forward(step, batch, fill)
+            hidden, taps = self._forward(step, self._batch(step), fill)
             logits = self.model.compute_logits(hidden[rows])
         draft_probs = self._draft_probs(step)
         if draft_probs is None:
@@ -279,9 +277,11 @@ class ModelRunner:
                                        torch.tensor(sampled, device=self.device),
                                        int(step.sampling.num_logprobs.max()))
         if step.num_drafts.any():  # the verifying sequences' KDA states were deferred
+            mine = step.num_drafts > 0
             self.model.commit_speculative(
-                batch if batch is not None else self._batch(step), self.caches,
-                torch.tensor(1 + num_accepted, device=self.device))
+                DeferredStates.of_step(step.positions, step.cu_seqlens, step.state_ids,
+                                       step.num_drafts, self.device),
+                self.caches, to_device(1 + num_accepted[mine], self.device))
         drafts = None
         if self.proposer is not None:
             drafts = self._propose(step, hidden, taps, num_accepted, emitted)

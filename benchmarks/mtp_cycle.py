@@ -26,12 +26,13 @@ import torch
 from glm53.actors.caches import ModelCaches, open_ring_size
 from glm53.actors.config import ModelConfig
 from glm53.actors.cuda_graphs import DecodeGraphs
-from glm53.actors.forward_batch import ForwardBatch, slot_mapping_for
+from glm53.actors.forward_batch import DeferredStates, slot_mapping_for
 from glm53.actors.model_runner import logits_row_index
 from glm53.actors.sampler import Sampler, build_sampling_inputs
 from glm53.actors.speculative.mtp import MTPProposer
 from glm53.actors.speculative.verify import SyntheticAcceptance, accept_drafts
 from glm53.actors.step import SamplingParams, StepInput
+from glm53.actors.transfers import to_device
 
 
 def _sync(device: torch.device) -> None:
@@ -112,11 +113,10 @@ class MTPCycle:
         for seq, tokens in zip(dict.fromkeys(step.sample_seqs.tolist()), emitted, strict=True):
             sampled[row:row + len(tokens)] = tokens
             row += 1 + int(step.num_drafts[seq])
-        batch = ForwardBatch.from_arrays(step.positions, step.cu_seqlens, step.block_tables,
-                                         step.slot_mapping, step.state_ids, self.device,
-                                         step.num_drafts)
-        self.model.commit_speculative(batch, self.caches,
-                                      torch.tensor(1 + num_accepted, device=self.device))
+        deferred = DeferredStates.of_step(step.positions, step.cu_seqlens, step.state_ids,
+                                          step.num_drafts, self.device)
+        self.model.commit_speculative(deferred, self.caches,
+                                      to_device(1 + num_accepted, self.device))
         if sync:
             _sync(self.device)
         if marks is not None:

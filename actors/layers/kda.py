@@ -16,7 +16,7 @@ from glm53.kernels import ops
 
 from ..caches import KDAState
 from ..config import ModelConfig
-from ..forward_batch import ForwardBatch
+from ..forward_batch import DeferredStates, ForwardBatch
 from ..parallel import ParallelState, split
 from .linear import (
     ColumnParallelLinear,
@@ -78,21 +78,17 @@ class KDAttention(nn.Module):
         self.pending = None if replay is None else (pre, *replay)
         return self.ps.tp_all_reduce(self.o_proj(o.reshape(n_tok, -1)))
 
-    def commit(self, batch: ForwardBatch, state: KDAState, num_accepted: torch.Tensor) -> None:
+    def commit(self, deferred: DeferredStates, state: KDAState,
+               num_accepted: torch.Tensor) -> None:
         """After verification: advance the deferred sequences' conv windows and recurrent
-        states past their first num_accepted[i] tokens (other sequences were written already).
-        """
+        states past their first num_accepted[i] tokens ([M], one per deferred sequence; other
+        sequences were written already). Reads nothing back from the device, so a CUDA graph
+        can replay it."""
         pre, q, k, v, g, beta = self.pending
         self.pending = None
-        mine = batch.defer_state
-        ids, init = batch.state_ids[mine], batch.has_initial_state[mine]
-        bounds = batch.cu_seqlens
-        dev = bounds.device
-        rows = torch.cat([torch.arange(int(bounds[i]), int(bounds[i + 1]), device=dev)
-                          for i in mine.nonzero().flatten().tolist()])
-        cu = torch.cat([torch.zeros(1, dtype=torch.long, device=dev),
-                        (bounds[1:] - bounds[:-1])[mine].cumsum(0)])
-        n = num_accepted[mine]
-        ops.conv_commit(pre[rows], state.conv, cu, ids, init, n)
-        ops.kda_commit(q[rows], k[rows], v[rows], g[rows], beta[rows], state.recurrent, cu, ids,
-                       init, n)
+        if deferred.rows is not None:
+            pre, q, k, v, g, beta = (t[deferred.rows] for t in (pre, q, k, v, g, beta))
+        cu, ids, init = deferred.cu_seqlens, deferred.state_ids, deferred.has_initial_state
+        ops.conv_commit(pre, state.conv, cu, ids, init, num_accepted)
+        ops.kda_commit(q, k, v, g.contiguous(), beta.contiguous(), state.recurrent, cu, ids,
+                       init, num_accepted)

@@ -14,7 +14,7 @@ from glm53.kernels import ops
 
 from ..caches import DSAState, KDAState, ModelCaches
 from ..config import DENSE, KDA, ModelConfig
-from ..forward_batch import ForwardBatch
+from ..forward_batch import DeferredStates, ForwardBatch
 from ..layers.kda import KDAttention
 from ..layers.linear import Linear, ParallelLMHead, VocabParallelEmbedding
 from ..layers.mhc import HyperConnection
@@ -129,13 +129,14 @@ class Glm5NextForCausalLM(nn.Module):
         return hidden, torch.cat([taps[i] for i in tap_layers], dim=-1)
 
     @torch.inference_mode()
-    def commit_speculative(self, batch: ForwardBatch, caches: ModelCaches,
+    def commit_speculative(self, deferred: DeferredStates, caches: ModelCaches,
                            num_accepted: torch.Tensor) -> None:
         """After a verify step: KDA states of the verifying sequences advance past their
-        accepted tokens only (num_accepted [N], counted from the step's first token)."""
+        accepted tokens only (num_accepted [M], one per deferred sequence, counted from its
+        first token in the step)."""
         for layer, state in zip(self.layers, caches.layers, strict=True):
             if layer.is_kda:
-                layer.self_attn.commit(batch, state, num_accepted)
+                layer.self_attn.commit(deferred, state, num_accepted)
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
