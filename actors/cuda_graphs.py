@@ -34,13 +34,14 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from .caches import ModelCaches
-from .forward_batch import ForwardBatch
+from .forward_batch import DeferredStates, ForwardBatch
 from .models.glm5_next import Glm5NextForCausalLM
 from .step import StepInput
 from .transfers import to_device
@@ -105,6 +106,11 @@ class StaticInputs:
         self.mirrors = [(torch.zeros(total, dtype=torch.int64, pin_memory=pin),
                          torch.zeros(2, n, dtype=torch.bool, pin_memory=pin)) for _ in range(2)]
         self.dev = torch.zeros(total, dtype=torch.int64, device=device)
+        # what acceptance decided, for the graph after a verify step: kept rows and the token
+        # emitted at the last of them [2, N_max] (two host mirrors too)
+        self.accept_mirrors = [torch.zeros(2, n, dtype=torch.int64, pin_memory=pin)
+                               for _ in range(2)]
+        self.accept_dev = torch.ones(2, n, dtype=torch.int64, device=device)
         self.dev_flags = torch.zeros(2, n, dtype=torch.bool, device=device)
         self.tables = torch.zeros(pad_slot + 1, max_blocks, dtype=torch.int64, device=device)
         self.turn = 0
@@ -135,6 +141,19 @@ class StaticInputs:
             slot_mapping=self._dev("slot_mapping", t),
             defer_state=self.dev_flags[1, :b] if w > 1 else None,
         )
+
+    def accepted(self, b: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(kept rows [b], token emitted at the last kept row [b]) of the last verify step."""
+        return self.accept_dev[0, :b], self.accept_dev[1, :b]
+
+    def load_accepted(self, kept: np.ndarray, emitted: np.ndarray, b: int) -> None:
+        """Copy acceptance's result for n <= b sequences; padding keeps 1 row, token 0."""
+        host = self.accept_mirrors[self.turn]
+        values = host.numpy()
+        n = len(kept)
+        values[0, :b], values[1, :b] = 1, 0
+        values[0, :n], values[1, :n] = kept, emitted
+        self.accept_dev[:, :b].copy_(host[:, :b], non_blocking=True)
 
     def update_tables(self, step: StepInput) -> None:
         """Bring the rows of `step`'s state slots up to date: its delta (rows reset, then
@@ -191,26 +210,41 @@ class StaticInputs:
             self._dev("token_ids", t)[fill[0]] = fill[1]
 
 
+# drafter(hidden [b*w, D], token_ids [b*w], batch, kept [b], emitted [b]) -> drafts [b, k]:
+# draft tokens after a uniform verify step from the device tensors alone (a graph replays it)
+Drafter = Callable[[torch.Tensor, torch.Tensor, ForwardBatch, torch.Tensor, torch.Tensor],
+                   torch.Tensor]
+
+
 class DecodeGraphs:
     """Graphs (or, with capture=False, their eager emulation) of the trunk forward + lm_head
-    for uniform steps of `widths` tokens per sequence and `batch_sizes` sequences.
+    for uniform steps of `widths` tokens per sequence and `batch_sizes` sequences, and of what
+    follows a speculative one once acceptance is known.
 
     run(step) returns (hidden [b*w, D], taps or None, logits [b*w, V] fp32), valid until the
-    next run; rows past the step's n*w are padding. After a verify run the KDA layers' pending
-    tensors are those of the replayed graph, so `commit_speculative` works as after an eager
-    forward (given the step's own, unpadded ForwardBatch).
+    next run; rows past the step's n*w are padding. After a run of a step whose sequences
+    all verify drafts (w > 1) or all may draft (with a `drafter`), `run_accepted` replays the
+    step's second graph: the KDA commit of the accepted tokens (w > 1) and the drafter's
+    passes. Without it (an eager step) the KDA layers' pending tensors are those of the
+    replayed graph, so `commit_speculative` works as after an eager forward.
     """
 
     def __init__(self, model: Glm5NextForCausalLM, caches: ModelCaches, *, pad_slot: int,
                  max_blocks: int, batch_sizes: tuple[int, ...], widths: tuple[int, ...],
-                 tap_layers: tuple[int, ...] = (), capture: bool = True) -> None:
+                 tap_layers: tuple[int, ...] = (), capture: bool = True,
+                 drafter: Drafter | None = None) -> None:
         self.model, self.caches, self.tap_layers = model, caches, tap_layers
+        self.drafter = drafter
         self.batch_sizes, self.widths = batch_sizes, widths
         device = model.embed_tokens.weight.device
         self.static = StaticInputs(max(batch_sizes), max(widths), max_blocks, caches.block_size,
                                    pad_slot, device)
         self.kda = {i: layer.self_attn for i, layer in enumerate(model.layers) if layer.is_kda}
         self.graphs: dict[tuple[int, int], _Graph] = {}  # empty when emulating
+        # (b, w) -> the graph after acceptance and its drafts [b, k] (None: no drafter)
+        self.accepted_graphs: dict[tuple[int, int],
+                                   tuple[torch.cuda.CUDAGraph, torch.Tensor | None]] = {}
+        self.last: tuple[tuple[int, int], _Graph] | None = None  # emulation: the last run
         self.num_replays = 0  # steps served by a graph (or its emulation)
         if capture:
             self._capture_all(device)
@@ -234,12 +268,46 @@ class DecodeGraphs:
         self.num_replays += 1
         if not self.graphs:  # emulation: the same padded forward, eagerly
             g = self._forward(b, w)
+            self.last = key, g
             return g.hidden, g.taps, g.logits
         g = self.graphs[key]
         g.graph.replay()
         for i, attn in self.kda.items():
             attn.pending = g.pending[i]
         return g.hidden, g.taps, g.logits
+
+    def has_accepted_graph(self, w: int) -> bool:
+        """Whether a step of width w that speculates ends in `run_accepted` (a commit to
+        replay, or drafts to make)."""
+        return w > 1 or self.drafter is not None
+
+    def run_accepted(self, key: tuple[int, int], kept: np.ndarray,
+                     emitted: np.ndarray) -> torch.Tensor | None:
+        """After `run(step, key)` of a speculative step of n sequences and acceptance on the
+        host: commit the KDA states past the kept rows (kept [n], 1 + accepted drafts) and,
+        with a drafter, draft from the token emitted at the last kept row (emitted [n]).
+        Returns the drafts [n, k] on the device (valid until the next run), or None."""
+        b, w = key
+        self.static.load_accepted(kept, emitted, b)
+        if not self.graphs:
+            if self.last is None or self.last[0] != key:
+                raise RuntimeError(f"run_accepted{key} follows no run of that bucket")
+            drafts = self._after_acceptance(b, w, self.last[1].hidden)
+        else:
+            graph, drafts = self.accepted_graphs[key]
+            graph.replay()
+        return None if drafts is None else drafts[:len(kept)]
+
+    @torch.inference_mode()
+    def _after_acceptance(self, b: int, w: int, hidden: torch.Tensor) -> torch.Tensor | None:
+        ids, batch = self.static.views(b, w)
+        kept, emitted = self.static.accepted(b)
+        if w > 1:  # every sequence verified: all deferred, padding into the pad slot
+            self.model.commit_speculative(
+                DeferredStates(batch.cu_seqlens, batch.state_ids, batch.has_initial_state),
+                self.caches, kept)
+        return None if self.drafter is None else self.drafter(hidden, ids, batch, kept,
+                                                              emitted)
 
     @torch.inference_mode()
     def _forward(self, b: int, w: int) -> _Graph:
@@ -269,8 +337,31 @@ class DecodeGraphs:
                 with torch.cuda.graph(graph, pool=pool, stream=stream):
                     g = self._forward(b, w)
                 self.graphs[(b, w)] = _Graph(graph, g.hidden, g.taps, g.logits, g.pending)
+                if self.has_accepted_graph(w):
+                    self.accepted_graphs[(b, w)] = self._capture_accepted(b, w, g, pool,
+                                                                          stream)
         torch.cuda.synchronize(device)
         used = free_before - torch.cuda.mem_get_info(device)[0]
         logger.info("captured %d CUDA graphs (batch sizes %s, widths %s) in %.1f s, %.0f MiB",
                     len(self.graphs), list(self.batch_sizes), list(self.widths),
                     time.perf_counter() - start, used / 2**20)
+
+    def _capture_accepted(self, b: int, w: int, g: _Graph, pool, stream: torch.cuda.Stream,
+                          ) -> tuple[torch.cuda.CUDAGraph, torch.Tensor | None]:
+        """The graph after acceptance of bucket (b, w), reading the verify graph `g`'s outputs
+        (its KDA pending tensors, its hidden states). Its warm-up commits and drafts padding
+        only (the static inputs hold an all-padding step)."""
+        device = g.hidden.device
+        self.static.load_accepted(np.zeros(0, np.int64), np.zeros(0, np.int64), b)
+        for attn_id, attn in self.kda.items():
+            attn.pending = g.pending[attn_id]
+        stream.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(stream):
+            self._after_acceptance(b, w, g.hidden)
+        torch.cuda.current_stream(device).wait_stream(stream)
+        for attn_id, attn in self.kda.items():
+            attn.pending = g.pending[attn_id]
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool, stream=stream):
+            drafts = self._after_acceptance(b, w, g.hidden)
+        return graph, drafts

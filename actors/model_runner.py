@@ -201,10 +201,12 @@ class ModelRunner:
                 1, 1 + self.num_spec)
         max_blocks = min(-(-self.max_model_len // self.plan.block_size),
                          self.plan.num_blocks - 1)
+        greedy_mtp = isinstance(self.proposer, MTPProposer) and not self.proposer.probabilistic
         return DecodeGraphs(self.model, self.caches, pad_slot=self.plan.num_slots,
                             max_blocks=max_blocks, batch_sizes=self.graph_batch_sizes,
                             widths=widths, tap_layers=getattr(self.proposer, "tap_layers", ()),
-                            capture=capture)
+                            capture=capture,
+                            drafter=self.proposer.draft_after_verify if greedy_mtp else None)
 
     def _free_memory_budget(self, utilization: float) -> int:
         if self.device.type != "cuda":
@@ -276,15 +278,24 @@ class ModelRunner:
             logprobs = gather_logprobs(torch.log(probs),
                                        torch.tensor(sampled, device=self.device),
                                        int(step.sampling.num_logprobs.max()))
-        if step.num_drafts.any():  # the verifying sequences' KDA states were deferred
+        next_tokens = step.next_tokens.copy()  # each sequence's token after its kept rows
+        for seq, tokens in zip(dict.fromkeys(step.sample_seqs.tolist()), emitted, strict=True):
+            next_tokens[seq] = tokens[-1]
+        drafts = None
+        if key is not None and self.graphs.has_accepted_graph(key[1]):
+            # the KDA commit (and greedy MTP drafts) as one graph after acceptance
+            graphed = self.graphs.run_accepted(key, 1 + num_accepted, next_tokens)
+            if graphed is not None:
+                drafts = graphed.cpu().numpy()
+                drafts[np.arange(drafts.shape[1])[None, :] >= step.propose[:, None]] = -1
+        elif step.num_drafts.any():  # the verifying sequences' KDA states were deferred
             mine = step.num_drafts > 0
             self.model.commit_speculative(
                 DeferredStates.of_step(step.positions, step.cu_seqlens, step.state_ids,
                                        step.num_drafts, self.device),
                 self.caches, to_device(1 + num_accepted[mine], self.device))
-        drafts = None
-        if self.proposer is not None:
-            drafts = self._propose(step, hidden, taps, num_accepted, emitted)
+        if drafts is None and self.proposer is not None:
+            drafts = self._propose(step, hidden, taps, num_accepted, next_tokens)
         output = StepOutput(step.step_id, sampled, logprobs, prompt_logprobs, num_accepted,
                             drafts)
         self.last_step = (step, output)
@@ -389,12 +400,9 @@ class ModelRunner:
                 for rid, k in zip(step.request_ids, step.num_drafts, strict=True)]
 
     def _propose(self, step: StepInput, hidden: torch.Tensor, taps: torch.Tensor | None,
-                 num_accepted: np.ndarray, emitted: list[list[int]]) -> np.ndarray:
+                 num_accepted: np.ndarray, next_tokens: np.ndarray) -> np.ndarray:
         lengths = np.diff(step.cu_seqlens)
         kept = np.where(step.num_drafts > 0, 1 + num_accepted, lengths)
-        next_tokens = step.next_tokens.copy()
-        for seq, tokens in zip(dict.fromkeys(step.sample_seqs.tolist()), emitted, strict=True):
-            next_tokens[seq] = tokens[-1]
         return self.proposer.propose(step, hidden, kept, next_tokens, taps)
 
 

@@ -3,9 +3,10 @@ steps"), timed as `ModelRunner.launch` runs a step that verifies MTP drafts, wit
 own parts: the verify step of 1 + num_spec tokens per sequence through `DecodeGraphs` (widths
 1 and 1 + num_spec, as a runner speculating with MTP captures them; CUDA graphs on CUDA, their
 eager emulation elsewhere), the `Sampler` on every verify row, the samples on the host,
-acceptance there (`accept_drafts`, or `SyntheticAcceptance` to fix the accepted length), the
-KDA commit of the accepted tokens (`commit_speculative`), then `MTPProposer` drafting num_spec
-tokens for the next cycle, whose verify step they become.
+acceptance there (`accept_drafts`, or `SyntheticAcceptance` to fix the accepted length), then
+the graph after acceptance: the KDA commit of the accepted tokens and `MTPProposer`'s greedy
+passes (`draft_after_verify`) drafting num_spec tokens for the next cycle, whose verify step
+they become.
 
 Every cycle verifies at the same positions (ctx - 2 num_spec .. ctx - num_spec; the drafts'
 rows end at ctx - 1, inside the tables), as `slice.engine_step_ms` decodes at one position:
@@ -26,13 +27,12 @@ import torch
 from glm53.actors.caches import ModelCaches, open_ring_size
 from glm53.actors.config import ModelConfig
 from glm53.actors.cuda_graphs import DecodeGraphs
-from glm53.actors.forward_batch import DeferredStates, slot_mapping_for
+from glm53.actors.forward_batch import slot_mapping_for
 from glm53.actors.model_runner import logits_row_index
 from glm53.actors.sampler import Sampler, build_sampling_inputs
 from glm53.actors.speculative.mtp import MTPProposer
 from glm53.actors.speculative.verify import SyntheticAcceptance, accept_drafts
 from glm53.actors.step import SamplingParams, StepInput
-from glm53.actors.transfers import to_device
 
 
 def _sync(device: torch.device) -> None:
@@ -77,13 +77,13 @@ class MTPCycle:
             raise ValueError(f"caches allocated for fewer than {num_spec} drafts (num_spec)")
         self.model, self.caches = model, caches
         self.device = next(model.parameters()).device
+        self.proposer = MTPProposer(model, caches, num_spec)
         self.graphs = DecodeGraphs(
             model, caches, pad_slot=caches.layers[0].conv.shape[0] - 1,
             max_blocks=cfg.max_position_embeddings // caches.block_size,
             batch_sizes=(batch_size,), widths=(1, 1 + num_spec),
-            capture=self.device.type == "cuda")
+            capture=self.device.type == "cuda", drafter=self.proposer.draft_after_verify)
         self.sampler = Sampler()
-        self.proposer = MTPProposer(model, caches, num_spec)
         self.verify = accept_drafts if acceptance is None else SyntheticAcceptance(acceptance)
         self.acceptance = "measured (accept_drafts: greedy drafts vs greedy target)" if (
             acceptance is None) else "synthetic " + ",".join(f"{p:g}" for p in acceptance)
@@ -93,15 +93,16 @@ class MTPCycle:
             sync: bool = False) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """ModelRunner.launch of a verify step through the graphs: (accepted [N], sampled
         [R] with each sequence's emitted tokens in its first rows, next drafts [N, K]).
-        Appends the host time after verify + sampling, acceptance + commit and proposing to
-        `marks`; `sync` waits for the device at the end of each (for the split)."""
+        Appends the host time after verify + sampling, acceptance, and the graph after
+        acceptance (KDA commit + MTP drafts, to the host) to `marks`; `sync` waits for the
+        device at the end of each (for the split)."""
         self.graphs.static.update_tables(step)
         key = self.graphs.bucket(step)
         if key is None:
             raise ValueError("the verify step does not fit the graphs (tables too wide?)")
         rows = logits_row_index(np.concatenate([step.sample_rows, step.prompt_logprob_rows]),
                                 self.device)
-        hidden, taps, all_logits = self.graphs.run(step, key)
+        _, _, all_logits = self.graphs.run(step, key)
         sampled, _ = self.sampler(all_logits[rows][:len(step.sample_rows)], step.sampling)
         sampled = sampled.cpu().numpy()
         if marks is not None:
@@ -110,22 +111,14 @@ class MTPCycle:
             sampled, step.sample_seqs, step.num_drafts, step.draft_ids, None, None,
             step.sampling.seeds, step.sampling.positions)
         row = 0
+        next_tokens = step.next_tokens.copy()
         for seq, tokens in zip(dict.fromkeys(step.sample_seqs.tolist()), emitted, strict=True):
             sampled[row:row + len(tokens)] = tokens
             row += 1 + int(step.num_drafts[seq])
-        deferred = DeferredStates.of_step(step.positions, step.cu_seqlens, step.state_ids,
-                                          step.num_drafts, self.device)
-        self.model.commit_speculative(deferred, self.caches,
-                                      to_device(1 + num_accepted, self.device))
-        if sync:
-            _sync(self.device)
+            next_tokens[seq] = tokens[-1]
         if marks is not None:
             marks.append(time.perf_counter())
-        # ModelRunner._propose: every sequence verified drafts, so it keeps 1 + accepted rows
-        next_tokens = step.next_tokens.copy()
-        for seq, tokens in zip(dict.fromkeys(step.sample_seqs.tolist()), emitted, strict=True):
-            next_tokens[seq] = tokens[-1]
-        drafts = self.proposer.propose(step, hidden, 1 + num_accepted, next_tokens, taps)
+        drafts = self.graphs.run_accepted(key, 1 + num_accepted, next_tokens).cpu().numpy()
         if marks is not None:
             marks.append(time.perf_counter())
         return num_accepted, sampled, drafts
@@ -139,9 +132,9 @@ def mtp_cycle_ms(model, caches: ModelCaches, cfg: ModelConfig, batch_size: int, 
     last one proposed. The split (medians, ms) comes from `steps` more cycles that wait for
     the device at the end of each phase: `verify_sample_ms` (building the StepInput, loading
     and replaying the verify step's graph, sampling, up to the samples on the host),
-    `accept_commit_ms` (acceptance on the host, the KDA commit), `propose_ms` (num_spec MTP
-    passes, eager, each draft to the host); with the acceptance rule and how many drafts the
-    timed cycles accepted (sequences per count)."""
+    `accept_ms` (acceptance on the host), `commit_draft_ms` (the graph after acceptance: the
+    KDA commit and num_spec MTP passes, the drafts to the host); with the acceptance rule and
+    how many drafts the timed cycles accepted (sequences per count)."""
     if ctx <= 2 * num_spec:
         raise ValueError(f"context {ctx} leaves no room for the verify and draft rows")
     cycle = MTPCycle(model, caches, cfg, batch_size, num_spec, acceptance)
@@ -177,7 +170,7 @@ def mtp_cycle_ms(model, caches: ModelCaches, cfg: ModelConfig, batch_size: int, 
         one(marks, sync=True)
         phases.append(np.diff(marks))
     split = [float(v) for v in np.median(np.array(phases), axis=0) * 1e3]
-    return ms, dict(verify_sample_ms=split[0], accept_commit_ms=split[1], propose_ms=split[2],
+    return ms, dict(verify_sample_ms=split[0], accept_ms=split[1], commit_draft_ms=split[2],
                     verify_width=1 + num_spec, acceptance=cycle.acceptance,
                     accepted_drafts=dict(sorted(accepted.items())),
                     cuda_graphs=bool(cycle.graphs.graphs))

@@ -18,12 +18,13 @@ whose sequences do not fit the pool shares physical blocks between its sequences
 
 Each case also times the MTP3 cycle of issue 20 (`mtp3_cycle_ms`, mtp_cycle.py): the verify
 step of 4 tokens a sequence through the runner's decode graphs, sampling, acceptance on the
-host, the KDA commit and the MTP proposer's 3 drafts, as ModelRunner.launch runs it, with its
-split (`mtp3_cycle_split`: verify + sample, accept + commit, propose, and the drafts the timed
-cycles accepted). Acceptance is synthetic by default (`--mtp-acceptance 1,1,0`: 2 drafts a
-cycle, 3 tokens, the whole number nearest the published runs; `measured` applies the real
-rule to the random model's drafts). `mtp3_tokens_per_cycle_assumed` is the accepted length of
-published GLM-5.3-Flash MTP3 runs (2.6-2.8 tokens a cycle, issue 20), stated, not measured.
+host, then the graph after acceptance (the KDA commit and the MTP proposer's 3 drafts), as
+ModelRunner.launch runs it, with its split (`mtp3_cycle_split`: verify + sample, accept,
+commit + draft, and the drafts the timed cycles accepted). Acceptance is synthetic by
+default (`--mtp-acceptance 1,1,0`: 2 drafts a cycle, 3 tokens, the whole number nearest the
+published runs; `measured` applies the real rule to the random model's drafts).
+`mtp3_tokens_per_cycle_assumed` is the accepted length of published GLM-5.3-Flash MTP3 runs
+(2.6-2.8 tokens a cycle, issue 20), stated, not measured.
 
     python benchmarks/rank0.py [--json benchmarks/results/rank0_h200_<commit>.json]
         [--commit SHA] [--decode 1x8192,...] [--experts exl3|int4] [--utilization 0.9]

@@ -12,6 +12,8 @@ Rows written at positions that end up rejected are simply overwritten later.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import torch
 import torch.nn.functional as F
@@ -91,6 +93,49 @@ class MTPProposer:
             step.request_ids[i]: torch.stack([p[n] for p in probs])
             for n, i in enumerate(drafting)})
         return drafts
+
+    @torch.inference_mode()
+    def draft_after_verify(self, hidden: torch.Tensor, token_ids: torch.Tensor,
+                           batch: ForwardBatch, kept: torch.Tensor,
+                           emitted: torch.Tensor) -> torch.Tensor:
+        """Greedy drafts after a uniform step of b sequences of w rows, from device tensors
+        alone (no host sync: `DecodeGraphs` replays it as the graph after acceptance).
+
+        Pass 0 runs every row, not only the kept ones: a row past a sequence's kept rows
+        computes a position that ends up rejected, whose cache rows are rewritten before any
+        query reads them (as the verify step's own are); the kept rows compute exactly what
+        `propose` computes (attention is causal). Passes 1..k-1 then run one row per
+        sequence. hidden: [b*w, D] the target's final hidden states; token_ids: [b*w] the
+        step's tokens; batch: the step's (padded) ForwardBatch; kept: [b] rows kept (1 +
+        accepted drafts); emitted: [b] the token emitted at the last kept row. Returns
+        [b, num_spec] draft ids."""
+        b = kept.shape[0]
+        w = token_ids.shape[0] // b
+        seq = torch.arange(b, device=kept.device)
+        last = kept - 1
+        nxt = token_ids.view(b, w).roll(-1, dims=1)  # each row fed the token after it
+        nxt[seq, last] = emitted
+        h = self.model.forward_mtp(hidden, nxt.view(-1), replace(batch, defer_state=None),
+                                   self.caches)
+        h = h.view(b, w, -1)[seq, last]
+        token = self.model.compute_logits(h).argmax(dim=-1)
+        drafts = [token]
+        first = batch.positions.view(b, w)[seq, last]
+        tables, bs = batch.block_tables, self.caches.block_size
+        cu = torch.arange(b + 1, device=kept.device)
+        resumes = torch.ones(b, dtype=torch.bool, device=kept.device)
+        for j in range(1, self.num_spec):
+            p = first + j
+            col = p // bs
+            inside = col < tables.shape[1]  # beyond the table: into the null block 0
+            block = tables[seq, col.clamp(max=tables.shape[1] - 1)].where(inside, 0)
+            one = ForwardBatch(positions=p, query_seq=seq, cu_seqlens=cu,
+                               state_ids=batch.state_ids, has_initial_state=resumes,
+                               block_tables=tables, slot_mapping=block * bs + p % bs)
+            h = self.model.forward_mtp(h, token, one, self.caches)
+            token = self.model.compute_logits(h).argmax(dim=-1)
+            drafts.append(token)
+        return torch.stack(drafts, dim=1)
 
     def _drawer(self, step: StepInput, drafting: np.ndarray, device: torch.device):
         """draw(logits [N, V], j) -> (draft tokens [N], their distributions [N, V] or None)."""

@@ -1,6 +1,7 @@
 """CUDA graphs on the GPU: the tiny model through the in-process engine with graphs on gives the
 greedy tokens of the same engine under enforce_eager, with requests arriving and finishing
-across steps (bucket changes and padding) and with MTP speculation; graphs really replayed.
+across steps (bucket changes and padding) and with MTP speculation (the KDA commit and the
+greedy drafts as the graph after acceptance); graphs really replayed.
 With overlapped scheduling too: step N+1 is launched before step N is finished (its tokens
 filled in on the device), asking no logprobs, so that nothing makes the host wait in between.
 
@@ -66,6 +67,8 @@ def test_graphs_match_eager(tiny, dtype, k, overlap):
     graphs = graph_engine.executor.runner.graphs
     assert graphs is not None and graphs.graphs, "capture failed (see the log)"
     assert graphs.batch_sizes == (1, 2, 4, 6)
+    # greedy MTP: every bucket ends in a graph after acceptance (commit + drafts)
+    assert len(graphs.accepted_graphs) == (len(graphs.graphs) if k else 0)
     replayed = _run(graph_engine, NO_LOGPROBS if overlap else PARAMS)
     assert graphs.num_replays >= 5
     if k:
