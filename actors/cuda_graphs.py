@@ -26,6 +26,11 @@ sequence verifies exactly num_spec drafts; n <= the largest bucket; the step's b
 max_blocks. Sampling stays eager, so any sampling settings, non-sampling rows and prompt-logprob
 rows are fine (the graph's logits cover every row).
 
+A speculative step is decided on the host (acceptance reads the samples); what follows it, the
+KDA commit of the accepted tokens and, with a greedy MTP drafter, the draft passes, is a second
+graph per bucket (`run_accepted`) that reads the verify graph's outputs and one small static
+buffer of kept rows and emitted tokens: one launch instead of a few hundred eager ones.
+
 `capture=False` runs the same padded static-buffer forward eagerly (any device): CPU tests use
 it to check that padding changes nothing for the real sequences.
 """
