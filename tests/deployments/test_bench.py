@@ -168,17 +168,22 @@ def test_both_commands_against_glm53_serve(tiny_checkpoint: Path, tmp_path: Path
     env = {**os.environ, "GLM53_CACHE_DIR": str(tmp_path / "cache")}
     cli = [sys.executable, "-m", "glm53.deployments.cli"]
     model = ["--model", str(tiny_checkpoint)]
-    latency = subprocess.run(
-        [*cli, "bench", "latency", *model, "--batch", "1", "--context", "16", "--speculative",
-         "mtp:2", "--output-len", "6", "--json", str(tmp_path / "latency.json")],
-        env=env, capture_output=True, text=True, timeout=300)
-    assert latency.returncode == 0, latency.stderr
-    assert json.loads((tmp_path / "latency.json").read_text())["results"][0]["decode_steps"] > 0
-    server = subprocess.Popen([*cli, "serve", *model, "--port", str(port), "--speculative",
-                               "none"],
-                              env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                              text=True)
+    log = tmp_path / "serve.log"
+    with log.open("w") as out:  # a file, not a pipe nobody reads while the server starts
+        server = subprocess.Popen([*cli, "serve", *model, "--port", str(port),
+                                   "--speculative", "none"],
+                                  env=env, stdout=out, stderr=subprocess.STDOUT)
     try:
+        # while the server starts (its own engine and cache directory are not shared)
+        latency = subprocess.run(
+            [*cli, "bench", "latency", *model, "--batch", "1", "--context", "16",
+             "--speculative", "mtp:2", "--output-len", "6", "--json",
+             str(tmp_path / "latency.json")],
+            env={**env, "GLM53_CACHE_DIR": str(tmp_path / "latency-cache")},
+            capture_output=True, text=True, timeout=300)
+        assert latency.returncode == 0, latency.stderr
+        record = json.loads((tmp_path / "latency.json").read_text())
+        assert record["results"][0]["decode_steps"] > 0
         deadline = time.monotonic() + 240
         while time.monotonic() < deadline and server.poll() is None:
             try:
@@ -187,7 +192,7 @@ def test_both_commands_against_glm53_serve(tiny_checkpoint: Path, tmp_path: Path
             except httpx.HTTPError:
                 pass
             time.sleep(1)
-        assert server.poll() is None, server.stdout.read()
+        assert server.poll() is None, log.read_text()[-3000:]
         bench = subprocess.run(
             [*cli, "bench", "serve", "--url", f"http://127.0.0.1:{port}", "--concurrency",
              "1,2", "--prompt-len", "32", "--output-len", "4", "--json",
