@@ -28,8 +28,9 @@ rows are fine (the graph's logits cover every row).
 
 A speculative step is decided on the host (acceptance reads the samples); what follows it, the
 KDA commit of the accepted tokens and, with a greedy MTP drafter, the draft passes, is a second
-graph per bucket (`run_accepted`) that reads the verify graph's outputs and one small static
-buffer of kept rows and emitted tokens: one launch instead of a few hundred eager ones.
+graph per bucket and number of draft passes (`run_accepted`) that reads the verify graph's
+outputs and one small static buffer of kept rows and emitted tokens: one launch instead of a
+few hundred eager ones.
 
 `capture=False` runs the same padded static-buffer forward eagerly (any device): CPU tests use
 it to check that padding changes nothing for the real sequences.
@@ -215,9 +216,10 @@ class StaticInputs:
             self._dev("token_ids", t)[fill[0]] = fill[1]
 
 
-# drafter(hidden [b*w, D], token_ids [b*w], batch, kept [b], emitted [b]) -> drafts [b, k]:
-# draft tokens after a uniform verify step from the device tensors alone (a graph replays it)
-Drafter = Callable[[torch.Tensor, torch.Tensor, ForwardBatch, torch.Tensor, torch.Tensor],
+# drafter(hidden [b*w, D], token_ids [b*w], batch, kept [b], emitted [b], passes) -> drafts
+# [b, passes]: draft tokens after a uniform step from the device tensors alone (a graph
+# replays it)
+Drafter = Callable[[torch.Tensor, torch.Tensor, ForwardBatch, torch.Tensor, torch.Tensor, int],
                    torch.Tensor]
 
 
@@ -228,26 +230,31 @@ class DecodeGraphs:
 
     run(step) returns (hidden [b*w, D], taps or None, logits [b*w, V] fp32), valid until the
     next run; rows past the step's n*w are padding. After a run of a step whose sequences
-    all verify drafts (w > 1) or all may draft (with a `drafter`), `run_accepted` replays the
-    step's second graph: the KDA commit of the accepted tokens (w > 1) and the drafter's
-    passes. Without it (an eager step) the KDA layers' pending tensors are those of the
-    replayed graph, so `commit_speculative` works as after an eager forward.
+    all verify drafts (w > 1) or all may draft (with a `drafter` of up to `draft_passes`
+    passes), `run_accepted` replays the step's second graph: the KDA commit of the accepted
+    tokens (w > 1) and as many draft passes as the step proposes drafts (at least one: the
+    first pass also writes the MTP caches of the step's rows). Without it (an eager step) the
+    KDA layers' pending tensors are those of the replayed graph, so `commit_speculative` works
+    as after an eager forward.
     """
 
     def __init__(self, model: Glm5NextForCausalLM, caches: ModelCaches, *, pad_slot: int,
                  max_blocks: int, batch_sizes: tuple[int, ...], widths: tuple[int, ...],
                  tap_layers: tuple[int, ...] = (), capture: bool = True,
-                 drafter: Drafter | None = None) -> None:
+                 drafter: Drafter | None = None, draft_passes: int = 0) -> None:
+        if (drafter is None) != (draft_passes == 0):
+            raise ValueError("a drafter needs draft_passes >= 1, and passes need a drafter")
         self.model, self.caches, self.tap_layers = model, caches, tap_layers
-        self.drafter = drafter
+        self.drafter, self.draft_passes = drafter, draft_passes
         self.batch_sizes, self.widths = batch_sizes, widths
         device = model.embed_tokens.weight.device
         self.static = StaticInputs(max(batch_sizes), max(widths), max_blocks, caches.block_size,
                                    pad_slot, device)
         self.kda = {i: layer.self_attn for i, layer in enumerate(model.layers) if layer.is_kda}
         self.graphs: dict[tuple[int, int], _Graph] = {}  # empty when emulating
-        # (b, w) -> the graph after acceptance and its drafts [b, k] (None: no drafter)
-        self.accepted_graphs: dict[tuple[int, int],
+        # (b, w, passes) -> the graph after acceptance and its drafts [b, passes] (passes 0,
+        # drafts None: no drafter)
+        self.accepted_graphs: dict[tuple[int, int, int],
                                    tuple[torch.cuda.CUDAGraph, torch.Tensor | None]] = {}
         self.last: tuple[tuple[int, int], _Graph] | None = None  # emulation: the last run
         self.num_replays = 0  # steps served by a graph (or its emulation)
@@ -286,25 +293,29 @@ class DecodeGraphs:
         replay, or drafts to make)."""
         return w > 1 or self.drafter is not None
 
-    def run_accepted(self, key: tuple[int, int], kept: np.ndarray,
-                     emitted: np.ndarray) -> torch.Tensor | None:
+    def run_accepted(self, key: tuple[int, int], kept: np.ndarray, emitted: np.ndarray,
+                     drafts: int = 0) -> torch.Tensor | None:
         """After `run(step, key)` of a speculative step of n sequences and acceptance on the
         host: commit the KDA states past the kept rows (kept [n], 1 + accepted drafts) and,
-        with a drafter, draft from the token emitted at the last kept row (emitted [n]).
-        Returns the drafts [n, k] on the device (valid until the next run), or None."""
+        with a drafter, draft from the token emitted at the last kept row (emitted [n]) as
+        many tokens as the step proposes at most (`drafts`; 0 still runs the first pass).
+        Returns the drafts [n, max(drafts, 1)] on the device (valid until the next run), or
+        None without a drafter."""
         b, w = key
+        passes = 0 if self.drafter is None else min(max(drafts, 1), self.draft_passes)
         self.static.load_accepted(kept, emitted, b)
         if not self.graphs:
             if self.last is None or self.last[0] != key:
                 raise RuntimeError(f"run_accepted{key} follows no run of that bucket")
-            drafts = self._after_acceptance(b, w, self.last[1].hidden)
+            out = self._after_acceptance(b, w, self.last[1].hidden, passes)
         else:
-            graph, drafts = self.accepted_graphs[key]
+            graph, out = self.accepted_graphs[(b, w, passes)]
             graph.replay()
-        return None if drafts is None else drafts[:len(kept)]
+        return None if out is None else out[:len(kept)]
 
     @torch.inference_mode()
-    def _after_acceptance(self, b: int, w: int, hidden: torch.Tensor) -> torch.Tensor | None:
+    def _after_acceptance(self, b: int, w: int, hidden: torch.Tensor,
+                          passes: int) -> torch.Tensor | None:
         ids, batch = self.static.views(b, w)
         kept, emitted = self.static.accepted(b)
         if w > 1:  # every sequence verified: all deferred, padding into the pad slot
@@ -312,7 +323,7 @@ class DecodeGraphs:
                 DeferredStates(batch.cu_seqlens, batch.state_ids, batch.has_initial_state),
                 self.caches, kept)
         return None if self.drafter is None else self.drafter(hidden, ids, batch, kept,
-                                                              emitted)
+                                                              emitted, passes)
 
     @torch.inference_mode()
     def _forward(self, b: int, w: int) -> _Graph:
@@ -343,30 +354,32 @@ class DecodeGraphs:
                     g = self._forward(b, w)
                 self.graphs[(b, w)] = _Graph(graph, g.hidden, g.taps, g.logits, g.pending)
                 if self.has_accepted_graph(w):
-                    self.accepted_graphs[(b, w)] = self._capture_accepted(b, w, g, pool,
-                                                                          stream)
+                    for passes in range(1, self.draft_passes + 1) if self.drafter else (0,):
+                        self.accepted_graphs[(b, w, passes)] = self._capture_accepted(
+                            b, w, passes, g, pool, stream)
         torch.cuda.synchronize(device)
         used = free_before - torch.cuda.mem_get_info(device)[0]
         logger.info("captured %d CUDA graphs (batch sizes %s, widths %s) in %.1f s, %.0f MiB",
                     len(self.graphs), list(self.batch_sizes), list(self.widths),
                     time.perf_counter() - start, used / 2**20)
 
-    def _capture_accepted(self, b: int, w: int, g: _Graph, pool, stream: torch.cuda.Stream,
+    def _capture_accepted(self, b: int, w: int, passes: int, g: _Graph, pool,
+                          stream: torch.cuda.Stream,
                           ) -> tuple[torch.cuda.CUDAGraph, torch.Tensor | None]:
-        """The graph after acceptance of bucket (b, w), reading the verify graph `g`'s outputs
-        (its KDA pending tensors, its hidden states). Its warm-up commits and drafts padding
-        only (the static inputs hold an all-padding step)."""
+        """The graph after acceptance of bucket (b, w) with `passes` draft passes, reading the
+        verify graph `g`'s outputs (its KDA pending tensors, its hidden states). Its warm-up
+        commits and drafts padding only (the static inputs hold an all-padding step)."""
         device = g.hidden.device
         self.static.load_accepted(np.zeros(0, np.int64), np.zeros(0, np.int64), b)
         for attn_id, attn in self.kda.items():
             attn.pending = g.pending[attn_id]
         stream.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(stream):
-            self._after_acceptance(b, w, g.hidden)
+            self._after_acceptance(b, w, g.hidden, passes)
         torch.cuda.current_stream(device).wait_stream(stream)
         for attn_id, attn in self.kda.items():
             attn.pending = g.pending[attn_id]
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=pool, stream=stream):
-            drafts = self._after_acceptance(b, w, g.hidden)
+            drafts = self._after_acceptance(b, w, g.hidden, passes)
         return graph, drafts

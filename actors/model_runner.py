@@ -206,7 +206,8 @@ class ModelRunner:
                             max_blocks=max_blocks, batch_sizes=self.graph_batch_sizes,
                             widths=widths, tap_layers=getattr(self.proposer, "tap_layers", ()),
                             capture=capture,
-                            drafter=self.proposer.draft_after_verify if greedy_mtp else None)
+                            drafter=self.proposer.draft_after_verify if greedy_mtp else None,
+                            draft_passes=self.num_spec if greedy_mtp else 0)
 
     def _free_memory_budget(self, utilization: float) -> int:
         if self.device.type != "cuda":
@@ -284,10 +285,12 @@ class ModelRunner:
         drafts = None
         if key is not None and self.graphs.has_accepted_graph(key[1]):
             # the KDA commit (and greedy MTP drafts) as one graph after acceptance
-            graphed = self.graphs.run_accepted(key, 1 + num_accepted, next_tokens)
+            graphed = self.graphs.run_accepted(key, 1 + num_accepted, next_tokens,
+                                               int(step.propose.max()))
             if graphed is not None:
-                drafts = graphed.cpu().numpy()
-                drafts[np.arange(drafts.shape[1])[None, :] >= step.propose[:, None]] = -1
+                drafts = np.full((len(step.state_ids), self.num_spec), -1, np.int64)
+                drafts[:, :graphed.shape[1]] = graphed.cpu().numpy()
+                drafts[np.arange(self.num_spec)[None, :] >= step.propose[:, None]] = -1
         elif step.num_drafts.any():  # the verifying sequences' KDA states were deferred
             mine = step.num_drafts > 0
             self.model.commit_speculative(

@@ -82,7 +82,8 @@ class MTPCycle:
             model, caches, pad_slot=caches.layers[0].conv.shape[0] - 1,
             max_blocks=cfg.max_position_embeddings // caches.block_size,
             batch_sizes=(batch_size,), widths=(1, 1 + num_spec),
-            capture=self.device.type == "cuda", drafter=self.proposer.draft_after_verify)
+            capture=self.device.type == "cuda", drafter=self.proposer.draft_after_verify,
+            draft_passes=num_spec)
         self.sampler = Sampler()
         self.verify = accept_drafts if acceptance is None else SyntheticAcceptance(acceptance)
         self.acceptance = "measured (accept_drafts: greedy drafts vs greedy target)" if (
@@ -118,7 +119,8 @@ class MTPCycle:
             next_tokens[seq] = tokens[-1]
         if marks is not None:
             marks.append(time.perf_counter())
-        drafts = self.graphs.run_accepted(key, 1 + num_accepted, next_tokens).cpu().numpy()
+        drafts = self.graphs.run_accepted(key, 1 + num_accepted, next_tokens,
+                                          int(step.propose.max())).cpu().numpy()
         if marks is not None:
             marks.append(time.perf_counter())
         return num_accepted, sampled, drafts

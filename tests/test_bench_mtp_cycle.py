@@ -93,3 +93,33 @@ def test_caches_without_room_for_the_drafts_are_refused(runner, bench):
     caches = ModelCaches.allocate(runner.config, BLOCKS, BLOCK, 2, torch.float32, with_mtp=True)
     with pytest.raises(ValueError, match="fewer than 3 drafts"):
         bench.MTPCycle(runner.model, caches, runner.config, 1, K)
+
+
+def test_a_graph_after_acceptance_runs_as_many_passes_as_the_step_drafts(runner, bench):
+    """The graphs after acceptance come in one variant per number of draft passes: fewer
+    passes draft the first tokens of more (each pass reads only the ones before it), and a
+    step that proposes nothing still runs the first pass (the MTP caches of its rows)."""
+    n = 2
+    rng = np.random.default_rng(7)
+    vocab = runner.config.vocab_size
+    step = bench.verify_step(0, CTX, np.array(_tables(n), np.int32), rng.integers(0, vocab, n),
+                             rng.integers(0, vocab, (n, K)), BLOCK, delta=False)
+    graphs = bench.MTPCycle(runner.model, runner.caches, runner.config, n, K).graphs
+    before = [t.clone() for t in _tensors(runner.caches)]
+    drafted = {}
+    for proposed in (3, 2, 1, 0):
+        for t, old in zip(_tensors(runner.caches), before, strict=True):
+            t.copy_(old)
+        graphs.static.update_tables(step)
+        key = graphs.bucket(step)
+        graphs.run(step, key)
+        drafted[proposed] = graphs.run_accepted(key, np.array([3, 1]), np.array([5, 7]),
+                                                proposed).numpy()
+    assert [drafted[p].shape for p in (3, 2, 1, 0)] == [(n, 3), (n, 2), (n, 1), (n, 1)]
+    assert np.array_equal(drafted[3][:, :2], drafted[2])
+    assert np.array_equal(drafted[3][:, :1], drafted[1])
+    assert np.array_equal(drafted[1], drafted[0])
+    with pytest.raises(ValueError, match="draft_passes"):
+        bench.DecodeGraphs(runner.model, runner.caches, pad_slot=SLOTS, max_blocks=4,
+                           batch_sizes=(1,), widths=(1,), capture=False,
+                           drafter=graphs.drafter)

@@ -96,19 +96,21 @@ class MTPProposer:
 
     @torch.inference_mode()
     def draft_after_verify(self, hidden: torch.Tensor, token_ids: torch.Tensor,
-                           batch: ForwardBatch, kept: torch.Tensor,
-                           emitted: torch.Tensor) -> torch.Tensor:
+                           batch: ForwardBatch, kept: torch.Tensor, emitted: torch.Tensor,
+                           passes: int) -> torch.Tensor:
         """Greedy drafts after a uniform step of b sequences of w rows, from device tensors
         alone (no host sync: `DecodeGraphs` replays it as the graph after acceptance).
 
         Pass 0 runs every row, not only the kept ones: a row past a sequence's kept rows
         computes a position that ends up rejected, whose cache rows are rewritten before any
         query reads them (as the verify step's own are); the kept rows compute exactly what
-        `propose` computes (attention is causal). Passes 1..k-1 then run one row per
+        `propose` computes (attention is causal). Passes 1..passes-1 then run one row per
         sequence. hidden: [b*w, D] the target's final hidden states; token_ids: [b*w] the
         step's tokens; batch: the step's (padded) ForwardBatch; kept: [b] rows kept (1 +
-        accepted drafts); emitted: [b] the token emitted at the last kept row. Returns
-        [b, num_spec] draft ids."""
+        accepted drafts); emitted: [b] the token emitted at the last kept row; passes: 1 to
+        num_spec. Returns [b, passes] draft ids."""
+        if not 1 <= passes <= self.num_spec:
+            raise ValueError(f"{passes} draft passes: 1 to num_spec ({self.num_spec})")
         b = kept.shape[0]
         w = token_ids.shape[0] // b
         seq = torch.arange(b, device=kept.device)
@@ -124,7 +126,7 @@ class MTPProposer:
         tables, bs = batch.block_tables, self.caches.block_size
         cu = torch.arange(b + 1, device=kept.device)
         resumes = torch.ones(b, dtype=torch.bool, device=kept.device)
-        for j in range(1, self.num_spec):
+        for j in range(1, passes):
             p = first + j
             col = p // bs
             inside = col < tables.shape[1]  # beyond the table: into the null block 0

@@ -67,8 +67,9 @@ def test_graphs_match_eager(tiny, dtype, k, overlap):
     graphs = graph_engine.executor.runner.graphs
     assert graphs is not None and graphs.graphs, "capture failed (see the log)"
     assert graphs.batch_sizes == (1, 2, 4, 6)
-    # greedy MTP: every bucket ends in a graph after acceptance (commit + drafts)
-    assert len(graphs.accepted_graphs) == (len(graphs.graphs) if k else 0)
+    # greedy MTP: every bucket ends in a graph after acceptance (commit + drafts), one for
+    # each number of draft passes
+    assert len(graphs.accepted_graphs) == len(graphs.graphs) * k
     replayed = _run(graph_engine, NO_LOGPROBS if overlap else PARAMS)
     assert graphs.num_replays >= 5
     if k:
