@@ -84,13 +84,16 @@ def test_too_short_an_output_has_no_decode_step_to_time(model_dir: str) -> None:
         bench.shutdown()
 
 
-def test_warm_up_outlasts_a_chunked_prefill(model_dir: str) -> None:
+@pytest.mark.parametrize(("k", "context"), [(0, 500), (2, 1000)])
+def test_warm_up_outlasts_a_chunked_prefill(model_dir: str, k: int, context: int) -> None:
     """4 x 500 prompt tokens take 4 prefill steps of 512: the first requests decode while the
     last prefills, so a warm-up of a fixed few tokens never saw the full batch decode (the
-    H100 run of benchmarks/adaptive.py stopped there at batch 64 x 1024)."""
-    bench = runner(model_dir)
+    H100 run of benchmarks/adaptive.py stopped there at batch 64 x 1024, without drafts and
+    again with them: with every draft accepted the first requests decode 1 + k tokens in each
+    of the 8 prefill steps of 4 x 1000 tokens)."""
+    bench = runner(model_dir, k, **({"synthetic_acceptance": [1.0] * k} if k else {}))
     try:
-        bench.warm_up(batch=4, context=500)
+        bench.warm_up(batch=4, context=context)
     finally:
         bench.shutdown()
 
