@@ -1,11 +1,14 @@
-"""Tokens/s of adaptive draft length (`mtp:K:auto`) vs fixed MTP k=K vs no drafts, at each
+"""Tokens/s of adaptive draft length (`mtp:K:auto`) vs fixed MTP k=1..K vs no drafts, at each
 batch size, under SYNTHETIC acceptance patterns (drafts accepted by chance with the given
 per-position probabilities: the speculative mechanism, never the model), through
 `glm53 bench latency` (raycluster/latency.py) in this process.
 
-Per pattern: the fixed-k engine runs, then the adaptive one with a step-cost table made of the
-`none` and `mtp:K` rows just measured on this device (StepCostModel.from_bench_record; widths
-between 0 and K interpolated). `none` runs once (acceptance does not touch it). `--slice`
+Per pattern: the fixed engines run with every draft length 1..K, then the adaptive one with a
+step-cost table made of the `none` and `mtp:1`..`mtp:K` rows just measured on this device
+(StepCostModel.from_bench_record): every width measured, none interpolated (a speculating step
+pays its MTP passes and the acceptance round trip at any width, so a line from `none` to
+`mtp:K` undercounts the small widths). `none` runs once (acceptance does not touch it); the
+adaptive engine is compared with the best of all of them. `--slice`
 serves the full-width slice + MTP with random weights (slice.py) on `--device cuda`; CUDA
 graphs as the engine captures them by default.
 
@@ -85,23 +88,24 @@ def main() -> None:
         record["device"] = json.loads((tmp / "none.json").read_text())["device"]
         for i, pattern in enumerate(patterns):
             synthetic = ["--synthetic-acceptance", pattern]
-            fixed = bench_latency([*common, "--speculative", f"mtp:{k}", *synthetic],
-                                  tmp / f"fixed{i}.json")
+            fixed = {j: bench_latency([*common, "--speculative", f"mtp:{j}", *synthetic],
+                                      tmp / f"fixed{i}_{j}.json") for j in range(1, k + 1)}
             table = tmp / f"cost{i}.json"
-            table.write_text(json.dumps({"results": none + fixed}))
+            table.write_text(json.dumps({"results": none + sum(fixed.values(), [])}))
             auto = bench_latency([*common, "--speculative", f"mtp:{k}:auto", *synthetic,
                                   "--draft-cost-table", str(table)], tmp / f"auto{i}.json")
             summary = []
-            for n, f, a in zip(none, fixed, auto, strict=True):
-                best = max(n["tok_s_total"], f["tok_s_total"])
+            for row, (n, a) in enumerate(zip(none, auto, strict=True)):
+                per_k = {f"tok_s_mtp{j}": rows[row]["tok_s_total"] for j, rows in fixed.items()}
+                best = max(n["tok_s_total"], *per_k.values())
                 summary.append({
-                    "batch": n["batch"], "tok_s_none": n["tok_s_total"],
-                    f"tok_s_mtp{k}": f["tok_s_total"], "tok_s_adaptive": a["tok_s_total"],
-                    "adaptive_vs_best": a["tok_s_total"] / best,
+                    "batch": n["batch"], "tok_s_none": n["tok_s_total"], **per_k,
+                    "tok_s_adaptive": a["tok_s_total"], "adaptive_vs_best": a["tok_s_total"] / best,
                     "adaptive_draft_length_steps": a["draft_length_steps"]})
                 print(json.dumps({"acceptance": pattern, **summary[-1]}), flush=True)
-            record["patterns"][pattern] = {"summary": summary, "none": none,
-                                           f"mtp{k}": fixed, "adaptive": auto}
+            record["patterns"][pattern] = {
+                "summary": summary, "none": none,
+                **{f"mtp{j}": rows for j, rows in fixed.items()}, "adaptive": auto}
     if args.json:
         with open(args.json, "w") as f:
             json.dump(record, f, indent=1)
