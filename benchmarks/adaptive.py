@@ -4,11 +4,15 @@ per-position probabilities: the speculative mechanism, never the model), through
 `glm53 bench latency` (raycluster/latency.py) in this process.
 
 Per pattern: the fixed engines run with every draft length 1..K, then the adaptive one with a
-step-cost table made of the `none` and `mtp:1`..`mtp:K` rows just measured on this device
-(StepCostModel.from_bench_record): every width measured, none interpolated (a speculating step
+step-cost table of every width measured on this device, none interpolated
+(StepCostModel.from_bench_record): `mtp:1`..`mtp:K` rows for widths 1..K (a speculating step
 pays its MTP passes and the acceptance round trip at any width, so a line from `none` to
-`mtp:K` undercounts the small widths). `none` runs once (acceptance does not touch it); the
-adaptive engine is compared with the best of all of them. `--slice`
+`mtp:K` undercounts the small widths), and for width 0 the adaptive engine's own 0-draft step,
+not plain decoding's (it still writes the MTP caches of its rows and waits for acceptance):
+measured once, by the adaptive engine with every draft rejected (synthetic acceptance 0), which
+then chooses 0 drafts (`adaptive_zero_drafts` in the record, with the steps it chose; a warning
+if it did not mostly choose 0). `none` runs once (acceptance does not touch it); the adaptive
+engine is compared with the best of all of them. `--slice`
 serves the full-width slice + MTP with random weights (slice.py) on `--device cuda`; CUDA
 graphs as the engine captures them by default.
 
@@ -86,12 +90,26 @@ def main() -> None:
     with random_weights() if args.slice else contextlib.nullcontext():
         none = bench_latency([*common, "--speculative", "none"], tmp / "none.json")
         record["device"] = json.loads((tmp / "none.json").read_text())["device"]
+        zero_rows = None  # width 0 of the cost table: the adaptive engine's own 0-draft step
         for i, pattern in enumerate(patterns):
             synthetic = ["--synthetic-acceptance", pattern]
             fixed = {j: bench_latency([*common, "--speculative", f"mtp:{j}", *synthetic],
                                       tmp / f"fixed{i}_{j}.json") for j in range(1, k + 1)}
             table = tmp / f"cost{i}.json"
-            table.write_text(json.dumps({"results": none + sum(fixed.values(), [])}))
+            if zero_rows is None:
+                table.write_text(json.dumps({"results": none + sum(fixed.values(), [])}))
+                zero = bench_latency([*common, "--speculative", f"mtp:{k}:auto",
+                                      "--synthetic-acceptance", "0", "--draft-cost-table",
+                                      str(table)], tmp / "zero.json")
+                record["adaptive_zero_drafts"] = zero
+                for r in zero:
+                    steps = r["draft_length_steps"]
+                    if steps[0] * 2 <= sum(steps):
+                        print(f"warning: batch {r['batch']}: the 0-draft run chose 0 drafts in "
+                              f"only {steps[0]} of {sum(steps)} steps; its median is not the "
+                              "0-draft step's", flush=True)
+                zero_rows = [dict(r, speculative="none") for r in zero]
+            table.write_text(json.dumps({"results": zero_rows + sum(fixed.values(), [])}))
             auto = bench_latency([*common, "--speculative", f"mtp:{k}:auto", *synthetic,
                                   "--draft-cost-table", str(table)], tmp / f"auto{i}.json")
             summary = []
