@@ -284,9 +284,13 @@ class DecodeGraphs:
             return g.hidden, g.taps, g.logits
         g = self.graphs[key]
         g.graph.replay()
+        self._set_pending(g)
+        return g.hidden, g.taps, g.logits
+
+    def _set_pending(self, g: _Graph) -> None:
+        """The KDA layers' pending tensors become `g`'s (what a commit after it reads)."""
         for i, attn in self.kda.items():
             attn.pending = g.pending[i]
-        return g.hidden, g.taps, g.logits
 
     def has_accepted_graph(self, w: int) -> bool:
         """Whether a step of width w that speculates ends in `run_accepted` (a commit to
@@ -371,14 +375,12 @@ class DecodeGraphs:
         commits and drafts padding only (the static inputs hold an all-padding step)."""
         device = g.hidden.device
         self.static.load_accepted(np.zeros(0, np.int64), np.zeros(0, np.int64), b)
-        for attn_id, attn in self.kda.items():
-            attn.pending = g.pending[attn_id]
+        self._set_pending(g)
         stream.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(stream):
             self._after_acceptance(b, w, g.hidden, passes)
         torch.cuda.current_stream(device).wait_stream(stream)
-        for attn_id, attn in self.kda.items():
-            attn.pending = g.pending[attn_id]
+        self._set_pending(g)  # the warm-up's commit took them
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=pool, stream=stream):
             drafts = self._after_acceptance(b, w, g.hidden, passes)

@@ -271,17 +271,11 @@ class ModelRunner:
         num_accepted, emitted = self.verify_drafts(
             sampled, step.sample_seqs, step.num_drafts, step.draft_ids, probs, draft_probs,
             step.sampling.seeds, step.sampling.positions)
-        row = 0  # the engine reads each sequence's emitted tokens from its sample rows
-        for seq, tokens in zip(dict.fromkeys(step.sample_seqs.tolist()), emitted, strict=True):
-            sampled[row:row + len(tokens)] = tokens
-            row += 1 + int(step.num_drafts[seq])
+        next_tokens = place_emitted(step, sampled, emitted)
         if logprobs is not None and probs is not None:  # rejection may change tokens
             logprobs = gather_logprobs(torch.log(probs),
                                        torch.tensor(sampled, device=self.device),
                                        int(step.sampling.num_logprobs.max()))
-        next_tokens = step.next_tokens.copy()  # each sequence's token after its kept rows
-        for seq, tokens in zip(dict.fromkeys(step.sample_seqs.tolist()), emitted, strict=True):
-            next_tokens[seq] = tokens[-1]
         drafts = None
         if key is not None and self.graphs.has_accepted_graph(key[1]):
             # the KDA commit (and greedy MTP drafts) as one graph after acceptance
@@ -407,6 +401,20 @@ class ModelRunner:
         lengths = np.diff(step.cu_seqlens)
         kept = np.where(step.num_drafts > 0, 1 + num_accepted, lengths)
         return self.proposer.propose(step, hidden, kept, next_tokens, taps)
+
+
+def place_emitted(step: StepInput, sampled: np.ndarray, emitted: list[list[int]]) -> np.ndarray:
+    """After acceptance of a speculative step: write each sequence's emitted tokens into the
+    first of its sample rows of `sampled` [R] (where the engine reads them), in place, and
+    return each sequence's token after its kept rows [N] (the last one emitted; the step's
+    `next_tokens` for a sequence that samples nothing)."""
+    next_tokens = step.next_tokens.copy()
+    row = 0
+    for seq, tokens in zip(dict.fromkeys(step.sample_seqs.tolist()), emitted, strict=True):
+        sampled[row:row + len(tokens)] = tokens
+        row += 1 + int(step.num_drafts[seq])
+        next_tokens[seq] = tokens[-1]
+    return next_tokens
 
 
 def logits_row_index(rows: np.ndarray, device: torch.device | str) -> slice | torch.Tensor:

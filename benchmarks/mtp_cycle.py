@@ -28,7 +28,7 @@ from glm53.actors.caches import ModelCaches, open_ring_size
 from glm53.actors.config import ModelConfig
 from glm53.actors.cuda_graphs import DecodeGraphs
 from glm53.actors.forward_batch import slot_mapping_for
-from glm53.actors.model_runner import logits_row_index
+from glm53.actors.model_runner import logits_row_index, place_emitted
 from glm53.actors.sampler import Sampler, build_sampling_inputs
 from glm53.actors.speculative.mtp import MTPProposer
 from glm53.actors.speculative.verify import SyntheticAcceptance, accept_drafts
@@ -90,13 +90,13 @@ class MTPCycle:
             acceptance is None) else "synthetic " + ",".join(f"{p:g}" for p in acceptance)
 
     @torch.inference_mode()
-    def run(self, step: StepInput, marks: list[float] | None = None,
-            sync: bool = False) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def run(self, step: StepInput,
+            marks: list[float] | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """ModelRunner.launch of a verify step through the graphs: (accepted [N], sampled
         [R] with each sequence's emitted tokens in its first rows, next drafts [N, K]).
         Appends the host time after verify + sampling, acceptance, and the graph after
-        acceptance (KDA commit + MTP drafts, to the host) to `marks`; `sync` waits for the
-        device at the end of each (for the split)."""
+        acceptance (KDA commit + MTP drafts, to the host) to `marks`: each phase ends on the
+        host (the samples and the drafts are copied there), so the split needs no extra wait."""
         self.graphs.static.update_tables(step)
         key = self.graphs.bucket(step)
         if key is None:
@@ -111,12 +111,7 @@ class MTPCycle:
         num_accepted, emitted = self.verify(
             sampled, step.sample_seqs, step.num_drafts, step.draft_ids, None, None,
             step.sampling.seeds, step.sampling.positions)
-        row = 0
-        next_tokens = step.next_tokens.copy()
-        for seq, tokens in zip(dict.fromkeys(step.sample_seqs.tolist()), emitted, strict=True):
-            sampled[row:row + len(tokens)] = tokens
-            row += 1 + int(step.num_drafts[seq])
-            next_tokens[seq] = tokens[-1]
+        next_tokens = place_emitted(step, sampled, emitted)
         if marks is not None:
             marks.append(time.perf_counter())
         drafts = self.graphs.run_accepted(key, 1 + num_accepted, next_tokens,
@@ -131,8 +126,8 @@ def mtp_cycle_ms(model, caches: ModelCaches, cfg: ModelConfig, batch_size: int, 
                  acceptance: tuple[float, ...] | None = None) -> tuple[float, dict]:
     """(ms per MTP cycle of `batch_size` sequences at context `ctx`, what the cycle is made
     of). Sequence i runs in state slot i over `tables[i]`; each cycle verifies the drafts the
-    last one proposed. The split (medians, ms) comes from `steps` more cycles that wait for
-    the device at the end of each phase: `verify_sample_ms` (building the StepInput, loading
+    last one proposed. The split (medians, ms) comes from the same cycles, whose phases each
+    end on the host: `verify_sample_ms` (building the StepInput, loading
     and replaying the verify step's graph, sampling, up to the samples on the host),
     `accept_ms` (acceptance on the host), `commit_draft_ms` (the graph after acceptance: the
     KDA commit and num_spec MTP passes, the drafts to the host); with the acceptance rule and
@@ -146,12 +141,12 @@ def mtp_cycle_ms(model, caches: ModelCaches, cfg: ModelConfig, batch_size: int, 
                  drafts=rng.integers(0, cfg.vocab_size, (batch_size, num_spec)))
     accepted: Counter[int] = Counter()
 
-    def one(marks: list[float] | None = None, sync: bool = False, delta: bool = True) -> None:
+    def one(marks: list[float] | None = None, delta: bool = True) -> None:
         if marks is not None:
             marks.append(time.perf_counter())
         step = verify_step(state["step"], ctx, table, state["last"], state["drafts"],
                            caches.block_size, delta)
-        num_accepted, sampled, drafts = cycle.run(step, marks, sync)
+        num_accepted, sampled, drafts = cycle.run(step, marks)
         first = np.arange(batch_size) * (1 + num_spec)  # each sequence's first sample row
         state.update(step=state["step"] + 1, last=sampled[first + num_accepted], drafts=drafts)
         accepted.update(num_accepted.tolist())
@@ -160,17 +155,15 @@ def mtp_cycle_ms(model, caches: ModelCaches, cfg: ModelConfig, batch_size: int, 
     one()
     accepted.clear()
     device = cycle.device
+    phases = []
     _sync(device)
     start = time.perf_counter()
     for _ in range(steps):
-        one()
+        marks: list[float] = []
+        one(marks)
+        phases.append(np.diff(marks))
     _sync(device)
     ms = (time.perf_counter() - start) / steps * 1e3
-    phases = []
-    for _ in range(steps):
-        marks: list[float] = []
-        one(marks, sync=True)
-        phases.append(np.diff(marks))
     split = [float(v) for v in np.median(np.array(phases), axis=0) * 1e3]
     return ms, dict(verify_sample_ms=split[0], accept_ms=split[1], commit_draft_ms=split[2],
                     verify_width=1 + num_spec, acceptance=cycle.acceptance,

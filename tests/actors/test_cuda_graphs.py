@@ -211,17 +211,21 @@ class DraftRecorder(InProcessExecutor):
 
     def __init__(self, config: EngineConfig, graphs: bool) -> None:
         super().__init__(config)
-        if graphs:
-            self.runner.graphs = self.runner.make_graphs(capture=False)
         self.drafts: list[list[int]] = []
-        self.accepted_graph_runs = 0
+        self.accepted_graph_runs = 0  # steps whose drafts came from the graph after acceptance
+        if graphs:
+            graphs = self.runner.graphs = self.runner.make_graphs(capture=False)
+            run_accepted = graphs.run_accepted
+
+            def counting(*args):
+                drafts = run_accepted(*args)
+                self.accepted_graph_runs += drafts is not None
+                return drafts
+
+            graphs.run_accepted = counting
 
     def execute(self, step: StepInput):
-        graphs = self.runner.graphs
-        runs = None if graphs is None else graphs.static.accept_dev.clone()
         out = self.runner.execute(step)
-        if runs is not None and not torch.equal(runs, graphs.static.accept_dev):
-            self.accepted_graph_runs += 1
         if out.draft_ids is not None:
             self.drafts.append(out.draft_ids.tolist())
         return out
