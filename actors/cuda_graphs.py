@@ -161,6 +161,15 @@ class StaticInputs:
         values[0, :n], values[1, :n] = kept, emitted
         self.accept_dev[:, :b].copy_(host[:, :b], non_blocking=True)
 
+    def load_samples(self, sampled: torch.Tensor, b: int) -> None:
+        """The result of a step that verified no drafts, from its samples on the device
+        (sampled [n], one per sequence) without a trip to the host: every row kept, each
+        sequence emitting its sample; padding keeps 1 row, token 0."""
+        n = sampled.shape[0]
+        self.accept_dev[0, :b] = 1
+        self.accept_dev[1, :n] = sampled
+        self.accept_dev[1, n:b] = 0
+
     def update_tables(self, step: StepInput) -> None:
         """Bring the rows of `step`'s state slots up to date: its delta (rows reset, then
         (slot, column, block) entries set) in one small copy, or without one its whole tables.
@@ -232,8 +241,8 @@ class DecodeGraphs:
     next run; rows past the step's n*w are padding. After a run of a step whose sequences
     all verify drafts (w > 1) or all may draft (with a `drafter` of up to `draft_passes`
     passes), `run_accepted` replays the step's second graph: the KDA commit of the accepted
-    tokens (w > 1) and as many draft passes as the step proposes drafts (at least one: the
-    first pass also writes the MTP caches of the step's rows). Without it (an eager step) the
+    tokens (w > 1) and as many draft passes as the step proposes drafts (none: only the MTP
+    cache rows of the step's rows, which the first pass writes). Without it (an eager step) the
     KDA layers' pending tensors are those of the replayed graph, so `commit_speculative` works
     as after an eager forward.
     """
@@ -252,8 +261,8 @@ class DecodeGraphs:
                                    pad_slot, device)
         self.kda = {i: layer.self_attn for i, layer in enumerate(model.layers) if layer.is_kda}
         self.graphs: dict[tuple[int, int], _Graph] = {}  # empty when emulating
-        # (b, w, passes) -> the graph after acceptance and its drafts [b, passes] (passes 0,
-        # drafts None: no drafter)
+        # (b, w, passes) -> the graph after acceptance and its drafts [b, passes] (None
+        # without a drafter)
         self.accepted_graphs: dict[tuple[int, int, int],
                                    tuple[torch.cuda.CUDAGraph, torch.Tensor | None]] = {}
         self.last: tuple[tuple[int, int], _Graph] | None = None  # emulation: the last run
@@ -297,17 +306,25 @@ class DecodeGraphs:
         replay, or drafts to make)."""
         return w > 1 or self.drafter is not None
 
-    def run_accepted(self, key: tuple[int, int], kept: np.ndarray, emitted: np.ndarray,
-                     drafts: int = 0) -> torch.Tensor | None:
+    def run_accepted(self, key: tuple[int, int], kept: np.ndarray | None,
+                     emitted: np.ndarray | torch.Tensor, drafts: int = 0,
+                     ) -> torch.Tensor | None:
         """After `run(step, key)` of a speculative step of n sequences and acceptance on the
         host: commit the KDA states past the kept rows (kept [n], 1 + accepted drafts) and,
         with a drafter, draft from the token emitted at the last kept row (emitted [n]) as
-        many tokens as the step proposes at most (`drafts`; 0 still runs the first pass).
-        Returns the drafts [n, max(drafts, 1)] on the device (valid until the next run), or
-        None without a drafter."""
+        many tokens as the step proposes at most (`drafts`; 0 writes only the MTP caches of
+        the step's rows). kept None: a step of width 1 that verified nothing, whose samples
+        `emitted` ([n], on the device) are its tokens: no acceptance on the host, so the
+        step need not be waited for. Returns the drafts [n, min(drafts, draft_passes)] on the
+        device (valid until the next run), or None without a drafter."""
         b, w = key
-        passes = 0 if self.drafter is None else min(max(drafts, 1), self.draft_passes)
-        self.static.load_accepted(kept, emitted, b)
+        passes = 0 if self.drafter is None else min(drafts, self.draft_passes)
+        if kept is None:
+            if w != 1:
+                raise ValueError(f"a step of width {w} verifies drafts: acceptance decides")
+            self.static.load_samples(emitted, b)
+        else:
+            self.static.load_accepted(kept, emitted, b)
         if not self.graphs:
             if self.last is None or self.last[0] != key:
                 raise RuntimeError(f"run_accepted{key} follows no run of that bucket")
@@ -315,7 +332,7 @@ class DecodeGraphs:
         else:
             graph, out = self.accepted_graphs[(b, w, passes)]
             graph.replay()
-        return None if out is None else out[:len(kept)]
+        return None if out is None else out[:len(emitted)]
 
     @torch.inference_mode()
     def _after_acceptance(self, b: int, w: int, hidden: torch.Tensor,
@@ -358,7 +375,7 @@ class DecodeGraphs:
                     g = self._forward(b, w)
                 self.graphs[(b, w)] = _Graph(graph, g.hidden, g.taps, g.logits, g.pending)
                 if self.has_accepted_graph(w):
-                    for passes in range(1, self.draft_passes + 1) if self.drafter else (0,):
+                    for passes in range(self.draft_passes + 1):
                         self.accepted_graphs[(b, w, passes)] = self._capture_accepted(
                             b, w, passes, g, pool, stream)
         torch.cuda.synchronize(device)

@@ -10,7 +10,11 @@ The sampled ids of the last step stay on the device: a step scheduled before tha
 reached the engine (overlapped scheduling) names the tokens it needs by their sample rows
 (`StepInput.placeholder_rows` / `placeholder_sources`), and they are copied there on the device,
 after the step's own inputs. A speculative step scheduled so (`previous_seqs`) is settled on the
-host from the last step's output, which acceptance has brought there anyway (overlap.py).
+host from the last step's output, which acceptance has brought there anyway (overlap.py), except
+for its sequences that verified no drafts: their samples are their tokens, filled like a plain
+step's. A graphed speculative step in which no sequence verifies or proposes a draft (adaptive
+draft length at width 0) is not waited for at all: its MTP cache pass reads the samples on the
+device.
 
 `execute` is `launch` then `finish`. An executor that overlaps steps (raycluster's
 StepPipeline) launches step N+1 before it finishes step N, so the device never waits for the
@@ -56,6 +60,9 @@ class LaunchedStep:
     logprobs: Logprobs | None = None
     prompt_logprobs: Logprobs | None = None
     output: StepOutput | None = None
+    # drafts per sequence when the step speculated but verified and proposed none (its
+    # output then says so: nothing accepted, no drafts); 0 for a plain step
+    num_spec: int = 0
 
     def done(self) -> bool:
         """Whether `finish` would return without waiting."""
@@ -158,8 +165,9 @@ class ModelRunner:
         self.max_model_len = max_model_len or self.config.max_position_embeddings
         # embeddings of images whose prefill continues in a later chunk, by StepImage.key
         self.image_embeds: dict[str, torch.Tensor] = {}
-        # [R] sampled ids of the last step, on the device (None after a speculative step: a
-        # step continuing one is settled on the host from last_step instead)
+        # [R] sampled ids of the last step, on the device (after a speculative step, only
+        # the rows of sequences that verified no drafts are tokens: a step continuing the
+        # others is settled on the host from last_step instead)
         self.last_sampled: torch.Tensor | None = None
         # the last step as it ran and its output (every rank), for a step that continues it
         self.last_step: tuple[StepInput, StepOutput] | None = None
@@ -263,10 +271,20 @@ class ModelRunner:
                                                     with_probs=True)
         # read before the next step's forward overwrites the graph's logits
         prompt_logprobs = self._prompt_logprobs(step, logits[n_sample:])
+        # a speculative step's samples stay usable as placeholders too: a sequence that
+        # verified no drafts emits its sample (the engine fills only such sequences' tokens so)
+        self.last_sampled = sampled
         if step.num_drafts is None:
-            self.last_sampled = sampled
             return LaunchedStep(step, *to_host(sampled), logprobs, prompt_logprobs)
-        self.last_sampled = None
+        if self._drafts_nothing_on_device(step, key):
+            # nothing to accept and nothing to draft: the samples are the tokens, and the MTP
+            # cache rows of the step's rows are written from them on the device, so the step
+            # is not waited for here (the next one may be launched first, as after a plain
+            # step). The samples' copy to the host is queued before that pass.
+            launched = LaunchedStep(step, *to_host(sampled), logprobs, prompt_logprobs,
+                                    num_spec=self.num_spec)
+            self.graphs.run_accepted(key, None, sampled)
+            return launched
         sampled = sampled.cpu().numpy()
         num_accepted, emitted = self.verify_drafts(
             sampled, step.sample_seqs, step.num_drafts, step.draft_ids, probs, draft_probs,
@@ -307,8 +325,22 @@ class ModelRunner:
                 launched.ready.synchronize()
             output = StepOutput(launched.step.step_id, launched.sampled.numpy(),
                                 launched.logprobs, launched.prompt_logprobs)
+            if launched.num_spec:
+                n = len(launched.step.state_ids)
+                output = dataclasses.replace(
+                    output, num_accepted=np.zeros(n, np.int64),
+                    draft_ids=np.full((n, launched.num_spec), -1, np.int64))
             self.last_step = (launched.step, output)
         return output if self.ps.rank == 0 else None
+
+    def _drafts_nothing_on_device(self, step: StepInput, key: tuple[int, int] | None) -> bool:
+        """Whether a speculative step needs no acceptance on the host: a graphed step of one
+        token per sequence, each sampling it, none verifying or proposing a draft (adaptive
+        draft length at width 0), with a drafter whose cache pass the graph after acceptance
+        runs (greedy MTP)."""
+        return (key is not None and key[1] == 1 and self.graphs.drafter is not None
+                and not step.num_drafts.any() and not step.propose.any()
+                and len(step.sample_seqs) == len(step.state_ids))
 
     def _prompt_logprobs(self, step: StepInput, logits: torch.Tensor) -> Logprobs | None:
         """Rank 0's logprobs of the prompt tokens of `step.prompt_logprob_rows` (logits: theirs)."""

@@ -32,13 +32,16 @@ def _banned(request, eos_ids: tuple[int, ...], n_out: int) -> tuple[int, ...]:
 def build_step_input(step_id: int, out: SchedulerOutput, block_size: int,
                      eos_ids: tuple[int, ...] = (), num_spec: int = 0,
                      max_model_len: int | None = None,
-                     in_flight: Mapping[Request, tuple[int, int]] | None = None,
+                     in_flight: Mapping[Request, tuple[int, int, int]] | None = None,
                      num_propose: int | None = None) -> StepInput:
     """With `num_spec` > 0 every sampling sequence samples each of its 1 + k verify rows (row j
     as output token len(output) + j, after the drafts before it) and asks the proposer for up
     to `num_propose` (default num_spec) drafts. `in_flight`: for each request with
-    placeholders, its sequence index and first sample row in the step in flight (whose samples
-    the placeholders are)."""
+    placeholders, its sequence index, first sample row and drafts verified in the step in
+    flight (whose samples the placeholders are). A speculating sequence names the sequence it
+    continues (`previous_seqs`: the worker settles it from that step's acceptance) unless
+    neither step verifies a draft of it: then its one placeholder is that step's sample,
+    filled on the device like a plain engine's, and the step need not wait for acceptance."""
     scheduled = out.scheduled
     lengths = np.array([s.num_tokens for s in scheduled], dtype=np.int64)
     cu = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
@@ -56,8 +59,8 @@ def build_step_input(step_id: int, out: SchedulerOutput, block_size: int,
             if in_flight is None or r not in in_flight:
                 raise ValueError(f"request {r.request_id} has placeholders but no step in "
                                  f"flight samples them")
-            seq, row = in_flight[r]
-            if num_spec:
+            seq, row, verified = in_flight[r]
+            if verified or s.num_drafts:
                 previous_seqs[i] = seq
                 continue
             fill_rows.extend(range(cu[i] + first - start, cu[i] + last - start))

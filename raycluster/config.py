@@ -93,9 +93,6 @@ class EngineConfig:
             (0 <= self.num_speculative_tokens <= 8, "num_speculative_tokens must be in 0..8"),
             (not self.adaptive_drafts or self.speculative_method is not None,
              "adaptive draft length needs a speculative method"),
-            (not (self.adaptive_drafts and self.async_scheduling),
-             "adaptive draft length with overlapped scheduling is not supported yet (the "
-             "width is chosen from drafts the step in flight has not settled)"),
             (self.draft_cost_table is None or self.adaptive_drafts,
              "draft_cost_table is for adaptive draft length"),
             (self.draft_sampling in ("greedy", "probabilistic"),

@@ -117,13 +117,13 @@ class _InFlight:
     items: list[ScheduledRequest]
     result: Future[StepOutput]
 
-    def sample_rows(self) -> dict[Request, tuple[int, int]]:
-        """Each sampling request's sequence index and first sample row (where its
-        placeholders' tokens are)."""
+    def sample_rows(self) -> dict[Request, tuple[int, int, int]]:
+        """Each sampling request's sequence index, first sample row (where its placeholders'
+        tokens are) and the drafts it verifies."""
         rows, row = {}, 0
         for seq, item in enumerate(self.items):
             if item.samples:
-                rows[item.request] = (seq, row)
+                rows[item.request] = (seq, row, item.num_drafts)
             row += item.num_sample_rows
         return rows
 
@@ -371,14 +371,14 @@ class LLMEngine:
         return width
 
     def _build(self, step_id: int, items: list,
-               in_flight_rows: dict[Request, tuple[int, int]] | None = None,
+               in_flight_rows: dict[Request, tuple[int, int, int]] | None = None,
                num_drafts: int | None = None) -> StepInput:
         return build_step_input(step_id, SchedulerOutput(list(items)),
                                 self.scheduler.blocks.block_size, self.eos_ids,
                                 self.config.num_speculative_tokens, self.max_model_len,
                                 in_flight_rows, num_drafts)
 
-    def _fail_unbuildable(self, items: list, in_flight_rows: dict[Request, tuple[int, int]] | None
+    def _fail_unbuildable(self, items: list, in_flight_rows: dict[Request, tuple[int, int, int]] | None
                           ) -> list[RequestOutput]:
         """A step input could not be built: build each request alone and fail (ERROR) the
         ones that cannot be, freeing their resources. Nothing ran (nor was committed), so the

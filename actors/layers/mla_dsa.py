@@ -41,17 +41,20 @@ class KPoolIndexer(nn.Module):
             torch.empty(cfg.index_kpool, hd, dtype=torch.float32))
         self.pool_budget, self.kpool = cfg.index_pool_budget, cfg.index_kpool
 
-    def forward(self, x: torch.Tensor, q_resid: torch.Tensor, k: torch.Tensor,
-                pool_logits: torch.Tensor, batch: ForwardBatch, state: DSAState) -> torch.Tensor:
-        """x: [T, D]; q_resid: [T, q_lora_rank]; k, pool_logits: [T, index_head_dim], x's key
-        projection (before its norm) and pool-gate logits. Returns token positions [T, W]
-        (-1 = unused)."""
+    def store(self, k: torch.Tensor, pool_logits: torch.Tensor, batch: ForwardBatch,
+              state: DSAState) -> None:
+        """Write the pool keys of the batch's positions. k, pool_logits: [T, index_head_dim],
+        the block input's key projection (before its norm) and pool-gate logits."""
+        ops.indexer_update(self.k_norm(k), pool_logits, self.index_kpool_compress_ape,
+                           state.open_rows, state.pool_keys, batch.positions, batch.slot_mapping,
+                           batch.cu_seqlens, batch.state_ids, state.pool_format)
+
+    def forward(self, x: torch.Tensor, q_resid: torch.Tensor, batch: ForwardBatch,
+                state: DSAState) -> torch.Tensor:
+        """x: [T, D]; q_resid: [T, q_lora_rank]; the batch's pool keys already stored
+        (`store`). Returns token positions [T, W] (-1 = unused)."""
         q = self.wq_b(q_resid).view(-1, self.n_heads, self.head_dim)
-        k = self.k_norm(k)
         w = self.weights_proj(x) * self.n_heads**-0.5
-        ops.indexer_update(k, pool_logits, self.index_kpool_compress_ape, state.open_rows,
-                           state.pool_keys, batch.positions, batch.slot_mapping, batch.cu_seqlens,
-                           batch.state_ids, state.pool_format)
         return ops.indexer_topk(q, w, state.pool_keys, batch.block_tables, batch.query_seq,
                                 batch.positions, self.pool_budget, self.kpool, state.pool_format)
 
@@ -76,16 +79,27 @@ class DSAttention(nn.Module):
         self.indexer = KPoolIndexer(cfg)
         self.scale = cfg.softmax_scale
 
+    def write_cache(self, x: torch.Tensor, batch: ForwardBatch, state: DSAState) -> None:
+        """Only the cache rows of the batch's positions (latent and pool keys), as `forward`
+        writes them, without attending: x [T, D] (normed block input)."""
+        self._store(self.x_proj.split(self.x_proj(x)), batch, state)
+
+    def _store(self, projections: tuple[torch.Tensor, ...], batch: ForwardBatch,
+               state: DSAState) -> None:
+        _, kv_a, index_k, pool_logits = projections
+        ps = self.ps
+        ops.store_latent(self.kv_a_layernorm(kv_a), state.latent, batch.slot_mapping,
+                         ps.dcp_rank, ps.dcp_size, state.latent_format, state.outer_scale)
+        self.indexer.store(index_k, pool_logits, batch, state)
+
     def forward(self, x: torch.Tensor, batch: ForwardBatch, state: DSAState) -> torch.Tensor:
         """x: [T, D] (normed block input) -> [T, D]."""
         ps = self.ps
-        q_a, kv_a, index_k, pool_logits = self.x_proj.split(self.x_proj(x))
-        q_resid = self.q_a_layernorm(q_a)
+        projections = self.x_proj.split(self.x_proj(x))
+        q_resid = self.q_a_layernorm(projections[0])
         q = self.q_b_proj(q_resid).view(-1, self.num_heads, self.qk_dim)
-        latent = self.kv_a_layernorm(kv_a)
-        ops.store_latent(latent, state.latent, batch.slot_mapping, ps.dcp_rank, ps.dcp_size,
-                         state.latent_format, state.outer_scale)
-        tokens = self.indexer(x, q_resid, index_k, pool_logits, batch, state)
+        self._store(projections, batch, state)
+        tokens = self.indexer(x, q_resid, batch, state)
         w_kv = self.kv_b_proj.weight.view(self.num_heads, self.qk_dim + self.v_dim, self.kv_rank)
         w_uk, w_uv = w_kv[:, : self.qk_dim], w_kv[:, self.qk_dim:]
         q_latent = torch.einsum("thd,hdc->thc", q, w_uk)

@@ -72,11 +72,22 @@ class MTPLayer(nn.Module):
                 batch: ForwardBatch, state: DSAState) -> torch.Tensor:
         """prev_hidden: [T, D] hidden after the final norm at position t (or the previous MTP
         output); next_embeds: [T, D] embedding of token t+1. Returns the MTP hidden [T, D]."""
-        # the embedding input is zeroed at sequence position 0 (as in the reference runtime)
-        e = next_embeds.masked_fill((batch.positions == 0).unsqueeze(-1), 0.0)
-        f = self.eh_proj(torch.cat([self.enorm(e), self.hnorm(prev_hidden)], dim=-1))
+        f = self._block_input(prev_hidden, next_embeds, batch)
         a = f + self.self_attn(self.input_layernorm(f), batch, state)
         return self.shared_head_norm(a + self.mlp(self.post_attention_layernorm(a)))
+
+    def write_cache(self, prev_hidden: torch.Tensor, next_embeds: torch.Tensor,
+                    batch: ForwardBatch, state: DSAState) -> None:
+        """Only the cache rows `forward` writes for the batch's positions (same inputs), without
+        its attention, MoE and output: a pass whose drafts nobody reads."""
+        f = self._block_input(prev_hidden, next_embeds, batch)
+        self.self_attn.write_cache(self.input_layernorm(f), batch, state)
+
+    def _block_input(self, prev_hidden: torch.Tensor, next_embeds: torch.Tensor,
+                     batch: ForwardBatch) -> torch.Tensor:
+        # the embedding input is zeroed at sequence position 0 (as in the reference runtime)
+        e = next_embeds.masked_fill((batch.positions == 0).unsqueeze(-1), 0.0)
+        return self.eh_proj(torch.cat([self.enorm(e), self.hnorm(prev_hidden)], dim=-1))
 
 
 class Glm5NextForCausalLM(nn.Module):
@@ -150,3 +161,12 @@ class Glm5NextForCausalLM(nn.Module):
         if self.mtp is None or caches.mtp is None:
             raise RuntimeError("model or caches were built without the MTP layer")
         return self.mtp(prev_hidden, self.embed_tokens(next_token_ids), batch, caches.mtp)
+
+    def write_mtp_cache(self, prev_hidden: torch.Tensor, next_token_ids: torch.Tensor,
+                        batch: ForwardBatch, caches: ModelCaches) -> None:
+        """The MTP caches `forward_mtp` would write for these rows (same arguments), and
+        nothing else: what a step that drafts nothing still owes the MTP layer, whose later
+        passes attend over every position."""
+        if self.mtp is None or caches.mtp is None:
+            raise RuntimeError("model or caches were built without the MTP layer")
+        self.mtp.write_cache(prev_hidden, self.embed_tokens(next_token_ids), batch, caches.mtp)

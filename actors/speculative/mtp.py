@@ -2,7 +2,9 @@
 
 Pass 0 runs the MTP layer over every row the target just computed and kept (its latent and
 indexer caches must cover every position), each row fed the target's final hidden state and the
-token that follows it; the last kept row of a drafting request yields draft 1. Passes 1..k-1
+token that follows it; the last kept row of a drafting request yields draft 1. A step in which
+no request drafts runs only the part of pass 0 that writes those cache rows (a few small
+projections, not the layer's attention, MoE and the lm_head). Passes 1..k-1
 feed the MTP layer its own output and the previous draft, one row per drafting request, at the
 next positions. Greedy drafts (argmax, the default) are verified by exact match; probabilistic
 drafts are drawn from the MTP distribution under the request's sampling settings, and their
@@ -64,12 +66,12 @@ class MTPProposer:
         batch = ForwardBatch.from_arrays(pos, cu, block_tables,
                                          slot_mapping_for(pos, seq_of_row, block_tables, bs),
                                          state_ids, device)
-        mtp_hidden = self.model.forward_mtp(hidden[torch.tensor(rows, device=device)],
-                                            torch.tensor(nxt, device=device), batch,
-                                            self.caches)
+        prev, nxt = hidden[torch.tensor(rows, device=device)], torch.tensor(nxt, device=device)
         drafting = np.flatnonzero((wanted > 0) & (kept > 0))
         if drafting.size == 0:
+            self.model.write_mtp_cache(prev, nxt, batch, self.caches)
             return drafts
+        mtp_hidden = self.model.forward_mtp(prev, nxt, batch, self.caches)
         last = torch.tensor(cu[1:][drafting] - 1, device=device)
         h = mtp_hidden[last]
         draw = self._drawer(step, drafting, device)
@@ -107,18 +109,22 @@ class MTPProposer:
         `propose` computes (attention is causal). Passes 1..passes-1 then run one row per
         sequence. hidden: [b*w, D] the target's final hidden states; token_ids: [b*w] the
         step's tokens; batch: the step's (padded) ForwardBatch; kept: [b] rows kept (1 +
-        accepted drafts); emitted: [b] the token emitted at the last kept row; passes: 1 to
-        num_spec. Returns [b, passes] draft ids."""
-        if not 1 <= passes <= self.num_spec:
-            raise ValueError(f"{passes} draft passes: 1 to num_spec ({self.num_spec})")
+        accepted drafts); emitted: [b] the token emitted at the last kept row; passes: 0 to
+        num_spec, 0 writing pass 0's cache rows only (`write_mtp_cache`: a step that drafts
+        nothing). Returns [b, passes] draft ids."""
+        if not 0 <= passes <= self.num_spec:
+            raise ValueError(f"{passes} draft passes: 0 to num_spec ({self.num_spec})")
         b = kept.shape[0]
         w = token_ids.shape[0] // b
         seq = torch.arange(b, device=kept.device)
         last = kept - 1
         nxt = token_ids.view(b, w).roll(-1, dims=1)  # each row fed the token after it
         nxt[seq, last] = emitted
-        h = self.model.forward_mtp(hidden, nxt.view(-1), replace(batch, defer_state=None),
-                                   self.caches)
+        batch = replace(batch, defer_state=None)
+        if passes == 0:
+            self.model.write_mtp_cache(hidden, nxt.view(-1), batch, self.caches)
+            return token_ids.new_empty((b, 0))
+        h = self.model.forward_mtp(hidden, nxt.view(-1), batch, self.caches)
         h = h.view(b, w, -1)[seq, last]
         token = self.model.compute_logits(h).argmax(dim=-1)
         drafts = [token]

@@ -17,7 +17,7 @@ from glm53.actors.speculative.verify import SyntheticAcceptance
 from glm53.actors.step import SamplingParams, StepInput
 from glm53.raycluster.config import EngineConfig
 from glm53.raycluster.engine import LLMEngine
-from glm53.raycluster.executor import InProcessExecutor
+from glm53.raycluster.executor import InProcessExecutor, StepPipeline
 
 # requests of different lengths finish at different steps: the batch shrinks into padding
 PARAMS = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, logprobs=3)
@@ -255,6 +255,67 @@ def test_graphed_drafts_equal_eager_drafts(tiny, acceptance):
     assert runs[True][1].drafts == runs[False][1].drafts
     assert runs[True][1].accepted_graph_runs >= 5
     assert any(d >= 0 for step in runs[True][1].drafts for row in step for d in row)
+
+
+class LaunchRecorder(InProcessExecutor):
+    """Overlapped execution recording each finished step: its input, whether it was still in
+    flight after its launch returned, and its drafts; `graphs` runs the padded path
+    (emulated) throughout."""
+
+    def __init__(self, config: EngineConfig, graphs: bool) -> None:
+        super().__init__(config)
+        if graphs:
+            self.runner.graphs = self.runner.make_graphs(capture=False)
+        self.steps: list[tuple[StepInput, bool]] = []
+        self.drafts: list[list[int]] = []
+        self._thread = StepPipeline(self._finish, self.runner.launch)
+
+    def _finish(self, launched):
+        self.steps.append((launched.step, launched.output is None))
+        out = self.runner.finish(launched)
+        if out.draft_ids is not None:
+            self.drafts.append(out.draft_ids.tolist())
+        return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("acceptance", [None, (1.0, 0.6, 0.3)])
+def test_steps_without_drafts_are_not_waited_for(tiny, acceptance):
+    """Adaptive draft length at width 0, overlapped: a graphed step in which no sequence
+    verifies or proposes a draft writes its rows' MTP cache rows from its samples on the
+    device (a cache-only pass) instead of being finished at launch, and the step after it
+    fills its tokens on the device instead of settling them from acceptance. Drafts after a
+    stretch without any equal the eager proposer's (the cache rows were written), and the
+    output equals plain decoding (the tiny model's own drafts are all rejected; synthetic
+    acceptance keeps drafts too)."""
+    rng = np.random.default_rng(6)
+    prompts = [rng.integers(0, 256, 7).tolist() for _ in range(3)]  # in lockstep: uniform
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    plain = LLMEngine(_config(tiny, 0)).generate(prompts, params)
+    runs = {}
+    for graphs in (False, True):
+        config = _config(tiny, 3, cuda_graph_batch_sizes=(2,), adaptive_drafts=True,
+                         async_scheduling=True)
+        recorder = LaunchRecorder(config, graphs)
+        if acceptance is not None:
+            recorder.runner.verify_drafts = SyntheticAcceptance(acceptance)
+        engine = LLMEngine(config, recorder)
+        turns = itertools.cycle([0, 0, 0, 0, 3, 3, 3])
+        engine.draft_policy.choose = lambda request_ids, turns=turns: next(turns)
+        runs[graphs] = engine.generate(prompts, params), recorder
+    assert runs[True][0] == runs[False][0]
+    assert runs[True][1].drafts == runs[False][1].drafts
+    steps = runs[True][1].steps
+    in_flight = [s for s, pending in steps if pending and s.num_drafts is not None]
+    assert len(in_flight) >= 5 and not any(s.num_drafts.any() or s.propose.any()
+                                           for s in in_flight)
+    # the steps after them took their tokens from the device, not from acceptance
+    filled = [s for s, _ in steps if s.num_drafts is not None and s.placeholder_rows is not None]
+    assert len(filled) >= 5 and all(s.previous_seqs is None for s in filled)
+    assert not any(pending for s, pending in runs[False][1].steps if s.num_drafts is not None)
+    assert any(d >= 0 for step in runs[True][1].drafts for row in step for d in row)
+    if acceptance is None:
+        assert runs[True][0] == plain
 
 
 @pytest.mark.slow

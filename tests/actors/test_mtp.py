@@ -104,3 +104,32 @@ def test_mtp_layer_matches_formula(setup):
                             torch.tensor(next_ids), torch.arange(60))).abs().max() > 1e-2
     draft_logits = model.compute_logits(ours)
     assert draft_logits.shape == (60, model.config.vocab_size)
+
+
+def test_write_mtp_cache_writes_what_the_pass_writes(setup):
+    """A step that drafts nothing runs only the MTP layer's cache writes: the latent rows,
+    pooled keys and open pool rows equal, bit for bit, those of the whole pass on the same
+    rows (in two chunks: the second reads the first's open pool rows), and the writes are not
+    a no-op."""
+    model = setup[0]
+    gen = torch.Generator().manual_seed(4)
+    ids = torch.randint(0, model.config.vocab_size, (43,), generator=gen).tolist()
+    runner = SequenceRunner(model, max_seqs=1, max_len=128)
+    runner.add(0)
+    hidden, _ = runner.step({0: ids[:-1]})
+    mtp = runner.caches.mtp
+    fields = ("latent", "pool_keys", "open_rows")
+    before = [getattr(mtp, f).clone() for f in fields]
+    for start, end in ((0, 29), (29, 42)):
+        _mtp_pass(model, runner, hidden[start:end], ids[start + 1:end + 1], start)
+    whole = [getattr(mtp, f).clone() for f in fields]
+    for f, old in zip(fields, before, strict=True):
+        getattr(mtp, f).copy_(old)
+    for start, end in ((0, 29), (29, 42)):
+        batch = ForwardBatch.build([start], [end - start], [0], [runner.seqs[0].blocks],
+                                   runner.block_size)
+        model.write_mtp_cache(hidden[start:end], torch.tensor(ids[start + 1:end + 1]), batch,
+                              runner.caches)
+    for f, want, old in zip(fields, whole, before, strict=True):
+        assert not torch.equal(want, old), f
+        assert torch.equal(getattr(mtp, f), want), f

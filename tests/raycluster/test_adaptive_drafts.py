@@ -62,16 +62,20 @@ def test_adaptive_output_equals_plain_decoding_with_mtp_drafts(tiny):
     assert stats.spec_num_draft_tokens > 0  # drafts were really verified
 
 
+@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlapped"])
 @pytest.mark.parametrize("params", [GREEDY, SEEDED], ids=["greedy", "seeded"])
-def test_adaptive_output_equals_plain_decoding_at_every_width(tiny, cost_table, params):
+def test_adaptive_output_equals_plain_decoding_at_every_width(tiny, cost_table, params,
+                                                              overlap):
     """Drafts from the plain continuation, corrupted by turns (all right, none, the first or
-    the last wrong): acceptance moves, and so does the chosen width."""
+    the last wrong): acceptance moves, and so does the chosen width. Overlapped, each width
+    is chosen before the step in flight has settled its drafts (it drops those beyond it)."""
     prompts = _prompts()
     plain = LLMEngine(_config(tiny, adaptive=False)).generate(prompts, params)
-    engine = LLMEngine(_config(tiny, adaptive=True, cost_table=cost_table))
+    engine = LLMEngine(_config(tiny, adaptive=True, cost_table=cost_table,
+                               async_scheduling=overlap))
     ids = [engine.add_request(p, params) for p in prompts]
     full = {i: p + o for i, p, o in zip(ids, prompts, plain, strict=True)}
-    engine.executor.runner.proposer = OracleProposer(full, K)
+    engine.executor.runner.proposer = OracleProposer(full, K, skip=not overlap)
     out = {i: [] for i in ids}
     while engine.has_unfinished:
         for o in engine.step():

@@ -279,13 +279,6 @@ def test_by_default_settings_that_cannot_cache_turn_it_off_with_a_warning(tiny, 
         EngineConfig(model=tiny, block_size=24, enable_prefix_caching=True)
 
 
-def test_combinations_not_supported_yet_are_refused():
-    """It says what it refuses, before any model is read."""
-    with pytest.raises(ValueError, match="adaptive draft length with overlapped"):
-        EngineConfig(model="unused", adaptive_drafts=True, async_scheduling=True,
-                     speculative_method="mtp", num_speculative_tokens=3)
-
-
 @pytest.mark.parametrize("kw", [
     dict(async_scheduling=True),
     dict(speculative_method="dflash", num_speculative_tokens=3, draft_model="unused"),

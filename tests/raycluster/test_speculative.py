@@ -50,10 +50,13 @@ def test_mtp_greedy_equals_plain_decoding(tiny, plain, k):
 
 class OracleProposer:
     """Drafts from the known greedy continuation, corrupted by a per-step pattern, so that
-    steps with every draft accepted, none, some, and no drafts at all are all exercised."""
+    steps with every draft accepted, none, some, and no drafts at all are all exercised.
+    `skip=False` drafts every token asked for, all wrong, where it would draft none (an
+    overlapped engine schedules the drafts asked for before they are proposed)."""
 
-    def __init__(self, full: dict[str, list[int]], k: int, corrupt: bool = True) -> None:
-        self.full, self.k, self.calls, self.corrupt = full, k, 0, corrupt
+    def __init__(self, full: dict[str, list[int]], k: int, corrupt: bool = True,
+                 skip: bool = True) -> None:
+        self.full, self.k, self.calls, self.corrupt, self.skip = full, k, 0, corrupt, skip
 
     def propose(self, step, hidden, kept, next_tokens, taps=None):
         self.calls += 1
@@ -66,9 +69,9 @@ class OracleProposer:
             last = int(step.positions[starts[i] + kept[i] - 1])  # last kept position
             truth = self.full[rid][last + 2:last + 2 + want]
             mode = (self.calls + i) % 4 if self.corrupt else 0
-            if mode == 1:  # no drafts for this request this step
+            if mode == 1 and self.skip:  # no drafts for this request this step
                 continue
-            guess = list(truth)
+            guess = list(truth) if mode != 1 else [(t + 1) % 256 for t in truth]
             if mode == 2 and guess:  # first draft wrong: nothing accepted
                 guess[0] = (guess[0] + 1) % 256
             if mode == 3 and len(guess) > 1:  # a later draft wrong: partial acceptance
