@@ -1,8 +1,9 @@
 """INT4 routed experts (twins of `kernels/ref/int4.py`, whose docstring gives the storage format).
 
-Two paths, both starting like `moe.fused_moe`: the (token, expert) pairs are stably sorted by
-local expert (other EP ranks' experts sort last and are never visited) and `offs[e]` (the end
-of expert e's rows) comes from a searchsorted, without a host sync.
+Two paths, both starting like `moe.fused_moe` (but for decode's unsorted pairs at T <= 16,
+below): the (token, expert) pairs are stably sorted by local expert (other EP ranks' experts
+sort last and are never visited) and `offs[e]` (the end of expert e's rows) comes from a
+searchsorted, without a host sync.
 
 Decode (fused): the weights are never dequantised to memory. An align kernel cuts every
 expert's rows into blocks of BM rows (a fixed number of blocks, so the grid does not depend on
@@ -15,7 +16,10 @@ expert has at most T rows), table `int4_gemv.DECODE_GEMV`:
 
 - dot-free (GEMV), T <= 128: blocks of BM = 1, 2 or 4 rows whose codes meet the activations in
   fp32 registers, one FMA a weight (`kernels/int4_gemv.py`, whose docstring gives the design;
-  its constants, the table included, live there).
+  its constants, the table included, live there). Up to int4_gemv.PAIRS_MAX_TOKENS (16) tokens
+  it runs on the unsorted pairs instead: no sort, searchsorted or align launch, and no atomics
+  (w2 stores per-pair rows that a reduce launch sums into the output in x's dtype), so exactly
+  three launches, deterministic.
 - tl.dot, T > 128: blocks of BM = 16 rows; unpacks the even and odd input columns (low and
   high nibbles), applies the group scale/zero in fp32 and multiplies with tl.dot (fp16
   operands on CUDA, fp32 accumulation). Measured on an H200 (benchmarks/moe_4bit.py, 288
@@ -339,11 +343,11 @@ def moe_int4_on_path(
 ) -> torch.Tensor:
     """x: [T, D] (rows may be strided); w13_q: uint8 [E, 2I, D/2] (gate rows, then up rows),
     w13_scale / w13_zero: fp16 [E, 2I, D/g13]; w2_q: uint8 [E, D, I/2], w2_scale / w2_zero:
-    fp16 [E, D, I/g2] (g = min(group_size, in_features)); topk_weights: [T, k] fp32; topk_ids:
-    [T, k] global ids (experts outside [expert_offset, expert_offset + E) are skipped);
-    num_experts: all EP ranks' experts (None: E), for sizing launches only. path: DECODE or
-    PREFILL to force one (default: the switch rule in the module docstring; the op
-    `moe_int4` takes that default). Returns [T, D] in x's dtype."""
+    fp16 [E, D, I/g2] (g = min(group_size, in_features)); topk_weights: [T, k] (any float
+    dtype; fp32 math); topk_ids: [T, k] global ids (experts outside [expert_offset,
+    expert_offset + E) are skipped); num_experts: all EP ranks' experts (None: E), for sizing
+    launches only. path: DECODE or PREFILL to force one (default: the switch rule in the module
+    docstring; the op `moe_int4` takes that default). Returns [T, D] in x's dtype."""
     n_tok, k = topk_ids.shape
     n_local, two_i, _ = w13_q.shape
     d, inter = x.shape[1], two_i // 2
@@ -363,15 +367,15 @@ def moe_int4_on_path(
         raise ValueError(f"moe_int4 path must be {DECODE!r} or {PREFILL!r}, not {path!r}")
     if x.stride(1) != 1:
         x = x.contiguous()
-    out = torch.zeros((n_tok, d), dtype=torch.float32, device=x.device)
     w13 = (w13_q.contiguous(), w13_scale.contiguous(), w13_zero.contiguous())
     w2 = (w2_q.contiguous(), w2_scale.contiguous(), w2_zero.contiguous())
     if (path == DECODE and 0 < n_tok <= int4_gemv.PAIRS_MAX_TOKENS
             and int4_gemv.words_aligned(w13, w2)
             and int4_gemv.rows_per_block(n_tok, g13, g2) == 1):
-        int4_gemv.moe_decode_pairs(x, w13, w2, g13, g2, topk_ids, topk_weights, expert_offset,
-                                   swiglu_limit, out, num_experts or n_local)
-        return out.to(x.dtype)
+        # writes its own output in x's dtype: no zeroed fp32 sum, no casts
+        return int4_gemv.moe_decode_pairs(x, w13, w2, g13, g2, topk_ids, topk_weights,
+                                          expert_offset, swiglu_limit, num_experts or n_local)
+    out = torch.zeros((n_tok, d), dtype=torch.float32, device=x.device)
     local = topk_ids.reshape(-1) - expert_offset
     key = torch.where((local >= 0) & (local < n_local), local, n_local)
     order = torch.argsort(key, stable=True)

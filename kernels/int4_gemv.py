@@ -8,18 +8,23 @@ the bandwidth); x . (code * s + z) = 16 s (x . (1 + code/16)) + (z - 16 s) sum(x
 costs one FMA per row and the scale and zero are applied once per step (a step lies in one
 group). Products stay per K lane in registers and are reduced once at the end: no shared-memory
 round trip, no 16-row padding. The next step's words and scales are loaded before this step's
-arithmetic. w2 is also split along K (atomics are there anyway) until ~GEMV_PROGRAMS_PER_SM
-programs per SM, and w13's columns per program are halved while its programs would fill under
-half of that: at T = 1, 8 experts give 512 w13 programs (BN 32: 64 rows x 4096 columns each)
-and 256 x 2 w2 programs. sm_90 SASS per K step and thread: 128 weights for ~600 instructions
-(~4.7 a weight, 128 registers, no spills); at 4 warps and ~4 programs an SM that is ~1.5x the
-issue rate 4.3 TB/s of int4 needs, hence >= 50% of it expected at T = 1 (to be measured). BM
-rows share the unpacking (one FMA a row a weight): BM = 2 beats re-reading for T ~ 32-64 (~1.8
-rows per expert hit at T = 64, 288 experts).
+arithmetic. w2 is also split along K (its rows are summed over pairs anyway) until
+~GEMV_PROGRAMS_PER_SM programs per SM, and w13's columns per program are halved while its
+programs would fill under half of that: at T = 1, 8 experts give 512 w13 programs (BN 32: 64
+rows x 4096 columns each) and 256 x 2 w2 programs. sm_90 SASS per K step and thread: 128
+weights for ~600 instructions (~4.7 a weight, 128 registers, no spills); at 4 warps and ~4
+programs an SM that is ~1.5x the issue rate 4.3 TB/s of int4 needs, hence >= 50% of it
+expected at T = 1 (to be measured). BM rows share the unpacking (one FMA a row a weight):
+BM = 2 beats re-reading for T ~ 32-64 (~1.8 rows per expert hit at T = 64, 288 experts).
 
-`launch` runs the two kernels over the sorted blocks of `int4.align_kernel`, or, up to
-PAIRS_MAX_TOKENS tokens, over the unsorted (token, expert) pairs, one a block
-(`moe_decode_pairs`).
+`launch` runs the two kernels over the sorted blocks of `int4.align_kernel`, w2 adding
+weight * row into the fp32 output with atomics, or, up to PAIRS_MAX_TOKENS tokens, over the
+unsorted (token, expert) pairs, one a block (`moe_decode_pairs`). There w2 stores each local
+pair's row of each K split into an fp32 scratch (plain stores, no memset) and a third launch,
+`pairs_reduce_kernel`, sums a token's rows times their routing weights (read in their own
+dtype) straight into the output in x's dtype: three launches in all, against a memset, a
+weight cast and an output cast around two with atomics. Every sum then runs in a fixed order,
+so this path is also deterministic (bitwise, run to run), which atomics are not.
 
 The constants are read at call time: tests and benchmarks/moe_4bit.py set them on this module.
 """
@@ -54,6 +59,9 @@ GEMV_PROGRAMS_PER_SM, GEMV_MIN_STEPS = 4, 4
 # (token, expert) pairs: no sort, searchsorted or align launch (`moe_decode_pairs`); on an
 # H200 (moe_4bit_h200_8fdaacd.json) 0.069 ms against 0.131 sorted at 1 token, 0.40 vs 0.72 at 8
 PAIRS_MAX_TOKENS = 16
+# elements of a `pairs_reduce_kernel` program's tile [k * split rows, columns]: 2048 (16 a
+# thread at 4 warps) gives 128 columns at top-8 and split 2 (32 programs at D = 4096, T = 1)
+GEMV_REDUCE_TILE = 2048
 ONE_F32_BITS = 0x3F800000
 
 
@@ -214,8 +222,10 @@ def w2_gemv_kernel(act, q, scale, zero, blocks, sorted_tok, sorted_w, out, D, IN
                    BKW: tl.constexpr, PAIRS: tl.constexpr, AHEAD: tl.constexpr):
     """`int4.w2_kernel` for blocks of BM <= 4 rows, dot-free (`gemv_rows`), split along K: program
     (block, n, s) covers the STEPS * BKW words from s * STEPS * BKW and adds its part of
-    weight * y into out with atomics. q: int32 words [E, D, I/8]. PAIRS (BM = 1): unsorted,
-    see `pair_block` (sorted_w: the pairs' routing weights in pair order)."""
+    weight * y into out [T, D] fp32 with atomics. q: int32 words [E, D, I/8]. PAIRS (BM = 1):
+    unsorted, see `pair_block`; the part of y, unweighted, is stored into row
+    pair * split + s of out, the scratch [T k split, D] fp32 of `pairs_reduce_kernel`
+    (sorted_w unused)."""
     i_b, i_n, i_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     e, r0, r1 = pair_block(blocks, i_b, e_off, E, PAIRS)
     if r0 >= r1:
@@ -233,8 +243,12 @@ def w2_gemv_kernel(act, q, scale, zero, blocks, sorted_tok, sorted_w, out, D, IN
                                ra + tl.minimum(r0 + 2, r1 - 1) * INTER,
                                ra + tl.minimum(r0 + 3, r1 - 1) * INTER, w0, STEPS, GW, one, BM, BN,
                                BKW, AHEAD)
-    tok = row_token(sorted_tok, r0, K, PAIRS)
-    tl.atomic_add(out + tok * D + o_n, y0 * tl.load(sorted_w + r0), mask=m_n)
+    if PAIRS:
+        row = r0.to(tl.int64) * tl.num_programs(2) + i_k
+        tl.store(out + row * D + o_n, y0, mask=m_n)
+    else:
+        tok = tl.load(sorted_tok + r0).to(tl.int64)
+        tl.atomic_add(out + tok * D + o_n, y0 * tl.load(sorted_w + r0), mask=m_n)
     if BM > 1:
         ok = r0 + 1 < r1
         tok = tl.load(sorted_tok + r0 + 1, mask=ok, other=0).to(tl.int64)
@@ -249,6 +263,30 @@ def w2_gemv_kernel(act, q, scale, zero, blocks, sorted_tok, sorted_w, out, D, IN
         tok = tl.load(sorted_tok + r0 + 3, mask=ok, other=0).to(tl.int64)
         wt = tl.load(sorted_w + r0 + 3, mask=ok, other=0.0)
         tl.atomic_add(out + tok * D + o_n, y3 * wt, mask=m_n & ok)
+
+
+@triton.jit
+def pairs_reduce_kernel(partial, ids, wts, out, D, e_off, E, K: tl.constexpr,
+                        SPLIT: tl.constexpr, BR: tl.constexpr, BN: tl.constexpr):
+    """out[t, n] = sum over token t's K pairs p and the SPLIT K splits s of
+    w(p) * partial[p SPLIT + s, n], over the pairs whose expert is local (e_off <= id < e_off + E;
+    other ranks' pairs' rows were never written, so they are masked, never read), in out's
+    dtype; a token with no local pair gets 0. The token's K SPLIT rows are consecutive: one
+    [BR, BN] tile (BR >= K SPLIT), summed by tl.sum in a fixed order (deterministic). ids, wts:
+    the flat top-k ids and routing weights [T K] (any float dtype; fp32 math)."""
+    i_t, i_n = tl.program_id(0), tl.program_id(1)
+    o_r = tl.arange(0, BR)
+    m_r = o_r < K * SPLIT
+    p = i_t * K + o_r // SPLIT
+    e = tl.load(ids + p, mask=m_r, other=0).to(tl.int64) - e_off
+    ok = m_r & (e >= 0) & (e < E)
+    b_w = tl.load(wts + p, mask=ok, other=0.0).to(tl.float32)
+    o_n = i_n * BN + tl.arange(0, BN)
+    m_n = o_n < D
+    p_y = partial + (i_t.to(tl.int64) * K * SPLIT + o_r)[:, None] * D + o_n[None, :]
+    b_y = tl.load(p_y, mask=ok[:, None] & m_n[None, :], other=0.0)
+    tl.store(out + i_t.to(tl.int64) * D + o_n, tl.sum(b_y * b_w[:, None], 0).to(
+        out.dtype.element_ty), mask=m_n)
 
 
 def rows_per_block(n_tok: int, g13: int, g2: int) -> int:
@@ -301,8 +339,11 @@ def _w13_columns(inter: int, bm: int, blocks: int, device: torch.device) -> int:
 def launch(x, w13, w2, g13, g2, bm, blocks, tok32, wts, n_blk, n_hit, limit, out, *,
            pairs=None) -> None:
     """The dot-free variant's two launches over n_blk blocks of bm rows (n_hit: experts that
-    can hold rows). pairs: (k, expert offset, local experts) when blocks are the flat top-k ids
-    (one pair a block, bm = 1; act rows and wts in pair order; tok32 unused)."""
+    can hold rows), w2 adding into out [T, D] fp32 (wts: fp32, in sorted order). pairs:
+    (k, expert offset, local experts) when blocks are the flat top-k ids (one pair a block,
+    bm = 1; act rows and wts in pair order, wts in any float dtype; tok32 unused): then w2
+    fills a scratch and a third launch writes out [T, D] in any float dtype, with no need to
+    zero it first."""
     (q13, s13, z13), (q2, s2, z2) = w13, w2
     d, inter = out.shape[1], q13.shape[1] // 2
     n_pairs = n_blk * bm if pairs else tok32.numel()
@@ -321,25 +362,36 @@ def launch(x, w13, w2, g13, g2, bm, blocks, tok32, wts, n_blk, n_hit, limit, out
     steps = inter // 8 // bkw
     n_n = triton.cdiv(d, bn)
     split = _w2_split(steps, min(n_blk, n_hit) * n_n, x.device)
+    # pairs: a row per pair and K split, written only for local pairs (empty: no memset)
+    dst = out if pairs is None else torch.empty((n_blk * split, d), dtype=torch.float32,
+                                                device=x.device)
     w2_gemv_kernel[(n_blk, n_n, split)](
-        act, q2.view(torch.int32), s2, z2, blocks, tok32, wts, out, d, inter, inter // 8,
+        act, q2.view(torch.int32), s2, z2, blocks, tok32, wts, dst, d, inter, inter // 8,
         s2.shape[-1], gw2, steps // split, ONE_F32_BITS, k, e_off, n_local, BM=bm, BN=bn,
         BKW=bkw, PAIRS=pairs is not None, AHEAD=GEMV_AHEAD, num_warps=GEMV_WARPS)
+    if pairs:
+        br = next_pow2(k * split)
+        bn = max(16, min(next_pow2(d), GEMV_REDUCE_TILE // br))
+        pairs_reduce_kernel[(out.shape[0], triton.cdiv(d, bn))](
+            dst, blocks, wts, out, d, e_off, n_local, K=k, SPLIT=split, BR=br, BN=bn,
+            num_warps=GEMV_WARPS)
 
 
 def moe_decode_pairs(x, w13, w2, g13, g2, topk_ids, topk_weights, expert_offset, limit,
-                     out, num_experts: int) -> None:
+                     num_experts: int) -> torch.Tensor:
     """The dot-free variant on the unsorted pairs (T <= PAIRS_MAX_TOKENS): one block a pair, so
     an expert chosen by several tokens is read once per token, against the sort, searchsorted
-    and align launches it saves (~2 us each at decode sizes). Under EP the pairs of other
-    ranks' experts exit at once: the launch is sized for the pairs expected to be this rank's
-    (E / num_experts of them), so that those fill the SMs (at EP2 and 1 token, w13's columns
-    per program halve: ~4 live pairs, not 8)."""
+    and align launches it saves (~2 us each at decode sizes). Three launches (w13, w2 and the
+    reduce, see the module docstring); returns [T, D] in x's dtype, deterministic. Under EP
+    the pairs of other ranks' experts exit at once: the launch is sized for the pairs expected
+    to be this rank's (E / num_experts of them), so that those fill the SMs (at EP2 and 1
+    token, w13's columns per program halve: ~4 live pairs, not 8)."""
     n_tok, k = topk_ids.shape
     ids = topk_ids.reshape(-1)
-    wts = topk_weights.reshape(-1).float()
+    out = torch.empty((n_tok, x.shape[1]), dtype=x.dtype, device=x.device)
     n_local = w13[0].shape[0]
     live = max(1, -(-n_tok * k * n_local // num_experts))
-    launch(x, w13, w2, g13, g2, 1, ids, ids, wts, n_tok * k, min(n_local, live), limit, out,
-           pairs=(k, expert_offset, n_local))
+    launch(x, w13, w2, g13, g2, 1, ids, ids, topk_weights.reshape(-1), n_tok * k,
+           min(n_local, live), limit, out, pairs=(k, expert_offset, n_local))
+    return out
 

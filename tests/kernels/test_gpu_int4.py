@@ -1,8 +1,9 @@
 """INT4 routed experts on real shapes on a CUDA GPU (marker `gpu`): D = 4096, 288 experts of
 I = 2048 (and 144 local experts of I = 1024 with an EP offset), top-8, T = 1..512, both paths,
 the decode path's two variants forced (dot-free at 1, 2, 4 rows per block, with K splits;
-tl.dot), and the decode path replayed in a CUDA graph with new inputs (T = 1, 8, 64: each
-dot-free block size the default picks, and 200 tokens: tl.dot).
+tl.dot), the decode path replayed in a CUDA graph with new inputs (T = 1, 8, 64: each
+dot-free block size the default picks, and 200 tokens: tl.dot), and the kernels one call
+launches on the unsorted pairs (T <= 16: three).
 
 Weights are random codes with scales ~0.0027 and zeros centring them (|w| <= 0.02, like the bf16
 tests). Tolerance: relative error 1e-2 (fp16 / bf16 operands with fp32 accumulation against the
@@ -118,3 +119,25 @@ def test_moe_int4_decode_in_cuda_graph(experts_288, tokens):
         graph.replay()
         want = ref_int4.moe_int4(x, *experts_288, wts, ids, 10.0, 0, 128)
         assert rel_err(out, want) < TOL
+
+
+@pytest.mark.parametrize("tokens", [1, 16])
+def test_moe_int4_pairs_three_launches(experts_288, tokens):
+    """Up to PAIRS_MAX_TOKENS a call is three kernels (w13, w2, the reduce) on bf16 x and bf16
+    routing weights: no memset of an fp32 sum, no weight or output cast."""
+    from torch.autograd import DeviceType
+
+    from glm53.kernels import int4
+
+    gen = torch.Generator(device=DEV).manual_seed(300 + tokens)
+    x = torch.randn(tokens, D, generator=gen, device=DEV, dtype=torch.bfloat16)
+    wts, ids = _routes(tokens, 288, gen)
+    wts = wts.bfloat16()
+    int4.moe_int4(x, *experts_288, wts, ids, 10.0, 0, 128)  # compiled outside the profile
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        out = int4.moe_int4(x, *experts_288, wts, ids, 10.0, 0, 128)
+        torch.cuda.synchronize()
+    kernels = [e.name for e in prof.events() if e.device_type == DeviceType.CUDA]
+    assert len(kernels) == 3, kernels
+    want = ref_int4.moe_int4(x, *experts_288, wts, ids, 10.0, 0, 128)
+    assert out.dtype == torch.bfloat16 and rel_err(out, want) < TOL

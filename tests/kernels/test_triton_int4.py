@@ -8,7 +8,10 @@ group is its whole row (96 and 64: whole-group K steps; 48: per-element scales).
 
 The fused path's two variants are forced through int4_gemv.DECODE_GEMV (the dot-free one at 1, 2
 and 4 rows per block, and the tl.dot one), with several K splits of the dot-free w2 and a group
-that is no multiple of 8 (the dot-free variant falls back to tl.dot).
+that is no multiple of 8 (the dot-free variant falls back to tl.dot). The unsorted-pairs path
+(T <= 16: w13, w2 into a scratch, one reduce launch) is checked with other ranks' pairs, a
+token with none of its own, bf16 / fp32 inputs and routing weights, K splits, scratch and
+output poisoned with NaN (nothing unwritten is read), and run to run bit for bit.
 """
 
 from __future__ import annotations
@@ -166,7 +169,7 @@ def test_decode_unsorted_pairs(monkeypatch, pairs_max, t, k, n_local, offset, ep
 
     monkeypatch.setattr(int4_gemv, "PAIRS_MAX_TOKENS", pairs_max)
     calls, pairs = [], int4_gemv.moe_decode_pairs
-    monkeypatch.setattr(int4_gemv, "moe_decode_pairs", lambda *a: calls.append(pairs(*a)))
+    monkeypatch.setattr(int4_gemv, "moe_decode_pairs", lambda *a: calls.append(a) or pairs(*a))
     x, packed, wts, ids = _case(64, 32, 32, t, k, n_local, seed=31 + t)
     ids[0, 0] = offset  # one local expert at least
     if t > 1:
@@ -176,3 +179,91 @@ def test_decode_unsorted_pairs(monkeypatch, pairs_max, t, k, n_local, offset, ep
                                 32, ep * n_local, path="decode")
     assert len(calls) == (pairs_max >= t)
     assert rel_err(out, want) < TOL
+
+
+class _Launches:
+    """Stands in for a Triton kernel: records each launch's constexprs, then runs it."""
+
+    def __init__(self, kernel):
+        self.kernel, self.calls = kernel, []
+
+    def __getitem__(self, grid):
+        def run(*args, **meta):
+            self.calls.append(meta)
+            return self.kernel[grid](*args, **meta)
+        return run
+
+
+def _pairs_case(t, x_dtype, w_dtype):
+    """D 96 (3 reduce tiles of 32 columns at GEMV_REDUCE_TILE 512), I 128 (w2: 4 K steps of 4
+    words, so up to 4 K splits), top-3 of 12 experts, this rank's being 2..5 (offset 2): token
+    0 has two local pairs, every other even token one (expert 2 + t/2 % 4: at T = 16 each is
+    picked twice), every odd token none."""
+    x, packed, wts, _ = _case(96, 128, 32, t, 3, 4, seed=40 + t)
+    gen = torch.Generator().manual_seed(50 + t)
+    remote = torch.tensor([0, 1, 6, 7, 8, 9, 10, 11])
+    ids = torch.stack([remote[torch.randperm(8, generator=gen)[:3]] for _ in range(t)])
+    for i in range(0, t, 2):
+        ids[i, i % 3] = 2 + i // 2 % 4
+    ids[0, 2] = 5
+    return x.to(x_dtype), packed, wts.to(w_dtype), ids
+
+
+F32, BF16 = torch.float32, torch.bfloat16
+
+
+@pytest.mark.parametrize("t,x_dtype,w_dtype,split", [
+    (1, F32, F32, None), (1, BF16, BF16, 4), (3, F32, BF16, 4), (3, BF16, F32, None),
+    (3, BF16, BF16, 4), (16, BF16, F32, 4)])
+def test_decode_pairs_reduce(monkeypatch, t, x_dtype, w_dtype, split):
+    """The pairs path against the reference in fp32 on the same (rounded) inputs: relative
+    error TOL for fp32 x, 4e-3 for bf16 x (its output is rounded to bf16: 2^-9 relative at
+    most per element). Every empty scratch and the output start as NaN: rows of remote pairs
+    are never read and the output needs no zeroing; a token with no local pair gets exact 0.
+    split None: 1 split (few steps); 4: forced, so 4 rows per pair meet in the reduce."""
+    from glm53.kernels import int4, int4_gemv
+
+    monkeypatch.setattr(int4_gemv, "GEMV_W2_SPLIT", split)
+    monkeypatch.setattr(int4_gemv, "GEMV_REDUCE_TILE", 512)
+    reduce = _Launches(int4_gemv.pairs_reduce_kernel)
+    monkeypatch.setattr(int4_gemv, "pairs_reduce_kernel", reduce)
+    empty = torch.empty
+
+    def nan_empty(*args, **kwargs):
+        out = empty(*args, **kwargs)
+        return out.fill_(float("nan")) if out.is_floating_point() else out
+
+    x, packed, wts, ids = _pairs_case(t, x_dtype, w_dtype)
+    want = ref_int4.moe_int4(x.float(), *packed, wts.float(), ids, 7.0, 2, 32)
+    args = [a.to(DEVICE) for a in (x, *packed, wts, ids)]
+    with monkeypatch.context() as m:
+        m.setattr(torch, "empty", nan_empty)
+        out = int4.moe_int4_on_path(*args, 7.0, 2, 32, 12, path="decode")
+    assert [c["SPLIT"] for c in reduce.calls] == [split or 1]
+    assert out.dtype == x_dtype and out.shape == x.shape
+    assert rel_err(out, want) < (TOL if x_dtype == F32 else max(TOL, 4e-3))
+    assert torch.equal(out[1::2].cpu(), torch.zeros_like(x[1::2]))
+
+
+def test_decode_pairs_no_local_pair():
+    """One token, all of whose experts are another rank's: zeros, in x's dtype."""
+    from glm53.kernels import int4
+
+    x, packed, wts, ids = _pairs_case(1, BF16, BF16)
+    ids[0] = torch.tensor([0, 6, 11])
+    out = int4.moe_int4_on_path(*(a.to(DEVICE) for a in (x, *packed, wts, ids)), 7.0, 2, 32,
+                                path="decode")
+    assert torch.equal(out.cpu(), torch.zeros(1, 96, dtype=BF16))
+
+
+def test_decode_pairs_deterministic(monkeypatch):
+    """No atomics on the pairs path: two runs agree bit for bit (4 K splits, two tokens with
+    two local pairs each, expert 5 picked by both)."""
+    from glm53.kernels import int4, int4_gemv
+
+    monkeypatch.setattr(int4_gemv, "GEMV_W2_SPLIT", 4)
+    x, packed, wts, ids = _pairs_case(4, F32, F32)
+    ids[2, 0] = 5
+    args = [a.to(DEVICE) for a in (x, *packed, wts, ids)]
+    first = int4.moe_int4_on_path(*args, 7.0, 2, 32, path="decode")
+    assert torch.equal(int4.moe_int4_on_path(*args, 7.0, 2, 32, path="decode"), first)
