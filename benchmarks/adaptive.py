@@ -8,8 +8,8 @@ step-cost table of every width measured on this device, none interpolated
 (StepCostModel.from_bench_record): `mtp:1`..`mtp:K` rows for widths 1..K (a speculating step
 pays its MTP passes and the acceptance round trip at any width, so a line from `none` to
 `mtp:K` undercounts the small widths), and for width 0 the adaptive engine's own 0-draft step,
-not plain decoding's (it still writes the MTP caches of its rows and waits for acceptance):
-measured once, by the adaptive engine with every draft rejected (synthetic acceptance 0), which
+not plain decoding's (it still writes the MTP cache rows of its rows, from its samples on the
+device): measured once, by the adaptive engine with every draft rejected (synthetic acceptance 0), which
 then chooses 0 drafts (`adaptive_zero_drafts` in the record, with the steps it chose; a warning
 if it did not mostly choose 0). `none` runs once (acceptance does not touch it); the adaptive
 engine is compared with the best of all of them. `--slice`
@@ -18,7 +18,7 @@ graphs as the engine captures them by default.
 
     python benchmarks/adaptive.py [--model DIR | --slice [--experts N]] [--device cuda]
         [--batch 1,8,32,64] [--context 1024] [--output-len 128] [--k 3]
-        [--acceptance 0.8,0.6,0.4 --acceptance 0.2,0.05,0] [--json OUT]
+        [--acceptance 0.8,0.6,0.4 --acceptance 0.2,0.05,0] [--async-scheduling] [--json OUT]
 """
 
 from __future__ import annotations
@@ -65,21 +65,29 @@ def main() -> None:
                          "0.8,0.6,0.4 and 0.2,0.05,0)")
     ap.add_argument("--cache-bytes", default=None, help="KV/state budget (default: 4GiB on "
                                                         "cuda, the CPU default otherwise)")
+    ap.add_argument("--workdir", default=None, help="where each `glm53 bench latency` run "
+                    "leaves its JSON (default: a temporary directory); runs that finished are "
+                    "kept there if a later one is cut short")
+    ap.add_argument("--async-scheduling", action="store_true",
+                    help="every setting with overlapped scheduling")
     ap.add_argument("--commit", default=None, help="recorded commit (default: git's)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     patterns = args.acceptance or ["0.8,0.6,0.4", "0.2,0.05,0"]
-    tmp = Path(tempfile.mkdtemp(prefix="adaptive-bench-"))
+    tmp = Path(args.workdir or tempfile.mkdtemp(prefix="adaptive-bench-"))
+    tmp.mkdir(parents=True, exist_ok=True)
     common = ["--device", args.device, "--batch", args.batch, "--context", str(args.context),
               "--output-len", str(args.output_len)]
     if args.slice:
         label = slice_label(args.experts, mtp=True)
-        common += ["--model", slice_checkpoint(str(tmp), args.experts)]
+        common += ["--model", slice_checkpoint(tempfile.mkdtemp(prefix="adaptive-slice-"),
+                                               args.experts)]
     else:
         label = args.model or "tiny"
         common += ["--model", args.model] if args.model else []
     cache = args.cache_bytes or ("4GiB" if args.device.startswith("cuda") else None)
     common += ["--cache-bytes", cache] if cache else []
+    common += ["--async-scheduling"] if args.async_scheduling else []
     k = args.k
     record = {"benchmark": "adaptive", "commit": args.commit or git_commit(),
               "date": datetime.now(UTC).isoformat(timespec="seconds"),

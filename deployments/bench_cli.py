@@ -165,6 +165,9 @@ def bench_latency(args: argparse.Namespace) -> int:
                 model=str(model_dir), dtype=args.dtype, device=args.device,
                 max_num_batched_tokens=args.max_num_batched_tokens,
                 max_num_seqs=max(args.batch), max_model_len=args.max_model_len,
+                # a case's decode steps run at its batch or below: graphs for those only
+                # (capture time is most of an engine's start on a large model)
+                cuda_graph_batch_sizes=tuple(sorted(set(args.batch))),
                 block_size=args.block_size, num_blocks=args.num_blocks, cache_bytes=cache_bytes,
                 gpu_memory_utilization=args.gpu_memory_utilization,
                 quantize_experts=args.quantize_experts, speculative_method=method,

@@ -12,7 +12,9 @@ stop rules, outputs). Step N+1 is scheduled as if each sequence sampling in step
 (a placeholder, filled on the device from step N's samples); once step N's result is in, a
 sequence that finished by it has its step N+1 work dropped, never emitted. With speculation,
 step N+1 verifies the drafts step N proposes, scheduled as if all of step N's drafts were
-accepted; the worker settles tokens and positions from step N's acceptance (actors/overlap.py).
+accepted; the worker settles tokens and positions from step N's acceptance (actors/overlap.py),
+except for a sequence of which neither step verifies a draft (adaptive draft length at width 0):
+its token is filled on the device, as without speculation, and the step need not wait.
 A step whose result the next step needs on the host is waited for before the next one is
 scheduled, as in the synchronous loop, if a grammar or penalties read a sampled token; a
 speculating request near its end (max_tokens, max_model_len) or before min_tokens, whose draft

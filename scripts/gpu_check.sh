@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU validation run of the kernels issue, on one bare GPU machine from the repo root:
-#   bash scripts/gpu_check.sh tests|kernels|slice|experts|kv|rank0|serving [COMMIT]
+#   bash scripts/gpu_check.sh tests|kernels|slice|experts|kv|rank0|serving|adaptive [COMMIT]
 # tests:   every `gpu`-marked test (junit XML + log; the first run compiles every kernel and lets
 #          fla autotune: ~10 minutes in one process, spread over GPU_TEST_WORKERS (4) processes
 #          when pytest-xdist is carried)
@@ -15,6 +15,7 @@
 # rank0:   benchmarks/rank0.py with int4 experts over the three cache formats (GPUs of
 #          >= 100 GB; smaller ones run the first 24 layers: not the rank's numbers)
 # serving: benchmarks/vision.py, prefix_cache.py --slice (10-turn chat) and adaptive.py --slice
+# adaptive: adaptive.py --slice alone (ADAPTIVE_ARGS passed on)
 # Results go to $OUT (the device tool's return folder) or ./gpu_out.
 set -uo pipefail
 stage=${1:?stage: tests, kernels or slice}
@@ -74,5 +75,11 @@ case $stage in
       --answer 32 --commit "$commit" --json "$out/prefix_cache_$commit.json" 2>&1 | tail -n 14
     python benchmarks/adaptive.py --slice --device cuda --context 1024 --output-len 128 \
       --commit "$commit" --json "$out/adaptive_$commit.json" 2>&1 | tail -n 30 ;;
+  adaptive)
+    # adaptive.py alone, each `glm53 bench latency` run's JSON kept as it finishes;
+    # ADAPTIVE_ARGS (e.g. "--acceptance 0.8,0.6,0.4") narrows it to fit one call
+    python benchmarks/adaptive.py --slice --device cuda --context 1024 --output-len 128 \
+      --workdir "$out/adaptive_runs" ${ADAPTIVE_ARGS:-} --commit "$commit" \
+      --json "$out/adaptive_$commit.json" 2>&1 | grep -v "^\s*$" | tail -n 40 ;;
   *) echo "unknown stage $stage"; exit 2 ;;
 esac

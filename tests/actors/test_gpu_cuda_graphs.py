@@ -68,8 +68,8 @@ def test_graphs_match_eager(tiny, dtype, k, overlap):
     assert graphs is not None and graphs.graphs, "capture failed (see the log)"
     assert graphs.batch_sizes == (1, 2, 4, 6)
     # greedy MTP: every bucket ends in a graph after acceptance (commit + drafts), one for
-    # each number of draft passes
-    assert len(graphs.accepted_graphs) == len(graphs.graphs) * k
+    # each number of draft passes, 0 (the MTP cache rows only) to k
+    assert len(graphs.accepted_graphs) == (len(graphs.graphs) * (k + 1) if k else 0)
     replayed = _run(graph_engine, NO_LOGPROBS if overlap else PARAMS)
     assert graphs.num_replays >= 5
     if k:
@@ -87,3 +87,31 @@ def test_graphs_match_eager(tiny, dtype, k, overlap):
         assert top[0][1] - top[1][1] < NEAR_TIE, (split, top)
         compared += split
     assert compared >= 0.8 * total
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlapped"])
+def test_adaptive_widths_through_graphs_match_eager(tiny, overlap):
+    """Adaptive draft length with the width forced through stretches of 0 (the graph after a
+    step writes only the MTP cache rows, from the samples on the device) and of 3: fp32
+    greedy tokens equal the eager engine's, and the 0-pass graphs really ran."""
+    kw = dict(model=tiny, dtype="float32", device="cuda", num_blocks=256, max_num_seqs=6,
+              max_num_batched_tokens=48, speculative_method="mtp", num_speculative_tokens=3,
+              adaptive_drafts=True)
+    tokens = []
+    for config in (EngineConfig(enforce_eager=True, **kw),
+                   EngineConfig(async_scheduling=overlap, **kw)):
+        engine = LLMEngine(config)
+        turns = iter([0, 0, 0, 0, 3, 3, 3] * 100)
+        engine.draft_policy.choose = lambda request_ids, turns=turns: next(turns)
+        graphs = engine.executor.runner.graphs
+        if graphs is not None:
+            replays = {key: 0 for key in graphs.accepted_graphs}
+            for key, (graph, drafts) in graphs.accepted_graphs.items():
+                def counted(replay=graph.replay, key=key):
+                    replays[key] += 1
+                    replay()
+                graph.replay = counted
+        tokens.append([t for t, _ in _run(engine, NO_LOGPROBS)])
+        assert engine.spec_stats.num_drafts > 0
+    assert tokens[0] == tokens[1]
+    assert sum(n for (_, _, passes), n in replays.items() if passes == 0) >= 5
