@@ -279,26 +279,23 @@ class LaunchRecorder(InProcessExecutor):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("acceptance", [None, (1.0, 0.6, 0.3)])
-def test_steps_without_drafts_are_not_waited_for(tiny, acceptance):
+def test_steps_without_drafts_are_not_waited_for(tiny):
     """Adaptive draft length at width 0, overlapped: a graphed step in which no sequence
     verifies or proposes a draft writes its rows' MTP cache rows from its samples on the
     device (a cache-only pass) instead of being finished at launch, and the step after it
     fills its tokens on the device instead of settling them from acceptance. Drafts after a
-    stretch without any equal the eager proposer's (the cache rows were written), and the
-    output equals plain decoding (the tiny model's own drafts are all rejected; synthetic
-    acceptance keeps drafts too)."""
+    stretch without any equal the eager proposer's (the cache rows were written), with
+    synthetic acceptance keeping some (output equal to plain decoding through the graphs:
+    tests/actors/test_gpu_cuda_graphs.py, the engine: tests/raycluster/test_adaptive_drafts.py)."""
     rng = np.random.default_rng(6)
     prompts = [rng.integers(0, 256, 7).tolist() for _ in range(3)]  # in lockstep: uniform
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
-    plain = LLMEngine(_config(tiny, 0)).generate(prompts, params)
     runs = {}
     for graphs in (False, True):
         config = _config(tiny, 3, cuda_graph_batch_sizes=(2,), adaptive_drafts=True,
                          async_scheduling=True)
         recorder = LaunchRecorder(config, graphs)
-        if acceptance is not None:
-            recorder.runner.verify_drafts = SyntheticAcceptance(acceptance)
+        recorder.runner.verify_drafts = SyntheticAcceptance((1.0, 0.6, 0.3))
         engine = LLMEngine(config, recorder)
         turns = itertools.cycle([0, 0, 0, 0, 3, 3, 3])
         engine.draft_policy.choose = lambda request_ids, turns=turns: next(turns)
@@ -314,8 +311,6 @@ def test_steps_without_drafts_are_not_waited_for(tiny, acceptance):
     assert len(filled) >= 5 and all(s.previous_seqs is None for s in filled)
     assert not any(pending for s, pending in runs[False][1].steps if s.num_drafts is not None)
     assert any(d >= 0 for step in runs[True][1].drafts for row in step for d in row)
-    if acceptance is None:
-        assert runs[True][0] == plain
 
 
 @pytest.mark.slow
