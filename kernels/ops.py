@@ -28,9 +28,18 @@ from .ref.kda import (
 )
 from .ref.kda_mixer import kda_mixer
 
-# E4M3_MAX, check_outer_scale, row_bytes: the byte layouts of quantised KV-cache rows, for the
-# code that sizes caches and checks scale banks (facts, not ops: no backend switch)
-from .ref.latent_quant import E4M3_MAX, check_outer_scale, row_bytes, store_latent  # noqa: F401
+# E4M3_MAX, check_outer_scale, row_bytes, fp8_row_bytes, fp8_row_parts: the byte layouts of
+# quantised KV-cache rows, for the code that sizes caches, checks scale banks and reads fp8 rows
+# (facts, not ops: no backend switch)
+from .ref.latent_quant import (  # noqa: F401
+    E4M3_MAX,
+    check_outer_scale,
+    fp8_row_bytes,
+    fp8_row_parts,
+    pack_fp8,
+    row_bytes,
+    store_latent,
+)
 from .ref.mhc import hc_post, hc_pre
 from .ref.moe import fused_moe, route_topk, swiglu
 from .ref.norm import rms_norm
@@ -64,6 +73,7 @@ __all__ = [
     "merge_attention_states",
     "moe_exl3",
     "moe_int4",
+    "pack_fp8",
     "process_logits",
     "quantize_int4",
     "random_uniform",

@@ -140,12 +140,19 @@ def pack_fp8(x: torch.Tensor) -> torch.Tensor:
                      dim=1)
 
 
-def unpack_fp8(rows: torch.Tensor, lc: int) -> torch.Tensor:
-    """fp8 rows [..., fp8_row_bytes(lc)] uint8 -> values [..., lc] fp32."""
+def fp8_row_parts(rows: torch.Tensor, lc: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp8 rows [..., fp8_row_bytes(lc)] uint8 -> (their e4m3 codes as a float8_e4m3fn view
+    [..., lc], no copy; their fp32 tile scales [..., fp8_tiles(lc)], a copy of 4 bytes a tile).
+    For a reader that converts the codes in a copy it makes anyway and scales it in place."""
     tiles = fp8_tiles(lc)
     scale = rows[..., lc:lc + 4 * tiles].contiguous().view(torch.float32)
-    per_channel = scale.repeat_interleave(FP8_TILE, dim=-1)[..., :lc]
-    return e4m3_values(rows[..., :lc]) * per_channel
+    return rows[..., :lc].view(torch.float8_e4m3fn), scale
+
+
+def unpack_fp8(rows: torch.Tensor, lc: int) -> torch.Tensor:
+    """fp8 rows [..., fp8_row_bytes(lc)] uint8 -> values [..., lc] fp32."""
+    codes, scale = fp8_row_parts(rows, lc)
+    return codes.float() * scale.repeat_interleave(FP8_TILE, dim=-1)[..., :lc]
 
 
 def pack_nvfp4(x: torch.Tensor, outer: float) -> torch.Tensor:
