@@ -121,6 +121,7 @@ class MemoryPlan:
     max_model_len: int
     draft_weight_bytes: int = 0  # this rank's DFlash draft weights (draft_weight_bytes), else 0
     draft_bytes_per_slot: int = 0  # its K/V ring per slot (ring_bytes_per_sequence)
+    draft_kv_cache_dtype: str = "auto"  # how the ring is stored (dflash.DRAFT_KV_CACHE_DTYPES)
     # prefix-cache KDA state checkpoints: one state slot each (and, with a draft, one ring)
     num_checkpoints: int = 0
     # reserve, part 3 (estimate): one draft forward of DRAFT_CHUNK sequences, after the caches
@@ -195,7 +196,9 @@ class MemoryPlan:
                "checkpoints)" if self.num_checkpoints else f"{self.num_slots + 1} KDA state slots")
             + f" x {self.bytes_per_slot / MiB:.1f} MiB + "
             + (f"{self.num_slots + self.num_checkpoints} DFlash rings x "
-               f"{self.draft_bytes_per_slot / MiB:.1f} MiB + " if self.draft_bytes_per_slot
+               f"{self.draft_bytes_per_slot / MiB:.1f} MiB"
+               + (f" ({self.draft_kv_cache_dtype})" if self.draft_kv_cache_dtype != "auto"
+                  else "") + " + " if self.draft_bytes_per_slot
                else "")
             + f"{self.num_blocks:,} blocks x "
             f"{self.bytes_per_block / 2**10:.0f} KiB ({self.block_size} tokens each)",
@@ -245,15 +248,17 @@ def plan_memory(model: Glm5NextForCausalLM, device_bytes: int, utilization: floa
                 num_spec: int = 0, max_model_len: int | None = None,
                 max_num_batched_tokens: int = 2048, reserve_bytes: int | None = None,
                 kv_cache_dtype: str = "auto",
-                draft: DFlashConfig | None = None, num_checkpoints: int = 0) -> MemoryPlan:
+                draft: DFlashConfig | None = None, num_checkpoints: int = 0,
+                draft_kv_cache_dtype: str = "auto") -> MemoryPlan:
     """Plan this rank (`model`: its meta-built shard; whether it has the MTP layer is read off
     it, so the cache plan cannot disagree with the weights). `block_size`: the runner's logical
     tokens per block; `num_slots`: max_num_seqs; `cache_dtype` defaults to the model's (the
     latent rows follow `kv_cache_dtype`, caches.KV_CACHE_DTYPES);
     `max_model_len` to the model's context. `reserve_bytes` replaces the reserve estimate
     (all of it counted as allocated after the caches). `draft`: a DFlash draft's config; its
-    weights and per-slot ring (this rank's shard, in `cache_dtype`, as the runner loads it) join
-    the plan. `num_checkpoints`: the prefix cache's KDA state checkpoints (EngineConfig
+    weights and per-slot ring (this rank's shard, in `cache_dtype`, as the runner loads it; the
+    ring stored as `draft_kv_cache_dtype` says, its fp8 scales included) join the plan.
+    `num_checkpoints`: the prefix cache's KDA state checkpoints (EngineConfig
     .num_prefix_checkpoints), each a state slot and, with a draft, a ring."""
     cfg, ps = model.config, model.parallel
     cache_dtype = cache_dtype or model.embed_tokens.weight.dtype
@@ -267,7 +272,7 @@ def plan_memory(model: Glm5NextForCausalLM, device_bytes: int, utilization: floa
             num_spec=num_spec, max_model_len=max_model_len)
         if draft is not None:
             draft_workspace = min(num_slots, DRAFT_CHUNK) * forward_bytes_per_sequence(
-                draft, cache_dtype, ps.tp_size)
+                draft, cache_dtype, ps.tp_size, draft_kv_cache_dtype)
     else:
         overhead, workspace = 0, reserve_bytes
     par = ps.config
@@ -279,8 +284,9 @@ def plan_memory(model: Glm5NextForCausalLM, device_bytes: int, utilization: floa
         bytes_per_block=per_block, bytes_per_slot=per_slot, num_slots=num_slots,
         min_blocks=1 + -(-max_num_batched_tokens // block_size), max_model_len=max_model_len,
         draft_weight_bytes=draft_weight_bytes(draft, cache_dtype, ps) if draft else 0,
-        draft_bytes_per_slot=ring_bytes_per_sequence(draft, cache_dtype, ps.tp_size)
-        if draft else 0,
+        draft_bytes_per_slot=ring_bytes_per_sequence(draft, cache_dtype, ps.tp_size,
+                                                     draft_kv_cache_dtype) if draft else 0,
+        draft_kv_cache_dtype=draft_kv_cache_dtype,
         draft_workspace_bytes=draft_workspace, num_checkpoints=num_checkpoints)
 
 
@@ -304,10 +310,12 @@ def plan_for_config(config: dict, *, device_bytes: int, utilization: float = 0.9
                     max_num_seqs: int = 16, max_num_batched_tokens: int = 2048,
                     max_model_len: int | None = None,
                     kv_cache_dtype: str = "auto",
-                    draft_config: dict | None = None, num_checkpoints: int = 0) -> MemoryPlan:
+                    draft_config: dict | None = None, num_checkpoints: int = 0,
+                    draft_kv_cache_dtype: str = "auto") -> MemoryPlan:
     """The plan of `rank` for a `config.json` dict under engine settings (the core of
     `glm53 plan-memory`; names as in EngineConfig, `block_size` per DCP rank like
-    `--block-size`). `draft_config`: a DFlash draft's `config.json` dict; `num_checkpoints`:
+    `--block-size`). `draft_config`: a DFlash draft's `config.json` dict (its ring stored as
+    `draft_kv_cache_dtype`); `num_checkpoints`:
     the prefix cache's KDA checkpoints (EngineConfig.num_prefix_checkpoints). Builds the shard on
     the meta device: no memory is used."""
     model = meta_shard(config, tp=tp, ep=ep, dcp=dcp, rank=rank,
@@ -317,7 +325,8 @@ def plan_for_config(config: dict, *, device_bytes: int, utilization: float = 0.9
                        num_slots=max_num_seqs, num_spec=num_spec, max_model_len=max_model_len,
                        max_num_batched_tokens=max_num_batched_tokens,
                        kv_cache_dtype=kv_cache_dtype, num_checkpoints=num_checkpoints,
-                       draft=DFlashConfig.from_hf(draft_config) if draft_config else None)
+                       draft=DFlashConfig.from_hf(draft_config) if draft_config else None,
+                       draft_kv_cache_dtype=draft_kv_cache_dtype)
 
 
 def sequences_held(model: Glm5NextForCausalLM, device_bytes: int, utilization: float, *,

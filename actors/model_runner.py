@@ -82,7 +82,7 @@ class ModelRunner:
                  quantize_experts: str | None = None,
                  max_num_batched_tokens: int = 2048, kv_cache_dtype: str = "auto",
                  kv_scale_bank: str | None = None, with_vision: bool = False,
-                 num_checkpoints: int = 0) -> None:
+                 num_checkpoints: int = 0, draft_kv_cache_dtype: str = "auto") -> None:
         """`block_size` counts logical tokens per block (latent rows per rank x DCP size).
         Speculation: `num_spec` drafts per step from the MTP layer (`with_mtp`) or from the
         DFlash draft checkpoint `draft_model` (its layers TP-sharded like the target's); with
@@ -101,13 +101,15 @@ class ModelRunner:
         under `gpu_memory_utilization` (which caps weights, caches, activations and graphs)
         less the plan's workspace estimate for what is allocated after the caches.
         `num_checkpoints` more state slots hold the engine's prefix-cache KDA checkpoints
-        (with a DFlash draft, each with a ring of its own)."""
+        (with a DFlash draft, each with a ring of its own). `draft_kv_cache_dtype`
+        (dflash.DRAFT_KV_CACHE_DTYPES) sets how the DFlash rings are stored."""
         self.device = torch.device(device)
         self.ps = ps or ParallelState()
         if draft_sampling not in ("greedy", "probabilistic"):
             raise ValueError(f"draft sampling {draft_sampling!r}: greedy or probabilistic")
         self.memory_plan: MemoryPlan | None = None
         self.kv_cache_dtype = kv_cache_dtype
+        self.draft_kv_cache_dtype = draft_kv_cache_dtype
         self.kv_scales = (load_scale_bank(bank_path(model_dir, kv_scale_bank))
                           if kv_cache_dtype == "nvfp4" else None)
         sized = num_blocks is not None or cache_bytes is not None
@@ -122,6 +124,7 @@ class ModelRunner:
                 max_num_batched_tokens=max_num_batched_tokens,
                 kv_cache_dtype=kv_cache_dtype, num_checkpoints=num_checkpoints,
                 draft=DFlashConfig.from_dir(draft_model) if draft_model and num_spec else None,
+                draft_kv_cache_dtype=draft_kv_cache_dtype,
             ).check()
 
         self.model = load_model(model_dir, with_mtp=with_mtp,
@@ -141,7 +144,8 @@ class ModelRunner:
             cache_bytes = self._free_memory_budget(gpu_memory_utilization)
         # the DFlash rings (one per running slot and per checkpoint, allocated with the
         # caches) come out of the same budget as the blocks
-        ring = (ring_bytes_per_sequence(self.draft.config, cache_dtype, self.ps.tp_size)
+        ring = (ring_bytes_per_sequence(self.draft.config, cache_dtype, self.ps.tp_size,
+                                        draft_kv_cache_dtype)
                 if self.draft is not None else 0)
         if cache_bytes is not None:
             cache_bytes -= (num_slots + num_checkpoints) * ring
@@ -186,7 +190,8 @@ class ModelRunner:
             self.num_spec, self.kv_cache_dtype, self.kv_scales)
         if self.draft is not None:
             self.proposer = DFlashProposer(self.model, self.draft, self.plan.num_slots,
-                                           self.num_spec, self.plan.num_checkpoints)
+                                           self.num_spec, self.plan.num_checkpoints,
+                                           self.draft_kv_cache_dtype)
         elif self.with_mtp and self.num_spec:
             self.proposer = MTPProposer(self.model, self.caches, self.num_spec,
                                         probabilistic=self.draft_sampling == "probabilistic")

@@ -118,12 +118,14 @@ def grouped_attention(q: torch.Tensor, ctx_k: torch.Tensor, ctx_v: torch.Tensor,
                       ) -> torch.Tensor:
     """Block rows attend the visible context and the whole block, in fp32, each query head its
     group's KV head (K/V are never repeated to the query heads). q: [N, B, heads, hd];
-    ctx_k/ctx_v: [N, W, kv, hd] with ctx_mask [N, B, W] (True = visible); blk_k/blk_v:
-    [N, B, kv, hd]. Returns [N, B, heads, hd] in q's dtype.
+    ctx_k/ctx_v: [N, W, kv, hd] values, or an fp8 ring's rows [N, W, kv, hd + 4] uint8
+    (dflash.ring_row), with ctx_mask [N, B, W] (True = visible); blk_k/blk_v: [N, B, kv, hd].
+    Returns [N, B, heads, hd] in q's dtype.
 
     Live at once besides the inputs (forward_bytes_per_sequence counts it): one fp32
     [N, kv, W, hd] copy of the context keys, later of its values, and two [N, heads, B, W + B]
-    fp32 scores (the masked scores and their softmax)."""
+    fp32 scores (the masked scores and their softmax); fp8 rows are dequantised in that copy,
+    which needs only their fp32 scales [N, W, kv] besides."""
     n, b, heads, hd = q.shape
     kv, w = ctx_k.shape[2], ctx_k.shape[1]
     g = heads // kv
@@ -134,8 +136,13 @@ def grouped_attention(q: torch.Tensor, ctx_k: torch.Tensor, ctx_v: torch.Tensor,
     def kv_major(t: torch.Tensor) -> torch.Tensor:  # [N, L, kv, hd] -> fp32 [N, kv, L, hd]
         # one explicit copy in any dtype (`to` would alias an fp32 view, and matmul then copy)
         m, length = t.shape[:2]
-        return torch.empty(m, kv, length, hd, dtype=torch.float32, device=t.device).copy_(
-            t.transpose(1, 2))
+        out = torch.empty(m, kv, length, hd, dtype=torch.float32, device=t.device)
+        if t.dtype != torch.uint8:
+            return out.copy_(t.transpose(1, 2))
+        # fp8 rows: the copy converts the e4m3 codes, then one fp32 scale per row (exact:
+        # a power of two) multiplies in place, as kernels' unpack_fp8 computes them
+        codes, scale = ops.fp8_row_parts(t, hd)
+        return out.copy_(codes.transpose(1, 2)).mul_(scale.transpose(1, 2))
 
     scores = torch.cat([qg @ kv_major(ctx_k).transpose(-1, -2),
                         qg @ kv_major(blk_k).transpose(-1, -2)], -1) / math.sqrt(hd)
