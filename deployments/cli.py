@@ -12,6 +12,7 @@ from pathlib import Path
 
 from .bench_cli import add_bench_parser, run_bench
 from .engine_args import (
+    DRAFT_KV_HELP,
     NO_SPECULATION,
     QUANTIZE_HELP,
     add_engine_args,
@@ -138,6 +139,8 @@ def _plan_parser(sub) -> None:
                     metavar="mtp[:K]|dflash:PATH[:K]",  # (':auto' plans as K drafts)
                     help="dflash:PATH reads the draft's config.json; dflash:incoai/GLM-5.3-"
                          "Flash-DFlash2 plans the published DFlash2 drafter")
+    pm.add_argument("--draft-kv-cache-dtype", choices=["auto", "fp8"], default="auto",
+                    help=DRAFT_KV_HELP)
     pm.add_argument("--max-num-seqs", type=int, default=16)
     pm.add_argument("--max-num-batched-tokens", type=int, default=2048)
     pm.add_argument("--max-model-len", type=int, default=None)
@@ -201,7 +204,8 @@ def _plan_memory(args) -> int:
             with_mtp=method == "mtp", num_spec=k, block_size=args.block_size,
             max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
             max_model_len=args.max_model_len, kv_cache_dtype=args.kv_cache_dtype,
-            draft_config=draft_config, num_checkpoints=settings.num_prefix_checkpoints)
+            draft_config=draft_config, num_checkpoints=settings.num_prefix_checkpoints,
+            draft_kv_cache_dtype=args.draft_kv_cache_dtype if draft_config else "auto")
     except ValueError as exc:
         raise SystemExit(f"error: {exc}") from None
     print(plan.describe())

@@ -189,6 +189,10 @@ class ServingConfig(BaseModel):
     kv_cache_dtype: Literal["auto", "bf16", "fp8", "nvfp4"] = "auto"
     # nvfp4 outer scales; default: kv_scales_nvfp4.json in the checkpoint
     kv_scale_bank: str | None = None
+    # a DFlash draft's K/V ring (speculative/dflash.py): the draft's dtype, or fp8 rows (e4m3
+    # + one fp32 scale per head and position, about half the bytes). Beside kv_cache_dtype
+    # rather than in `speculative`, which a --speculative flag replaces whole
+    draft_kv_cache_dtype: Literal["auto", "fp8"] = "auto"
     device: str | None = None  # default: cuda when available, else cpu
     gpu_memory_utilization: float = Field(0.9, gt=0, le=1)
     # routed experts of a BF16/FP8 checkpoint quantised to 4 bits while loading
@@ -261,6 +265,9 @@ class ServingConfig(BaseModel):
         if self.kv_scale_bank is not None and self.kv_cache_dtype != "nvfp4":
             raise ValueError(f"kv_scale_bank holds nvfp4 outer scales; kv_cache_dtype is "
                              f"{self.kv_cache_dtype}")
+        if self.draft_kv_cache_dtype != "auto" and self.speculative.method != "dflash":
+            raise ValueError(f"draft_kv_cache_dtype {self.draft_kv_cache_dtype} is the DFlash "
+                             f"draft's ring; speculative method is {self.speculative.method}")
         if self.kv_cache_dtype == "fp8" and self.profile == "long500k":
             raise ValueError("kv_cache_dtype fp8 cannot serve profile long500k (as in the "
                              "reference runtime): use nvfp4, or another profile")
@@ -341,7 +348,8 @@ class ServingConfig(BaseModel):
             enable_prefix_caching=self.enable_prefix_caching,
             prefix_checkpoints=self.prefix_checkpoints,
             prefix_checkpoint_interval=self.prefix_checkpoint_interval,
-            **({"draft_model": self.speculative.draft_model}
+            **({"draft_model": self.speculative.draft_model,
+                "draft_kv_cache_dtype": self.draft_kv_cache_dtype}
                if self.speculative.method == "dflash" else {}))
 
     def server_deployment_options(self, device: str) -> dict[str, Any]:

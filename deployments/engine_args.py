@@ -17,6 +17,10 @@ ASYNC_SCHEDULING_HELP = ("schedule step N+1 while step N runs (overlapped host w
 PREFIX_CACHING_HELP = ("reuse cached prompt blocks and KDA state checkpoints across requests "
                        "(default on, unless the other settings cannot have it: then off, with "
                        "a warning)")
+DRAFT_KV_HELP = ("the DFlash draft's K/V ring (a sliding window per sequence): auto = the "
+                 "draft's dtype; fp8 = e4m3 with one fp32 scale per head and position, about "
+                 "half the bytes (GLM's DFlash2 at TP2: 10.3 MiB a sequence, not 20.0), "
+                 "drafts from slightly rounded context (verification stays exact)")
 QUANTIZE_HELP = ("quantise the routed experts of a BF16/FP8 checkpoint while loading: int4 = "
                  "4-bit codes with an fp16 scale and zero per 128 input columns (about 4.25 "
                  "bits per weight; lets the release fit a GPU pair)")
@@ -98,6 +102,8 @@ def add_engine_args(parser: argparse.ArgumentParser, *, max_num_seqs: int,
     parser.add_argument("--speculative", type=parse_speculative, default=NO_SPECULATION,
                         metavar="none|mtp[:K][:auto]|dflash:PATH[:K][:auto]",
                         help="speculative decoding: the MTP layer or a DFlash2 draft, K drafts")
+    parser.add_argument("--draft-kv-cache-dtype", choices=["auto", "fp8"], default="auto",
+                        help=DRAFT_KV_HELP)
 
 
 def engine_config(args: argparse.Namespace, model_dir: str | Path, **overrides):
@@ -120,5 +126,6 @@ def engine_config(args: argparse.Namespace, model_dir: str | Path, **overrides):
         tensor_parallel_size=args.tp, expert_parallel_size=args.ep,
         decode_context_parallel_size=args.dcp, speculative_method=spec.method,
         num_speculative_tokens=spec.k, draft_model=spec.draft, adaptive_drafts=spec.adaptive,
+        draft_kv_cache_dtype=args.draft_kv_cache_dtype,
         enforce_eager=args.enforce_eager, async_scheduling=args.async_scheduling)
     return EngineConfig(**{**fields, **overrides})

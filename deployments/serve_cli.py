@@ -8,7 +8,13 @@ import argparse
 import logging
 import sys
 
-from .engine_args import ASYNC_SCHEDULING_HELP, PREFIX_CACHING_HELP, QUANTIZE_HELP, parse_bytes
+from .engine_args import (
+    ASYNC_SCHEDULING_HELP,
+    DRAFT_KV_HELP,
+    PREFIX_CACHING_HELP,
+    QUANTIZE_HELP,
+    parse_bytes,
+)
 
 
 def _parse_list(text: str) -> list[str]:
@@ -45,6 +51,8 @@ def add_serve_parser(sub) -> None:
                       help="MTP drafts: argmax, or drawn from the MTP distribution and "
                            "verified by min(1, p/q) (the lang-mtp3 and long500k default)")
     feat.add_argument("--draft-model", default=None, help="DFlash drafter checkpoint")
+    feat.add_argument("--draft-kv-cache-dtype", choices=["auto", "fp8"], default=None,
+                      help=DRAFT_KV_HELP)
     feat.add_argument("--draft-cost-table", dest="cost_table", default=None, metavar="JSON",
                       help="adaptive draft length (--speculative mtp:auto): step times from "
                            "a `glm53 bench latency --json` record of this hardware (default: "
@@ -126,11 +134,12 @@ def add_serve_parser(sub) -> None:
 
 SERVE_FIELDS = ("model", "served_model_name", "profile", "tensor_parallel_size",
                 "expert_parallel_size", "decode_context_parallel_size", "num_replicas",
-                "vision", "kv_cache_dtype", "kv_scale_bank", "dtype", "device", "max_model_len",
-                "max_num_batched_tokens", "max_num_seqs", "block_size", "max_waiting_requests",
-                "seed", "num_blocks", "cache_bytes", "gpu_memory_utilization", "enforce_eager",
-                "async_scheduling", "quantize_experts", "verify", "thinking_token_budget",
-                "drain_timeout_s", "enable_prefix_caching", "prefix_routing", "prefix_checkpoints",
+                "vision", "kv_cache_dtype", "kv_scale_bank", "draft_kv_cache_dtype", "dtype",
+                "device", "max_model_len", "max_num_batched_tokens", "max_num_seqs",
+                "block_size", "max_waiting_requests", "seed", "num_blocks", "cache_bytes",
+                "gpu_memory_utilization", "enforce_eager", "async_scheduling",
+                "quantize_experts", "verify", "thinking_token_budget", "drain_timeout_s",
+                "enable_prefix_caching", "prefix_routing", "prefix_checkpoints",
                 "prefix_checkpoint_interval")
 
 

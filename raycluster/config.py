@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from glm53.actors.caches import KV_CACHE_DTYPES
+from glm53.actors.speculative.dflash import DRAFT_KV_CACHE_DTYPES
 
 
 @dataclass(frozen=True)
@@ -37,6 +38,9 @@ class EngineConfig:
     speculative_method: str | None = None  # "mtp" (the MTP layer) or "dflash" (draft_model)
     num_speculative_tokens: int = 0  # drafts verified per step and request
     draft_model: str | None = None  # DFlash2 draft checkpoint directory
+    # its K/V ring: "auto" (the draft's dtype) or "fp8" (e4m3 rows + one fp32 scale per head
+    # and position: 132 B per 128 values, about half of bf16; speculative/dflash.py)
+    draft_kv_cache_dtype: str = "auto"
     draft_sampling: str = "greedy"  # MTP drafts: "greedy" or "probabilistic" (sampled, p/q)
     # each step verifies 0..num_speculative_tokens drafts, chosen for tokens/s (draft_policy.py)
     adaptive_drafts: bool = False
@@ -95,6 +99,11 @@ class EngineConfig:
              "adaptive draft length needs a speculative method"),
             (self.draft_cost_table is None or self.adaptive_drafts,
              "draft_cost_table is for adaptive draft length"),
+            (self.draft_kv_cache_dtype in DRAFT_KV_CACHE_DTYPES,
+             f"draft_kv_cache_dtype must be one of {', '.join(DRAFT_KV_CACHE_DTYPES)}"),
+            (self.draft_kv_cache_dtype == "auto" or self.speculative_method == "dflash",
+             "draft_kv_cache_dtype is the DFlash draft's ring: it needs speculative method "
+             "dflash"),
             (self.draft_sampling in ("greedy", "probabilistic"),
              "draft_sampling must be greedy or probabilistic"),
             (self.cuda_graph_batch_sizes is None or (

@@ -126,6 +126,7 @@ def runner_kwargs(config: EngineConfig) -> dict:
                 with_vision=config.vision,
                 num_spec=config.num_speculative_tokens, draft_model=config.draft_model,
                 draft_sampling=config.draft_sampling, enforce_eager=config.enforce_eager,
+                draft_kv_cache_dtype=config.draft_kv_cache_dtype,
                 adaptive_drafts=config.adaptive_drafts,
                 cuda_graph_batch_sizes=config.cuda_graph_batch_sizes,
                 max_model_len=config.max_model_len,
