@@ -298,6 +298,9 @@ def test_plan_memory_counts_a_dflash_draft(capsys: pytest.CaptureFixture[str]) -
     tokens = [int(line.split()[1].replace(",", "")) for line in
               (out + capsys.readouterr().out).splitlines() if line.startswith("  capacity")]
     assert tokens[0] > tokens[1]  # DFlash vs MTP3 at 16 running sequences
+    # the fp8 ring: 128 e4m3 codes + a 4 B scale per row, 10.3 MiB a sequence
+    assert main([*args, "--speculative", dflash, "--draft-kv-cache-dtype", "fp8"]) == 0
+    assert "32 DFlash rings x 10.3 MiB (fp8)" in capsys.readouterr().out
 
 
 def test_plan_memory_follows_the_kv_cache_dtype(capsys: pytest.CaptureFixture[str]) -> None:

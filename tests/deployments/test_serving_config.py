@@ -272,6 +272,25 @@ def test_kv_cache_flags_reach_the_serving_config():
     assert not c.from_profile("kv_cache_dtype")
 
 
+def test_draft_kv_cache_dtype_reaches_the_engine_and_survives_speculative_flags(monkeypatch):
+    """--draft-kv-cache-dtype sits beside --kv-cache-dtype (not in `speculative`, which a
+    --speculative flag replaces whole); the profiles keep the draft's dtype (auto), as the
+    reference runtime's DFlash2 profile did; fp8 without a DFlash draft is refused."""
+    monkeypatch.delenv("GLM53_API_KEYS", raising=False)
+    monkeypatch.delenv("GLM53_API_KEY", raising=False)
+    assert all("draft_kv_cache_dtype" not in p for p in PROFILES.values())
+    args = _parser().parse_args(["serve", "--profile", "lang-dflash2", "--speculative",
+                                 "dflash:/d", "--draft-kv-cache-dtype", "fp8",
+                                 "--kv-cache-dtype", "bf16"])
+    config = serving_config(args)
+    assert config.draft_kv_cache_dtype == "fp8"
+    assert config.engine_config("m", "cpu").draft_kv_cache_dtype == "fp8"
+    default = ServingConfig(profile="lang-dflash2", speculative="dflash:/d", kv_cache_dtype="bf16")
+    assert default.engine_config("m", "cpu").draft_kv_cache_dtype == "auto"
+    with pytest.raises(ValidationError, match="draft_kv_cache_dtype fp8 is the DFlash draft's"):
+        ServingConfig(draft_kv_cache_dtype="fp8")  # lang-mtp3: MTP drafts, no ring
+
+
 @pytest.mark.parametrize(("text", "expected"), [
     ("mtp:auto", ("mtp", 3, "adaptive", None)),
     ("mtp:5:auto:probabilistic", ("mtp", 5, "adaptive", None)),

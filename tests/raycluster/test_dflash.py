@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 
 from glm53.actors.config import ModelConfig
 from glm53.actors.loader import read_config
@@ -46,6 +47,22 @@ def test_dflash_greedy_equals_plain_decoding(checkpoints):
     stats = engine.spec_stats
     assert stats.num_drafts > 0 and len(stats.drafts_per_position) == 7
     assert stats.drafts_per_position[0] >= stats.drafts_per_position[6] > 0
+
+
+def test_dflash_fp8_ring_greedy_equals_plain_decoding(checkpoints):
+    """draft_kv_cache_dtype fp8: the ring holds e4m3 rows (tests/actors/test_dflash_fp8_ring.py
+    measures how close its drafts are); verification is exact, so the output is plain
+    decoding's whatever is drafted, and drafts are still accepted."""
+    target, draft = checkpoints
+    plain = _engine(target).generate(_prompts(), GREEDY)
+    engine = _engine(target, draft, draft_kv_cache_dtype="fp8")
+    assert engine.generate(_prompts(), GREEDY) == plain
+    assert engine.executor.runner.proposer.ring.dtype == torch.uint8
+    stats = engine.spec_stats
+    assert stats.num_drafts > 0 and sum(stats.accepted_per_position) > 0
+    with pytest.raises(ValueError, match="draft_kv_cache_dtype is the DFlash draft's ring"):
+        EngineConfig(model=target, speculative_method="mtp", num_speculative_tokens=3,
+                     draft_kv_cache_dtype="fp8")
 
 
 def test_dflash_seeded_sampling_equals_plain(checkpoints):

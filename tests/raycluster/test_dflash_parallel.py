@@ -19,6 +19,7 @@ pytestmark = pytest.mark.slow
 
 GREEDY = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
 LAYOUTS = {"tp2": (2, 1, 1), "tp2-ep2-dcp2": (2, 2, 2)}
+RINGS = ("auto", "fp8")  # draft_kv_cache_dtype: each rank's fp8 rows are its heads' rows
 
 
 @pytest.fixture(scope="module")
@@ -43,9 +44,10 @@ def _generate(engine: LLMEngine) -> tuple[list[list[int]], list[list[int]]]:
     return engine.generate(_prompts(), GREEDY), drafts
 
 
-def _engine(target: str, draft: str | None, tp: int = 1, ep: int = 1, dcp: int = 1) -> LLMEngine:
-    spec = ({"speculative_method": "dflash", "num_speculative_tokens": 7, "draft_model": draft}
-            if draft else {})
+def _engine(target: str, draft: str | None, tp: int = 1, ep: int = 1, dcp: int = 1,
+            ring: str = "auto") -> LLMEngine:
+    spec = ({"speculative_method": "dflash", "num_speculative_tokens": 7, "draft_model": draft,
+             "draft_kv_cache_dtype": ring} if draft else {})
     return LLMEngine(EngineConfig(model=target, num_blocks=96, block_size=8,
                                   max_num_batched_tokens=24, tensor_parallel_size=tp,
                                   expert_parallel_size=ep, decode_context_parallel_size=dcp,
@@ -59,20 +61,26 @@ def _prompts() -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def reference(checkpoints):
+    """ring -> TP1's (tokens, draft ids, spec stats)."""
     target, draft = checkpoints
     plain = _engine(target, None).generate(_prompts(), GREEDY)
-    engine = _engine(target, draft)
-    tokens, drafts = _generate(engine)
-    assert tokens == plain
-    assert engine.spec_stats.num_drafts > 0 and len(drafts) > 5
-    return tokens, drafts, engine.spec_stats
+    out = {}
+    for ring in RINGS:
+        engine = _engine(target, draft, ring=ring)
+        tokens, drafts = _generate(engine)
+        assert tokens == plain
+        assert engine.spec_stats.num_drafts > 0 and len(drafts) > 5
+        out[ring] = tokens, drafts, engine.spec_stats
+    return out
 
 
+@pytest.mark.parametrize("ring", RINGS)
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
-def test_dflash_layout_drafts_what_tp1_drafts(ray_session, checkpoints, reference, layout):
+def test_dflash_layout_drafts_what_tp1_drafts(ray_session, checkpoints, reference, layout,
+                                              ring):
     target, draft = checkpoints
-    ref_tokens, ref_drafts, ref_stats = reference
-    engine = _engine(target, draft, *LAYOUTS[layout])
+    ref_tokens, ref_drafts, ref_stats = reference[ring]
+    engine = _engine(target, draft, *LAYOUTS[layout], ring=ring)
     try:
         tokens, drafts = _generate(engine)
         stats = engine.spec_stats

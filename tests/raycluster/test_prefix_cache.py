@@ -14,6 +14,7 @@ import torch
 from glm53.actors.loader import read_config
 from glm53.actors.step import SamplingParams
 from glm53.actors.tiny import write_tiny_draft
+from glm53.kernels.ref.latent_quant import unpack_fp8
 from glm53.raycluster.block_pool import BlockPool
 from glm53.raycluster.config import EngineConfig
 from glm53.raycluster.engine import LLMEngine
@@ -127,16 +128,19 @@ def test_randomized_multi_turn_workload_equals_caching_off(tiny, draft, method, 
     assert _free_everything(engine)
 
 
-def test_dflash_hit_resumes_the_draft_ring_of_its_checkpoint(tiny, draft):
+@pytest.mark.parametrize("ring", ["auto", "fp8"])
+def test_dflash_hit_resumes_the_draft_ring_of_its_checkpoint(tiny, draft, ring):
     """The checkpoint keeps the draft's context ring with the KDA state: after a second turn
     resumes from the first one's checkpoint, its slot's ring holds the positions (and, within
     rounding, the keys and values) that computing its whole prompt gives, and nothing of the
-    request that held the slot in between."""
+    request that held the slot in between. An fp8 ring's rows travel with their scales; its
+    values then agree within one e4m3 step (the two computations may round a value apart)."""
     rng = np.random.default_rng(8)
     first, between, message = (rng.integers(0, 256, n).tolist() for n in (37, 50, 3))
     rings = {}
     for on in (False, True):
-        engine = _engine(tiny, on, max_num_seqs=1, **_spec("dflash", draft))
+        engine = _engine(tiny, on, max_num_seqs=1, draft_kv_cache_dtype=ring,
+                         **_spec("dflash", draft))
         prompt = first + engine.generate([first], GREEDY)[0] + message
         engine.generate([between], GREEDY)  # the only slot changes hands
         rid = engine.add_request(prompt, SamplingParams(max_tokens=1, temperature=0.0))
@@ -144,12 +148,16 @@ def test_dflash_hit_resumes_the_draft_ring_of_its_checkpoint(tiny, draft):
         while engine.has_unfinished:
             engine.step()
         proposer = engine.executor.runner.proposer
-        rings[on] = proposer.ring[0].clone(), proposer.ring_pos[0].clone()
+        values = (unpack_fp8(proposer.ring[0], proposer.draft.config.head_dim)
+                  if ring == "fp8" else proposer.ring[0].clone())
+        rings[on] = values, proposer.ring_pos[0].clone()
     assert request.num_cached_tokens == 40  # the first turn's last block boundary
     window = rings[False][1]
     assert sorted(window.tolist()) == list(range(len(prompt) - len(window), len(prompt)))
     assert (rings[True][1] == window).all()
-    torch.testing.assert_close(rings[True][0], rings[False][0], atol=1e-4, rtol=1e-4)
+    assert rings[False][0].abs().amax() > 0
+    tol = 1e-4 if ring == "auto" else 2**-3  # fp8: an e4m3 step is 2^-3 of the value
+    torch.testing.assert_close(rings[True][0], rings[False][0], atol=1e-4, rtol=tol)
 
 
 def _checkpointed(engine: LLMEngine, seed: int) -> tuple[dict, set[bytes]]:
