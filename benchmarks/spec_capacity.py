@@ -6,7 +6,9 @@ A case is "n sequences of C tokens, all running": n state slots (+ the graph pad
 n x ceil(C / block) paged blocks, and with DFlash n draft K/V rings of the draft's window
 (`memory_plan.sequences_held`). MTP pays its layer's weights and one more DSA layer in every
 block and slot; DFlash pays this rank's shard of the draft's weights and a fixed ring of its KV
-heads per sequence (the draft's layers are TP-sharded like the target's). Cases:
+heads per sequence (the draft's layers are TP-sharded like the target's), in the draft's dtype
+or, in the `_fp8` modes, as fp8 rows (`draft_kv_cache_dtype` fp8: e4m3 + one fp32 scale per
+row of head_dim values). Cases:
 
 - real shapes: the release config, TP2/EP2/DCP2 rank 0, EXL3 K4 and int4 experts, 139.8 GiB
   (H200) x 0.9, bf16 cache, block 16 per DCP rank, 2048 batched tokens; contexts 8K and 128K;
@@ -37,12 +39,14 @@ from glm53.actors.speculative.dflash_model import DFlashConfig
 from glm53.actors.tiny import write_tiny_draft
 from glm53.deployments.tiny_model import make_tiny
 
-# mode -> (MTP layer built, drafts, DFlash draft); dflash7 is the reference runtime's profile
-# (k=7), dflash3 the same draft verifying MTP3's width (its CUDA graphs and logits rows cost
-# what MTP3's do, so the two differ only by the draft's memory); mtp7 is a reference for
-# dflash7: what verifying 8 positions costs the target without any draft model
-MODES = {"none": (False, 0, False), "mtp3": (True, 3, False), "dflash7": (False, 7, True),
-         "dflash3": (False, 3, True), "mtp7": (True, 7, False)}
+# mode -> (MTP layer built, drafts, DFlash draft ring: None without a draft, else its
+# draft_kv_cache_dtype); dflash7 is the reference runtime's profile (k=7), dflash3 the same
+# draft verifying MTP3's width (its CUDA graphs and logits rows cost what MTP3's do, so the two
+# differ only by the draft's memory); mtp7 is a reference for dflash7: what verifying 8
+# positions costs the target without any draft model; the _fp8 modes store the ring as fp8
+MODES = {"none": (False, 0, None), "mtp3": (True, 3, None), "dflash7": (False, 7, "auto"),
+         "dflash3": (False, 3, "auto"), "mtp7": (True, 7, None),
+         "dflash7_fp8": (False, 7, "fp8"), "dflash3_fp8": (False, 3, "fp8")}
 
 
 def capacity(config: dict, draft: DFlashConfig, *, device_bytes: int, utilization: float,
@@ -55,12 +59,14 @@ def capacity(config: dict, draft: DFlashConfig, *, device_bytes: int, utilizatio
     for context in contexts:
         held = {}
         for mode in MODES:
-            with_mtp, k, drafting = MODES[mode]
+            with_mtp, k, ring = MODES[mode]
             n, plan = sequences_held(models[with_mtp], device_bytes, utilization,
                                      context_len=context, block_size=block_size, num_spec=k,
-                                     draft=draft if drafting else None, **plan_kw)
+                                     draft=draft if ring else None,
+                                     draft_kv_cache_dtype=ring or "auto", **plan_kw)
             held[mode] = n
-            row = {"context": context, "mode": mode, "sequences": n}
+            row = {"context": context, "mode": mode, "sequences": n,
+                   "draft_kv_cache_dtype": ring}
             if plan is not None:
                 row.update(
                     weights_gib=plan.weight_bytes / GiB,
@@ -78,7 +84,9 @@ def capacity(config: dict, draft: DFlashConfig, *, device_bytes: int, utilizatio
             row["vs_mtp3"] = row["sequences"] / held["mtp3"] if held["mtp3"] else None
         print(f"  context {context:>7,}: " + ", ".join(f"{m} {held[m]}" for m in MODES)
               + (f"; dflash7/mtp3 {held['dflash7'] / held['mtp3']:.3f}, dflash3/mtp3 "
-                 f"{held['dflash3'] / held['mtp3']:.3f}" if held["mtp3"] else "")
+                 f"{held['dflash3'] / held['mtp3']:.3f}, fp8 ring: dflash7/mtp3 "
+                 f"{held['dflash7_fp8'] / held['mtp3']:.3f}, dflash3/mtp3 "
+                 f"{held['dflash3_fp8'] / held['mtp3']:.3f}" if held["mtp3"] else "")
               + (f", dflash7/mtp7 {held['dflash7'] / held['mtp7']:.3f}" if held["mtp7"] else ""))
     return rows
 
@@ -107,28 +115,32 @@ def real_shapes() -> list[dict]:
 def profiles() -> list[dict]:
     """KV tokens of the serving profiles (deployments/config.PROFILES, nvfp4 latents) on the
     same rank: lang-mtp3 (16 sequences of 131,072), lang-dflash2 as the reference runtime ran
-    it (4 of 98,304, 2072 batched tokens), and DFlash2 k=7 under lang-mtp3's settings. The
+    it (4 of 98,304, 2072 batched tokens), and DFlash2 k=7 under lang-mtp3's settings, each
+    DFlash case with the bf16 ring and with the fp8 one. The
     reference runtime's build held 1,376,256 tokens with MTP3 and 184,619 with DFlash2
     (exl3-dflash-spec.md A.4: 0.13x)."""
     draft = DFlashConfig.from_hf(dflash2_release_config())
     config = exl3_release_config()
-    cases = {"lang-mtp3": (True, 3, None, 131_072, 16, 2048),
-             "lang-dflash2": (False, 7, draft, 98_304, 4, 2072),
-             "dflash2_at_lang-mtp3": (False, 7, draft, 131_072, 16, 2048),
-             "none_at_lang-mtp3": (False, 0, None, 131_072, 16, 2048)}
+    cases = {"lang-mtp3": (True, 3, None, 131_072, 16, 2048, "auto"),
+             "lang-dflash2": (False, 7, draft, 98_304, 4, 2072, "auto"),
+             "lang-dflash2_fp8_ring": (False, 7, draft, 98_304, 4, 2072, "fp8"),
+             "dflash2_at_lang-mtp3": (False, 7, draft, 131_072, 16, 2048, "auto"),
+             "dflash2_fp8_ring_at_lang-mtp3": (False, 7, draft, 131_072, 16, 2048, "fp8"),
+             "none_at_lang-mtp3": (False, 0, None, 131_072, 16, 2048, "auto")}
     models = {m: meta_shard(config, with_mtp=m, **RANK0) for m in (False, True)}
     rows = []
     print("serving profiles, EXL3 K4, nvfp4 latents, TP2/EP2/DCP2 rank 0, 139.8 GiB x 0.9:")
-    for name, (with_mtp, k, drafter, max_len, seqs, batched) in cases.items():
+    for name, (with_mtp, k, drafter, max_len, seqs, batched, ring) in cases.items():
         plan = plan_memory(models[with_mtp], H200, 0.9, block_size=32, num_slots=seqs,
                            num_spec=k, max_model_len=max_len, max_num_batched_tokens=batched,
-                           kv_cache_dtype="nvfp4", draft=drafter).check()
+                           kv_cache_dtype="nvfp4", draft=drafter,
+                           draft_kv_cache_dtype=ring).check()
         rows.append({"case": "profile", "profile": name, "kv_tokens": plan.num_tokens,
                      "max_num_seqs": seqs, "max_model_len": max_len, "num_spec": k})
     base = rows[0]["kv_tokens"]
     for row in rows:
         row["vs_mtp3"] = row["kv_tokens"] / base
-        print(f"  {row['profile']:<22}{row['kv_tokens']:>12,} tokens ({row['vs_mtp3']:.3f}x "
+        print(f"  {row['profile']:<31}{row['kv_tokens']:>12,} tokens ({row['vs_mtp3']:.3f}x "
               "lang-mtp3)")
     return rows
 
