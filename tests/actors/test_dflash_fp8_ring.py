@@ -35,7 +35,8 @@ def models(tiny_checkpoints, tmp_path_factory):
 
 def _step(seed: int) -> tuple[SimpleNamespace, torch.Tensor, np.ndarray]:
     """SEQS sequences of LENGTH context rows each, in slots 0..SEQS-1, proposing nothing
-    (the rings are filled), their tap states and the next tokens their blocks start with."""
+    (the rings are filled); the generator of their tap states; the tokens their blocks start
+    with."""
     step = SimpleNamespace(cu_seqlens=np.arange(SEQS + 1) * LENGTH, state_ids=np.arange(SEQS),
                            positions=np.tile(np.arange(LENGTH), SEQS),
                            propose=np.zeros(SEQS, dtype=np.int64))
