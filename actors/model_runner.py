@@ -328,13 +328,11 @@ class ModelRunner:
         if output is None:
             if launched.ready is not None:
                 launched.ready.synchronize()
+            n = len(launched.step.state_ids)
+            nothing_drafted = dict(num_accepted=np.zeros(n, np.int64), draft_ids=np.full(
+                (n, launched.num_spec), -1, np.int64)) if launched.num_spec else {}
             output = StepOutput(launched.step.step_id, launched.sampled.numpy(),
-                                launched.logprobs, launched.prompt_logprobs)
-            if launched.num_spec:
-                n = len(launched.step.state_ids)
-                output = dataclasses.replace(
-                    output, num_accepted=np.zeros(n, np.int64),
-                    draft_ids=np.full((n, launched.num_spec), -1, np.int64))
+                                launched.logprobs, launched.prompt_logprobs, **nothing_drafted)
             self.last_step = (launched.step, output)
         return output if self.ps.rank == 0 else None
 

@@ -9,10 +9,10 @@ step-cost table of every width measured on this device, none interpolated
 pays its MTP passes and the acceptance round trip at any width, so a line from `none` to
 `mtp:K` undercounts the small widths), and for width 0 the adaptive engine's own 0-draft step,
 not plain decoding's (it still writes the MTP cache rows of its rows, from its samples on the
-device): measured once, by the adaptive engine with every draft rejected (synthetic acceptance 0), which
-then chooses 0 drafts (`adaptive_zero_drafts` in the record, with the steps it chose; a warning
-if it did not mostly choose 0). `none` runs once (acceptance does not touch it); the adaptive
-engine is compared with the best of all of them. `--slice`
+device): measured once, by the adaptive engine with every draft rejected (synthetic
+acceptance 0), which then chooses 0 drafts (`adaptive_zero_drafts` in the record, with the
+steps it chose; a warning if it did not mostly choose 0). `none` runs once (acceptance does
+not touch it); the adaptive engine is compared with the best of all of them. `--slice`
 serves the full-width slice + MTP with random weights (slice.py) on `--device cuda`; CUDA
 graphs as the engine captures them by default.
 

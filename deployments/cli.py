@@ -12,6 +12,7 @@ from pathlib import Path
 
 from .bench_cli import add_bench_parser, run_bench
 from .engine_args import (
+    DRAFT_KV_CACHE_DTYPES,
     DRAFT_KV_HELP,
     NO_SPECULATION,
     QUANTIZE_HELP,
@@ -139,7 +140,7 @@ def _plan_parser(sub) -> None:
                     metavar="mtp[:K]|dflash:PATH[:K]",  # (':auto' plans as K drafts)
                     help="dflash:PATH reads the draft's config.json; dflash:incoai/GLM-5.3-"
                          "Flash-DFlash2 plans the published DFlash2 drafter")
-    pm.add_argument("--draft-kv-cache-dtype", choices=["auto", "fp8"], default="auto",
+    pm.add_argument("--draft-kv-cache-dtype", choices=DRAFT_KV_CACHE_DTYPES, default="auto",
                     help=DRAFT_KV_HELP)
     pm.add_argument("--max-num-seqs", type=int, default=16)
     pm.add_argument("--max-num-batched-tokens", type=int, default=2048)

@@ -17,6 +17,9 @@ ASYNC_SCHEDULING_HELP = ("schedule step N+1 while step N runs (overlapped host w
 PREFIX_CACHING_HELP = ("reuse cached prompt blocks and KDA state checkpoints across requests "
                        "(default on, unless the other settings cannot have it: then off, with "
                        "a warning)")
+# the choices of --draft-kv-cache-dtype (actors' dflash.DRAFT_KV_CACHE_DTYPES; written out so
+# that parsing flags imports no engine)
+DRAFT_KV_CACHE_DTYPES = ("auto", "fp8")
 DRAFT_KV_HELP = ("the DFlash draft's K/V ring (a sliding window per sequence): auto = the "
                  "draft's dtype; fp8 = e4m3 with one fp32 scale per head and position, about "
                  "half the bytes (GLM's DFlash2 at TP2: 10.3 MiB a sequence, not 20.0), "
@@ -102,7 +105,7 @@ def add_engine_args(parser: argparse.ArgumentParser, *, max_num_seqs: int,
     parser.add_argument("--speculative", type=parse_speculative, default=NO_SPECULATION,
                         metavar="none|mtp[:K][:auto]|dflash:PATH[:K][:auto]",
                         help="speculative decoding: the MTP layer or a DFlash2 draft, K drafts")
-    parser.add_argument("--draft-kv-cache-dtype", choices=["auto", "fp8"], default="auto",
+    parser.add_argument("--draft-kv-cache-dtype", choices=DRAFT_KV_CACHE_DTYPES, default="auto",
                         help=DRAFT_KV_HELP)
 
 

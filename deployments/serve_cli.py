@@ -10,6 +10,7 @@ import sys
 
 from .engine_args import (
     ASYNC_SCHEDULING_HELP,
+    DRAFT_KV_CACHE_DTYPES,
     DRAFT_KV_HELP,
     PREFIX_CACHING_HELP,
     QUANTIZE_HELP,
@@ -51,7 +52,7 @@ def add_serve_parser(sub) -> None:
                       help="MTP drafts: argmax, or drawn from the MTP distribution and "
                            "verified by min(1, p/q) (the lang-mtp3 and long500k default)")
     feat.add_argument("--draft-model", default=None, help="DFlash drafter checkpoint")
-    feat.add_argument("--draft-kv-cache-dtype", choices=["auto", "fp8"], default=None,
+    feat.add_argument("--draft-kv-cache-dtype", choices=DRAFT_KV_CACHE_DTYPES, default=None,
                       help=DRAFT_KV_HELP)
     feat.add_argument("--draft-cost-table", dest="cost_table", default=None, metavar="JSON",
                       help="adaptive draft length (--speculative mtp:auto): step times from "

@@ -380,7 +380,8 @@ class LLMEngine:
                                 self.config.num_speculative_tokens, self.max_model_len,
                                 in_flight_rows, num_drafts)
 
-    def _fail_unbuildable(self, items: list, in_flight_rows: dict[Request, tuple[int, int, int]] | None
+    def _fail_unbuildable(self, items: list,
+                          in_flight_rows: dict[Request, tuple[int, int, int]] | None,
                           ) -> list[RequestOutput]:
         """A step input could not be built: build each request alone and fail (ERROR) the
         ones that cannot be, freeing their resources. Nothing ran (nor was committed), so the

@@ -97,21 +97,22 @@ def test_adaptive_widths_through_graphs_match_eager(tiny, overlap):
     kw = dict(model=tiny, dtype="float32", device="cuda", num_blocks=256, max_num_seqs=6,
               max_num_batched_tokens=48, speculative_method="mtp", num_speculative_tokens=3,
               adaptive_drafts=True)
-    tokens = []
-    for config in (EngineConfig(enforce_eager=True, **kw),
-                   EngineConfig(async_scheduling=overlap, **kw)):
-        engine = LLMEngine(config)
+
+    def forced(engine: LLMEngine) -> LLMEngine:
         turns = iter([0, 0, 0, 0, 3, 3, 3] * 100)
-        engine.draft_policy.choose = lambda request_ids, turns=turns: next(turns)
-        graphs = engine.executor.runner.graphs
-        if graphs is not None:
-            replays = {key: 0 for key in graphs.accepted_graphs}
-            for key, (graph, drafts) in graphs.accepted_graphs.items():
-                def counted(replay=graph.replay, key=key):
-                    replays[key] += 1
-                    replay()
-                graph.replay = counted
-        tokens.append([t for t, _ in _run(engine, NO_LOGPROBS)])
-        assert engine.spec_stats.num_drafts > 0
-    assert tokens[0] == tokens[1]
-    assert sum(n for (_, _, passes), n in replays.items() if passes == 0) >= 5
+        engine.draft_policy.choose = lambda request_ids: next(turns)
+        return engine
+
+    eager_engine = forced(LLMEngine(EngineConfig(enforce_eager=True, **kw)))
+    eager = [t for t, _ in _run(eager_engine, NO_LOGPROBS)]
+    graph_engine = forced(LLMEngine(EngineConfig(async_scheduling=overlap, **kw)))
+    cache_only = []  # replays of the graphs after acceptance with no draft pass
+    for (_, _, passes), (graph, _) in graph_engine.executor.runner.graphs.accepted_graphs.items():
+        if passes == 0:
+            def counted(replay=graph.replay):
+                cache_only.append(1)
+                replay()
+            graph.replay = counted
+    assert [t for t, _ in _run(graph_engine, NO_LOGPROBS)] == eager
+    assert eager_engine.spec_stats.num_drafts > 0 and graph_engine.spec_stats.num_drafts > 0
+    assert len(cache_only) >= 5

@@ -325,5 +325,6 @@ def test_draft_forward_transient_is_what_the_plan_reserves(tiny, tp, ring) -> No
                                  np.arange(n))
     assert drafts.shape == (n, 7)
     planned = n * forward_bytes_per_sequence(cfg, torch.float32, tp, ring)
-    print(f"tp{tp} {ring} ring: draft forward peak {live.peak / MiB:.2f} MiB, planned {planned / MiB:.2f}")
+    print(f"tp{tp} {ring} ring: draft forward peak {live.peak / MiB:.2f} MiB, "
+          f"planned {planned / MiB:.2f}")
     assert 0.9 * planned <= live.peak <= planned

@@ -279,6 +279,10 @@ def test_draft_kv_cache_dtype_reaches_the_engine_and_survives_speculative_flags(
     monkeypatch.delenv("GLM53_API_KEYS", raising=False)
     monkeypatch.delenv("GLM53_API_KEY", raising=False)
     assert all("draft_kv_cache_dtype" not in p for p in PROFILES.values())
+    # the flags' choices, written out so that parsing imports no engine, are the engine's
+    from glm53.actors.speculative.dflash import DRAFT_KV_CACHE_DTYPES
+    from glm53.deployments import engine_args
+    assert engine_args.DRAFT_KV_CACHE_DTYPES == DRAFT_KV_CACHE_DTYPES
     args = _parser().parse_args(["serve", "--profile", "lang-dflash2", "--speculative",
                                  "dflash:/d", "--draft-kv-cache-dtype", "fp8",
                                  "--kv-cache-dtype", "bf16"])
