@@ -31,7 +31,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from bench_common import kernel_profile, unit_scale_bank
+from bench_common import device_ms, kernel_profile, unit_scale_bank
 
 from glm53.actors.caches import ModelCaches, cache_bytes
 from glm53.actors.config import ModelConfig
@@ -153,9 +153,11 @@ def engine_step_ms(model, caches: ModelCaches, cfg: ModelConfig, batch_size: int
     the graph, the sampler's calls, and the wait for the tokens; `overlapped_ms`, the step as
     overlapped execution runs it (ModelRunner.launch of step N+1, whose tokens are step N's
     samples filled in on the device, before finish of step N: the host work hides behind the
-    running step); with `profile`, the host calls that take the most CPU time in one step
-    (torch.profiler). Runs on the model's device: CUDA graphs on CUDA, their eager emulation
-    elsewhere."""
+    running step). With CUDA graphs, the device's share of it: `engine_graph_device_ms` (the
+    engine's graph replayed alone), `engine_step_device_ms` (all a step queues) and
+    `engine_step_kernels` (its kernels by device time). With `profile`, the host calls that
+    take the most CPU time in one step (torch.profiler). Runs on the model's device: CUDA
+    graphs on CUDA, their eager emulation elsewhere."""
     device = next(model.parameters()).device
     graphs = DecodeGraphs(model, caches, pad_slot=caches.layers[0].conv.shape[0] - 1,
                           max_blocks=cfg.max_position_embeddings // BLOCK,
@@ -171,17 +173,20 @@ def engine_step_ms(model, caches: ModelCaches, cfg: ModelConfig, batch_size: int
     marks: list[tuple[float, float, float]] = []
     empty = np.zeros(0, dtype=np.int64)
 
+    def step_input(delta: bool) -> StepInput:
+        return StepInput(0, [""] * batch_size, token_ids, positions,
+                         np.arange(batch_size + 1, dtype=np.int64), table,
+                         slot_mapping_for(positions, rows, table, BLOCK), rows, rows, rows,
+                         sampling, block_table_resets=empty if delta else None,
+                         block_table_updates=empty.reshape(0, 3) if delta else None)
+
     def launch(previous: torch.Tensor | None,
                delta: bool = True) -> tuple[torch.Tensor, torch.Tensor, object]:
         """Steps 'build -> load + replay -> sample' of one step; its tokens are `previous`
         (the last step's samples, on the device) when given. The graphs read the block
         tables from their persistent rows: `delta`, the step brings the engine's steady-state
         change to them (none); else its whole tables are written there (the first step)."""
-        step = StepInput(0, [""] * batch_size, token_ids, positions,
-                         np.arange(batch_size + 1, dtype=np.int64), table,
-                         slot_mapping_for(positions, rows, table, BLOCK), rows, rows, rows,
-                         sampling, block_table_resets=empty if delta else None,
-                         block_table_updates=empty.reshape(0, 3) if delta else None)
+        step = step_input(delta)
         graphs.static.update_tables(step)  # as ModelRunner.launch does
         fill = None if previous is None else (to_device(rows, device), previous)
         _, _, logits = graphs.run(step, graphs.bucket(step), fill)
@@ -216,6 +221,15 @@ def engine_step_ms(model, caches: ModelCaches, cfg: ModelConfig, batch_size: int
     start = time.perf_counter()
     overlapped(steps)
     host["overlapped_ms"] = (time.perf_counter() - start) / (steps + 1) * 1e3
+    if graphs.graphs:
+        # where the overlapped step's time over a bare replay goes, on the device alone (host
+        # time hidden): the engine's graph replayed by itself (its block tables are as wide
+        # as the model's context, the benchmark's bare replay's only as wide as the case's),
+        # then everything a step queues (copies, replay, sampler, copy back)
+        graph = graphs.graphs[graphs.bucket(step_input(True))].graph
+        host["engine_graph_device_ms"] = device_ms(graph.replay)
+        host["engine_step_device_ms"] = device_ms(lambda: launch(None))
+        host["engine_step_kernels"] = kernel_profile(lambda: launch(None), top=12)
     if profile:
         host["profile"] = host_profile(decode)
     return ms, host
