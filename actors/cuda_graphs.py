@@ -12,9 +12,12 @@ block table is all null block 0, so its latent rows and closed pools land in blo
 block pool never hands out and no real sequence reads (its block tables address only its own
 blocks up to its position; table padding is masked by position).
 
-Block tables are `max_blocks` wide in every graph (the longest sequence the caches can hold), so
-one graph serves every context length: the kernels size their grids from shapes only and read
-lengths from device tensors (no host sync on the CUDA path). They live on the device, one row
+Block tables are as wide in a graph as one of a few context sizes (`table_buckets`; the widest
+is `max_blocks`, the longest sequence the caches can hold), and a step replays the graph of the
+narrowest that holds its longest sequence: the kernels size their grids from shapes only and
+read lengths from device tensors (no host sync on the CUDA path), so a graph as wide as the
+whole context would launch the indexer's scoring and pool selection over every pool a 1M-token
+table addresses for an 8K-token sequence. They live on the device, one row
 per state slot, for as long as the slot's request runs: the engine sends only what changed
 (a row reset when a slot changes hands, the blocks a request gained), every step, graph or
 eager, applies it, and a graph gathers its rows by state slot as its first node. A step without
@@ -42,6 +45,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -54,6 +58,11 @@ from .transfers import to_device
 
 logger = logging.getLogger(__name__)
 
+# contexts (tokens) whose block-table widths are captured by default, besides the model's
+# longest: a short sequence's step does not pay for scoring and selecting over the pools of a
+# table as wide as the longest one
+DEFAULT_CONTEXT_SIZES = (16384, 131072)
+
 # decode batch sizes captured by default (those <= max_num_seqs, plus max_num_seqs itself)
 DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 256, 320, 384, 512)
 
@@ -65,6 +74,25 @@ def batch_buckets(max_num_seqs: int, sizes: tuple[int, ...] | None = None) -> tu
     if any(s < 1 for s in sizes):
         raise ValueError(f"graph batch sizes must be >= 1, got {sizes}")
     return tuple(sorted({s for s in sizes if s < max_num_seqs} | {max_num_seqs}))
+
+
+def table_buckets(max_blocks: int, block_size: int,
+                  context_sizes: tuple[int, ...] | None = None) -> tuple[int, ...]:
+    """Ascending block-table widths (blocks) of the graphs: those of `context_sizes` tokens
+    (default DEFAULT_CONTEXT_SIZES) narrower than max_blocks, and max_blocks itself."""
+    sizes = DEFAULT_CONTEXT_SIZES if context_sizes is None else context_sizes
+    if any(s < 1 for s in sizes):
+        raise ValueError(f"graph context sizes must be >= 1 token, got {sizes}")
+    widths = {-(-s // block_size) for s in sizes}
+    return tuple(sorted({m for m in widths if m < max_blocks} | {max_blocks}))
+
+
+class GraphKey(NamedTuple):
+    """The graph serving a uniform step: its batch size, tokens per sequence and block-table
+    width (blocks)."""
+    batch: int
+    width: int
+    blocks: int
 
 
 def uniform_width(step: StepInput) -> int | None:
@@ -132,9 +160,10 @@ class StaticInputs:
     def _dev(self, name: str, size: int) -> torch.Tensor:
         return self.dev[self.offsets[name]:self.offsets[name] + size]
 
-    def views(self, b: int, w: int) -> tuple[torch.Tensor, ForwardBatch]:
+    def views(self, b: int, w: int, m: int | None = None) -> tuple[torch.Tensor, ForwardBatch]:
         """(token ids [b*w], ForwardBatch of b sequences of w tokens) over the buffers; the
-        block tables are gathered from `tables` by state slot (a node of the graph)."""
+        block tables, m blocks wide (default max_blocks), are gathered from `tables` by state
+        slot (a node of the graph)."""
         t = b * w
         state_ids = self._dev("state_ids", b)
         return self._dev("token_ids", t), ForwardBatch(
@@ -143,7 +172,7 @@ class StaticInputs:
             cu_seqlens=self._dev("cu_seqlens", b + 1),
             state_ids=state_ids,
             has_initial_state=self.dev_flags[0, :b],
-            block_tables=self.tables.index_select(0, state_ids),
+            block_tables=self.tables[:, :m].index_select(0, state_ids),
             slot_mapping=self._dev("slot_mapping", t),
             defer_state=self.dev_flags[1, :b] if w > 1 else None,
         )
@@ -234,8 +263,9 @@ Drafter = Callable[[torch.Tensor, torch.Tensor, ForwardBatch, torch.Tensor, torc
 
 class DecodeGraphs:
     """Graphs (or, with capture=False, their eager emulation) of the trunk forward + lm_head
-    for uniform steps of `widths` tokens per sequence and `batch_sizes` sequences, and of what
-    follows a speculative one once acceptance is known.
+    for uniform steps of `widths` tokens per sequence and `batch_sizes` sequences with block
+    tables of `table_widths` blocks (default: table_buckets(max_blocks, block size)), and of
+    what follows a speculative one once acceptance is known.
 
     run(step) returns (hidden [b*w, D], taps or None, logits [b*w, V] fp32), valid until the
     next run; rows past the step's n*w are padding. After a run of a step whose sequences
@@ -250,45 +280,54 @@ class DecodeGraphs:
     def __init__(self, model: Glm5NextForCausalLM, caches: ModelCaches, *, pad_slot: int,
                  max_blocks: int, batch_sizes: tuple[int, ...], widths: tuple[int, ...],
                  tap_layers: tuple[int, ...] = (), capture: bool = True,
-                 drafter: Drafter | None = None, draft_passes: int = 0) -> None:
+                 drafter: Drafter | None = None, draft_passes: int = 0,
+                 table_widths: tuple[int, ...] | None = None) -> None:
         if (drafter is None) != (draft_passes == 0):
             raise ValueError("a drafter needs draft_passes >= 1, and passes need a drafter")
         self.model, self.caches, self.tap_layers = model, caches, tap_layers
         self.drafter, self.draft_passes = drafter, draft_passes
         self.batch_sizes, self.widths = batch_sizes, widths
+        self.table_widths = (table_buckets(max_blocks, caches.block_size)
+                             if table_widths is None else table_widths)
+        if self.table_widths[-1] != max_blocks or list(self.table_widths) != sorted(
+                set(self.table_widths)):
+            raise ValueError(f"table widths {self.table_widths} must ascend to max_blocks "
+                             f"({max_blocks})")
         device = model.embed_tokens.weight.device
         self.static = StaticInputs(max(batch_sizes), max(widths), max_blocks, caches.block_size,
                                    pad_slot, device)
         self.kda = {i: layer.self_attn for i, layer in enumerate(model.layers) if layer.is_kda}
-        self.graphs: dict[tuple[int, int], _Graph] = {}  # empty when emulating
-        # (b, w, passes) -> the graph after acceptance and its drafts [b, passes] (None
+        self.graphs: dict[GraphKey, _Graph] = {}  # empty when emulating
+        # (key, passes) -> the graph after acceptance and its drafts [b, passes] (None
         # without a drafter)
-        self.accepted_graphs: dict[tuple[int, int, int],
+        self.accepted_graphs: dict[tuple[GraphKey, int],
                                    tuple[torch.cuda.CUDAGraph, torch.Tensor | None]] = {}
-        self.last: tuple[tuple[int, int], _Graph] | None = None  # emulation: the last run
+        self.last: tuple[GraphKey, _Graph] | None = None  # emulation: the last run
         self.num_replays = 0  # steps served by a graph (or its emulation)
         if capture:
             self._capture_all(device)
 
-    def bucket(self, step: StepInput) -> tuple[int, int] | None:
-        """(b, w) of the graph that serves `step`, or None (the step runs eagerly)."""
+    def bucket(self, step: StepInput) -> GraphKey | None:
+        """The graph that serves `step`, or None (the step runs eagerly)."""
         w = uniform_width(step)
         n = len(step.state_ids)
         if w not in self.widths or n > self.batch_sizes[-1]:
             return None
-        if step.block_tables.shape[1] > self.static.max_blocks:
+        m = step.block_tables.shape[1]
+        if m > self.static.max_blocks:
             return None
-        return next(b for b in self.batch_sizes if b >= n), w
+        return GraphKey(next(b for b in self.batch_sizes if b >= n), w,
+                        next(t for t in self.table_widths if t >= m))
 
-    def run(self, step: StepInput, key: tuple[int, int],
+    def run(self, step: StepInput, key: GraphKey,
             fill: tuple[torch.Tensor, torch.Tensor] | None = None,
             ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
         """`fill`: (device token rows, ids) of the step's placeholder tokens."""
-        b, w = key
+        b, w, m = key
         self.static.load(step, b, w, fill)
         self.num_replays += 1
         if not self.graphs:  # emulation: the same padded forward, eagerly
-            g = self._forward(b, w)
+            g = self._forward(b, w, m)
             self.last = key, g
             return g.hidden, g.taps, g.logits
         g = self.graphs[key]
@@ -306,7 +345,7 @@ class DecodeGraphs:
         replay, or drafts to make)."""
         return w > 1 or self.drafter is not None
 
-    def run_accepted(self, key: tuple[int, int], kept: np.ndarray | None,
+    def run_accepted(self, key: GraphKey, kept: np.ndarray | None,
                      emitted: np.ndarray | torch.Tensor, drafts: int = 0,
                      ) -> torch.Tensor | None:
         """After `run(step, key)` of a speculative step of n sequences and acceptance on the
@@ -317,7 +356,7 @@ class DecodeGraphs:
         `emitted` ([n], on the device) are its tokens: no acceptance on the host, so the
         step need not be waited for. Returns the drafts [n, min(drafts, draft_passes)] on the
         device (valid until the next run), or None without a drafter."""
-        b, w = key
+        b, w, m = key
         passes = 0 if self.drafter is None else min(drafts, self.draft_passes)
         if kept is None:
             if w != 1:
@@ -328,16 +367,16 @@ class DecodeGraphs:
         if not self.graphs:
             if self.last is None or self.last[0] != key:
                 raise RuntimeError(f"run_accepted{key} follows no run of that bucket")
-            out = self._after_acceptance(b, w, self.last[1].hidden, passes)
+            out = self._after_acceptance(b, w, m, self.last[1].hidden, passes)
         else:
-            graph, out = self.accepted_graphs[(b, w, passes)]
+            graph, out = self.accepted_graphs[(key, passes)]
             graph.replay()
         return None if out is None else out[:len(emitted)]
 
     @torch.inference_mode()
-    def _after_acceptance(self, b: int, w: int, hidden: torch.Tensor,
+    def _after_acceptance(self, b: int, w: int, m: int, hidden: torch.Tensor,
                           passes: int) -> torch.Tensor | None:
-        ids, batch = self.static.views(b, w)
+        ids, batch = self.static.views(b, w, m)
         kept, emitted = self.static.accepted(b)
         if w > 1:  # every sequence verified: all deferred, padding into the pad slot
             self.model.commit_speculative(
@@ -347,8 +386,8 @@ class DecodeGraphs:
                                                               emitted, passes)
 
     @torch.inference_mode()
-    def _forward(self, b: int, w: int) -> _Graph:
-        ids, batch = self.static.views(b, w)
+    def _forward(self, b: int, w: int, m: int) -> _Graph:
+        ids, batch = self.static.views(b, w, m)
         out = self.model(ids, batch, self.caches, self.tap_layers)
         hidden, taps = out if self.tap_layers else (out, None)
         logits = self.model.compute_logits(hidden)
@@ -357,48 +396,54 @@ class DecodeGraphs:
 
     @torch.inference_mode()
     def _capture_all(self, device: torch.device) -> None:
-        """Capture every (b, w), largest first, into one memory pool (smaller graphs reuse
-        the larger ones' scratch). A warm-up run before each capture compiles the Triton
-        kernels for its shapes; warm-ups and captures touch only the pad slot and block 0."""
+        """Capture every (b, w, table width), largest first, into one memory pool (smaller
+        graphs reuse the larger ones' scratch). A warm-up run before each capture compiles the
+        Triton kernels for its shapes; warm-ups and captures touch only the pad slot and
+        block 0."""
         start, free_before = time.perf_counter(), torch.cuda.mem_get_info(device)[0]
         pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream(device)
-        for w in sorted(self.widths, reverse=True):
-            for b in sorted(self.batch_sizes, reverse=True):
-                self.static.load(None, b, w)
-                stream.wait_stream(torch.cuda.current_stream(device))
-                with torch.cuda.stream(stream):
-                    self._forward(b, w)
-                torch.cuda.current_stream(device).wait_stream(stream)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool, stream=stream):
-                    g = self._forward(b, w)
-                self.graphs[(b, w)] = _Graph(graph, g.hidden, g.taps, g.logits, g.pending)
-                if self.has_accepted_graph(w):
-                    for passes in range(self.draft_passes + 1):
-                        self.accepted_graphs[(b, w, passes)] = self._capture_accepted(
-                            b, w, passes, g, pool, stream)
+        keys = [GraphKey(b, w, m) for w in sorted(self.widths, reverse=True)
+                for b in sorted(self.batch_sizes, reverse=True)
+                for m in sorted(self.table_widths, reverse=True)]
+        for key in keys:
+            b, w, m = key
+            self.static.load(None, b, w)
+            stream.wait_stream(torch.cuda.current_stream(device))
+            with torch.cuda.stream(stream):
+                self._forward(b, w, m)
+            torch.cuda.current_stream(device).wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool, stream=stream):
+                g = self._forward(b, w, m)
+            self.graphs[key] = _Graph(graph, g.hidden, g.taps, g.logits, g.pending)
+            if self.has_accepted_graph(w):
+                for passes in range(self.draft_passes + 1):
+                    self.accepted_graphs[(key, passes)] = self._capture_accepted(
+                        key, passes, g, pool, stream)
         torch.cuda.synchronize(device)
         used = free_before - torch.cuda.mem_get_info(device)[0]
-        logger.info("captured %d CUDA graphs (batch sizes %s, widths %s) in %.1f s, %.0f MiB",
-                    len(self.graphs), list(self.batch_sizes), list(self.widths),
-                    time.perf_counter() - start, used / 2**20)
+        logger.info("captured %d CUDA graphs (batch sizes %s, widths %s, tables of %s blocks) "
+                    "in %.1f s, %.0f MiB", len(self.graphs), list(self.batch_sizes),
+                    list(self.widths), list(self.table_widths), time.perf_counter() - start,
+                    used / 2**20)
 
-    def _capture_accepted(self, b: int, w: int, passes: int, g: _Graph, pool,
+    def _capture_accepted(self, key: GraphKey, passes: int, g: _Graph, pool,
                           stream: torch.cuda.Stream,
                           ) -> tuple[torch.cuda.CUDAGraph, torch.Tensor | None]:
-        """The graph after acceptance of bucket (b, w) with `passes` draft passes, reading the
+        """The graph after acceptance of bucket `key` with `passes` draft passes, reading the
         verify graph `g`'s outputs (its KDA pending tensors, its hidden states). Its warm-up
         commits and drafts padding only (the static inputs hold an all-padding step)."""
         device = g.hidden.device
+        b, w, m = key
         self.static.load_accepted(np.zeros(0, np.int64), np.zeros(0, np.int64), b)
         self._set_pending(g)
         stream.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(stream):
-            self._after_acceptance(b, w, g.hidden, passes)
+            self._after_acceptance(b, w, m, g.hidden, passes)
         torch.cuda.current_stream(device).wait_stream(stream)
         self._set_pending(g)  # the warm-up's commit took them
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=pool, stream=stream):
-            drafts = self._after_acceptance(b, w, g.hidden, passes)
+            drafts = self._after_acceptance(b, w, m, g.hidden, passes)
         return graph, drafts

@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 from .caches import CachePlan, ModelCaches, copy_state_slots, plan_cache
-from .cuda_graphs import DecodeGraphs, batch_buckets
+from .cuda_graphs import DecodeGraphs, GraphKey, batch_buckets, table_buckets
 from .forward_batch import DeferredStates, ForwardBatch
 from .kv_scale_bank import bank_path, load_scale_bank
 from .loader import DTYPES, load_model
@@ -78,6 +78,7 @@ class ModelRunner:
                  draft_model: str | None = None, draft_sampling: str = "greedy",
                  enforce_eager: bool = False, adaptive_drafts: bool = False,
                  cuda_graph_batch_sizes: tuple[int, ...] | None = None,
+                 cuda_graph_context_sizes: tuple[int, ...] | None = None,
                  max_model_len: int | None = None,
                  quantize_experts: str | None = None,
                  max_num_batched_tokens: int = 2048, kv_cache_dtype: str = "auto",
@@ -89,7 +90,8 @@ class ModelRunner:
         `adaptive_drafts` a step may verify any 0..num_spec of them. CUDA graphs (unless
         `enforce_eager`) are captured for decode batches of `cuda_graph_batch_sizes` (capped
         at num_slots) with block tables wide enough for `max_model_len` (default: the
-        model's context) tokens. `quantize_experts` ("int4") quantises the routed experts of a
+        model's context) tokens, and narrower ones for the `cuda_graph_context_sizes`
+        shorter than that (default cuda_graphs.DEFAULT_CONTEXT_SIZES). `quantize_experts` ("int4") quantises the routed experts of a
         dense/FP8 checkpoint while loading. `kv_cache_dtype` (caches.KV_CACHE_DTYPES) sets the
         latent rows; nvfp4 reads its outer scales from `kv_scale_bank` (default: the bank
         file in the checkpoint). `with_vision` builds the vision tower: image embeddings are
@@ -166,6 +168,7 @@ class ModelRunner:
         self.graphs: DecodeGraphs | None = None
         self.enforce_eager = enforce_eager or self.device.type != "cuda"
         self.graph_batch_sizes = batch_buckets(num_slots, cuda_graph_batch_sizes)
+        self.graph_context_sizes = cuda_graph_context_sizes
         self.max_model_len = max_model_len or self.config.max_position_embeddings
         # embeddings of images whose prefill continues in a later chunk, by StepImage.key
         self.image_embeds: dict[str, torch.Tensor] = {}
@@ -220,7 +223,9 @@ class ModelRunner:
                             widths=widths, tap_layers=getattr(self.proposer, "tap_layers", ()),
                             capture=capture,
                             drafter=self.proposer.draft_after_verify if greedy_mtp else None,
-                            draft_passes=self.num_spec if greedy_mtp else 0)
+                            draft_passes=self.num_spec if greedy_mtp else 0,
+                            table_widths=table_buckets(max_blocks, self.plan.block_size,
+                                                       self.graph_context_sizes))
 
     def _free_memory_budget(self, utilization: float) -> int:
         if self.device.type != "cuda":
@@ -300,7 +305,7 @@ class ModelRunner:
                                        torch.tensor(sampled, device=self.device),
                                        int(step.sampling.num_logprobs.max()))
         drafts = None
-        if key is not None and self.graphs.has_accepted_graph(key[1]):
+        if key is not None and self.graphs.has_accepted_graph(key.width):
             # the KDA commit (and greedy MTP drafts) as one graph after acceptance
             graphed = self.graphs.run_accepted(key, 1 + num_accepted, next_tokens,
                                                int(step.propose.max()))
@@ -336,12 +341,12 @@ class ModelRunner:
             self.last_step = (launched.step, output)
         return output if self.ps.rank == 0 else None
 
-    def _drafts_nothing_on_device(self, step: StepInput, key: tuple[int, int] | None) -> bool:
+    def _drafts_nothing_on_device(self, step: StepInput, key: GraphKey | None) -> bool:
         """Whether a speculative step needs no acceptance on the host: a graphed step of one
         token per sequence, each sampling it, none verifying or proposing a draft (adaptive
         draft length at width 0), with a drafter whose cache pass the graph after acceptance
         runs (greedy MTP)."""
-        return (key is not None and key[1] == 1 and self.graphs.drafter is not None
+        return (key is not None and key.width == 1 and self.graphs.drafter is not None
                 and not step.num_drafts.any() and not step.propose.any()
                 and len(step.sample_seqs) == len(step.state_ids))
 

@@ -53,6 +53,9 @@ class EngineConfig:
     # decode batch sizes with a CUDA graph (capped at max_num_seqs, which is always one);
     # None = actors/cuda_graphs.py DEFAULT_BATCH_SIZES
     cuda_graph_batch_sizes: tuple[int, ...] | None = None
+    # contexts (tokens) whose block-table widths get CUDA graphs of their own, besides
+    # max_model_len's; None = actors/cuda_graphs.py DEFAULT_CONTEXT_SIZES
+    cuda_graph_context_sizes: tuple[int, ...] | None = None
     # prefix caching (raycluster/prefix_cache.py): cached blocks + KDA state checkpoints, each
     # checkpoint one more state slot per rank (and DFlash ring; None: max_num_seqs of them),
     # taken every prefix_checkpoint_interval tokens of a prefill (a multiple of the block) and
@@ -110,6 +113,9 @@ class EngineConfig:
                 len(self.cuda_graph_batch_sizes) > 0
                 and all(s >= 1 for s in self.cuda_graph_batch_sizes)),
              "cuda_graph_batch_sizes must be non-empty and >= 1"),
+            (self.cuda_graph_context_sizes is None
+             or all(s >= 1 for s in self.cuda_graph_context_sizes),
+             "cuda_graph_context_sizes must be >= 1 token"),
             (self.prefix_checkpoints is None or self.prefix_checkpoints >= 1,
              "prefix_checkpoints must be >= 1"),
             (not self.enable_prefix_caching or self.prefix_caching_refusal is None,

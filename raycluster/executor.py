@@ -129,6 +129,7 @@ def runner_kwargs(config: EngineConfig) -> dict:
                 draft_kv_cache_dtype=config.draft_kv_cache_dtype,
                 adaptive_drafts=config.adaptive_drafts,
                 cuda_graph_batch_sizes=config.cuda_graph_batch_sizes,
+                cuda_graph_context_sizes=config.cuda_graph_context_sizes,
                 max_model_len=config.max_model_len,
                 num_checkpoints=config.num_prefix_checkpoints)
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from glm53.actors.caches import DSAState, KDAState
-from glm53.actors.cuda_graphs import StaticInputs, batch_buckets, uniform_width
+from glm53.actors.cuda_graphs import StaticInputs, batch_buckets, table_buckets, uniform_width
 from glm53.actors.model_runner import ModelRunner
 from glm53.actors.speculative.verify import SyntheticAcceptance
 from glm53.actors.step import SamplingParams, StepInput
@@ -83,6 +83,11 @@ def test_static_buffers_hold_what_a_fresh_load_writes():
 
 
 def test_buckets_and_widths():
+    assert table_buckets(100, 16) == (100,)  # 1600 tokens: shorter than every default size
+    assert table_buckets(65536, 16) == (1024, 8192, 65536)  # 16K, 128K and 1M tokens
+    assert table_buckets(10, 4, (5, 8, 9, 100)) == (2, 3, 10)
+    with pytest.raises(ValueError, match=">= 1 token"):
+        table_buckets(10, 4, (0,))
     assert batch_buckets(4) == (1, 2, 4)
     assert batch_buckets(40) == (1, 2, 4, 8, 16, 24, 32, 40)
     assert batch_buckets(8, (3, 16)) == (3, 8)
@@ -130,6 +135,7 @@ class TwinExecutor(InProcessExecutor):
         super().__init__(config)
         self.graphs = self.runner.make_graphs(capture=False)
         self.padded_steps = 0
+        self.table_widths_used: set[int] = set()
 
     def execute(self, step: StepInput):
         runner = self.runner
@@ -137,6 +143,7 @@ class TwinExecutor(InProcessExecutor):
         if key is None:  # the runner runs without graphs here: keep their block tables current
             self.graphs.static.update_tables(step)
             return runner.execute(step)
+        self.table_widths_used.add(key.blocks)
         before = _snapshot(runner.caches)
         eager = runner.execute(step)
         after_eager = _snapshot(runner.caches)
@@ -156,7 +163,7 @@ class TwinExecutor(InProcessExecutor):
         return padded
 
     def _check_caches(self, step, key, before, after_eager, after_padded) -> None:
-        b, _ = key
+        b = key.batch
         pad_slot = self.runner.plan.num_slots
         block_size = self.runner.plan.block_size
         idle_slots = torch.tensor(np.setdiff1d(np.arange(pad_slot), step.state_ids))
@@ -194,14 +201,21 @@ class TwinExecutor(InProcessExecutor):
 @pytest.mark.parametrize("k", [0, pytest.param(3, marks=pytest.mark.slow)])
 def test_padded_graph_path_equals_eager(tiny, k):
     """Each graph step equals its eager twin, and the engine driven by the padded path
-    (requests arriving and finishing, so buckets change) equals the plain engine."""
+    (requests arriving and finishing, so buckets change; sequences outgrowing the one-block
+    tables of the graphs for contexts up to one block) equals the plain engine."""
     plain = _run(LLMEngine(_config(tiny, k)))
     # buckets 2 and 4: single sequences and triples run padded
-    config = _config(tiny, k, cuda_graph_batch_sizes=(2,))
+    block = EngineConfig(model=tiny).block_size
+    config = _config(tiny, k, cuda_graph_batch_sizes=(2,), cuda_graph_context_sizes=(block,))
     engine = LLMEngine(config, TwinExecutor(config))
     assert _run(engine) == plain
     assert engine.dead is None
     assert engine.executor.padded_steps > 0
+    widths = engine.executor.graphs.table_widths
+    assert widths[0] == 1 and len(widths) == 2
+    used = engine.executor.table_widths_used
+    # plain decoding runs both; with MTP's lookahead blocks every uniform step needs two
+    assert used == set(widths) if not k else used <= set(widths)
     if k:
         assert engine.spec_stats.num_drafts > 0
 

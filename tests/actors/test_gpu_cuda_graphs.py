@@ -107,7 +107,7 @@ def test_adaptive_widths_through_graphs_match_eager(tiny, overlap):
     eager = [t for t, _ in _run(eager_engine, NO_LOGPROBS)]
     graph_engine = forced(LLMEngine(EngineConfig(async_scheduling=overlap, **kw)))
     cache_only = []  # replays of the graphs after acceptance with no draft pass
-    for (_, _, passes), (graph, _) in graph_engine.executor.runner.graphs.accepted_graphs.items():
+    for (_, passes), (graph, _) in graph_engine.executor.runner.graphs.accepted_graphs.items():
         if passes == 0:
             def counted(replay=graph.replay):
                 cache_only.append(1)
