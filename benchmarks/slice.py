@@ -154,8 +154,10 @@ def engine_step_ms(model, caches: ModelCaches, cfg: ModelConfig, batch_size: int
     overlapped execution runs it (ModelRunner.launch of step N+1, whose tokens are step N's
     samples filled in on the device, before finish of step N: the host work hides behind the
     running step). With CUDA graphs, the device's share of it: `engine_graph_device_ms` (the
-    engine's graph replayed alone), `engine_step_device_ms` (all a step queues) and
-    `engine_step_kernels` (its kernels by device time). With `profile`, the host calls that
+    engine's graph replayed alone), `full_width_graph_device_ms` (the same with block tables
+    as wide as the model's context, as every graph had before graphs per context size),
+    `engine_step_device_ms` (all a step queues) and `engine_step_kernels` (its kernels by
+    device time). With `profile`, the host calls that
     take the most CPU time in one step (torch.profiler). Runs on the model's device: CUDA
     graphs on CUDA, their eager emulation elsewhere."""
     device = next(model.parameters()).device
@@ -228,6 +230,15 @@ def engine_step_ms(model, caches: ModelCaches, cfg: ModelConfig, batch_size: int
         # then everything a step queues (copies, replay, sampler, copy back)
         graph = graphs.graphs[graphs.bucket(step_input(True))].graph
         host["engine_graph_device_ms"] = device_ms(graph.replay)
+        full = DecodeGraphs(model, caches, pad_slot=graphs.static.pad_slot,
+                            max_blocks=graphs.static.max_blocks, batch_sizes=(batch_size,),
+                            widths=(1,), table_widths=(graphs.static.max_blocks,))
+        step = step_input(False)
+        full.static.update_tables(step)
+        full_key = full.bucket(step)
+        full.run(step, full_key)
+        host["full_width_graph_device_ms"] = device_ms(full.graphs[full_key].graph.replay)
+        del full
         host["engine_step_device_ms"] = device_ms(lambda: launch(None))
         host["engine_step_kernels"] = kernel_profile(lambda: launch(None), top=12)
     if profile:
