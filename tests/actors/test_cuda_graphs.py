@@ -12,6 +12,7 @@ import torch
 
 from glm53.actors.caches import DSAState, KDAState
 from glm53.actors.cuda_graphs import StaticInputs, batch_buckets, uniform_width
+from glm53.actors.graph_outputs import GraphOutputs
 from glm53.actors.model_runner import ModelRunner
 from glm53.actors.speculative.verify import SyntheticAcceptance
 from glm53.actors.step import SamplingParams, StepInput
@@ -348,6 +349,56 @@ def test_adaptive_draft_lengths_run_through_the_graph_path(tiny):
     assert engine.generate(prompts, params) == plain
     assert {1, 2, 3, 4} <= used
     assert engine.executor.padded_steps > 0
+
+
+class OutputRecorder(InProcessExecutor):
+    """Runs the padded path (emulated) throughout, recording each graph run's bucket, its
+    outputs and the KDA layers' pending replay tensors after it."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        super().__init__(config)
+        graphs = self.runner.graphs = self.runner.make_graphs(capture=False)
+        self.runs = []
+        run = graphs.run
+
+        def recording(step, key, fill=None):
+            hidden, taps, logits = run(step, key, fill)
+            pending = [t for attn in graphs.kda.values() for t in attn.pending or ()]
+            self.runs.append((key, hidden, logits, pending))
+            return hidden, taps, logits
+
+        graphs.run = recording
+
+
+def test_graphs_share_one_set_of_outputs(tiny):
+    """Every bucket and width writes the same outputs, sized by the largest graph: runs of
+    different buckets and widths return views from the first row of the same storage, a
+    verify step's KDA replay (what `run_accepted` commits from) lies in them too, the engine's
+    tokens stay those of plain decoding, and the outputs take their bytes per row."""
+    config = _config(tiny, 3, cuda_graph_batch_sizes=(2,), adaptive_drafts=True)
+    engine = LLMEngine(config, OutputRecorder(config))
+    turns = itertools.cycle([3, 3, 0])  # widths 4 and 1
+    engine.draft_policy.choose = lambda request_ids: next(turns)
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    for prompts in (_prompts()[:3], _prompts()[:1]):  # in lockstep: buckets 4, then 2
+        plain = LLMEngine(_config(tiny, 0)).generate(prompts, params)
+        assert engine.generate(prompts, params) == plain
+    graphs, runs = engine.executor.runner.graphs, engine.executor.runs
+    out = graphs.outputs
+    assert {key for key, *_ in runs} >= {(2, 1), (4, 1), (2, 4), (4, 4)}
+    replay = {t.untyped_storage().data_ptr() for r in out.replay.values() for t in vars(r).values()}
+    assert len(replay) == 6 * len(graphs.kda)
+    for (b, w), hidden, logits, pending in runs:
+        assert hidden.data_ptr() == out.hidden.data_ptr() and hidden.shape[0] == b * w
+        assert logits.data_ptr() == out.logits.data_ptr() and logits.shape[0] == b * w
+        if w > 1:
+            assert len(pending) == 6 * len(graphs.kda)
+            assert {t.untyped_storage().data_ptr() for t in pending} == replay
+    cfg, dtype = graphs.model.config, out.hidden.dtype
+    rows = 4 * 4  # 4 slots x width 4
+    assert out.hidden.shape[0] == out.logits.shape[0] == rows and out.taps is None
+    per_row = GraphOutputs.bytes_per_row(cfg, n_taps=0, verify=True, dtype=dtype)
+    assert out.nbytes == rows * per_row
 
 
 def test_capture_failure_falls_back_to_eager(tiny, monkeypatch, caplog):
