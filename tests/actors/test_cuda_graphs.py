@@ -13,6 +13,7 @@ import torch
 from glm53.actors.caches import DSAState, KDAState
 from glm53.actors.cuda_graphs import StaticInputs, batch_buckets, uniform_width
 from glm53.actors.graph_outputs import GraphOutputs
+from glm53.actors.memory_plan import activation_bytes_per_token, graph_workspace
 from glm53.actors.model_runner import ModelRunner
 from glm53.actors.speculative.verify import SyntheticAcceptance
 from glm53.actors.step import SamplingParams, StepInput
@@ -374,7 +375,8 @@ def test_graphs_share_one_set_of_outputs(tiny):
     """Every bucket and width writes the same outputs, sized by the largest graph: runs of
     different buckets and widths return views from the first row of the same storage, a
     verify step's KDA replay (what `run_accepted` commits from) lies in them too, the engine's
-    tokens stay those of plain decoding, and the outputs take their bytes per row."""
+    tokens stay those of plain decoding, and the outputs take exactly the bytes the memory
+    plan counts for them."""
     config = _config(tiny, 3, cuda_graph_batch_sizes=(2,), adaptive_drafts=True)
     engine = LLMEngine(config, OutputRecorder(config))
     turns = itertools.cycle([3, 3, 0])  # widths 4 and 1
@@ -399,6 +401,10 @@ def test_graphs_share_one_set_of_outputs(tiny):
     assert out.hidden.shape[0] == out.logits.shape[0] == rows and out.taps is None
     per_row = GraphOutputs.bytes_per_row(cfg, n_taps=0, verify=True, dtype=dtype)
     assert out.nbytes == rows * per_row
+    context = 512
+    assert graph_workspace(cfg, num_slots=4, num_spec=3, max_model_len=context,
+                           dtype=dtype) == out.nbytes + rows * activation_bytes_per_token(
+                               cfg, context)
 
 
 def test_capture_failure_falls_back_to_eager(tiny, monkeypatch, caplog):
