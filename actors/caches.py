@@ -33,10 +33,11 @@ MTP_LAYER = "mtp"  # the MTP layer's key in a scale bank (trunk layers: their in
 
 @dataclass(frozen=True)
 class KDAReplay:
-    """Rows a KDA layer writes what its commit replays into, when its step defers (verifies
+    """Where a KDA layer writes what its commit will replay when its step defers (verifies
     drafts): the in_proj output (pre-conv q|k|v, then the beta logits) and the mixer's q, k,
-    v, g, beta. Only CUDA graphs pass them (their shared outputs, graph_outputs.py), so what a
-    graph keeps after its run is not its own; an eager step allocates its replay."""
+    v, g, beta, one row per token. Only the CUDA graphs pass them (their shared outputs,
+    graph_outputs.py), so that a graph keeps nothing of its own after its run; an eager step
+    allocates its replay."""
 
     proj: torch.Tensor  # [R, 3 * heads * d + heads] model dtype
     q: torch.Tensor  # [R, heads, d] model dtype (after the conv)

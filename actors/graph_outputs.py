@@ -52,7 +52,8 @@ class GraphOutputs:
         """What `allocate` takes per row (the memory plan counts it)."""
         item = torch.empty(0, dtype=dtype).element_size()
         replay = len(cfg.kda_layers) * KDAReplay.bytes_per_row(cfg, dtype, tp_size)
-        return (1 + n_taps) * cfg.hidden_size * item + cfg.vocab_size * 4 + verify * replay
+        return ((1 + n_taps) * cfg.hidden_size * item + cfg.vocab_size * 4
+                + (replay if verify else 0))
 
     @property
     def nbytes(self) -> int:
