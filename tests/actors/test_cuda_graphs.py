@@ -5,10 +5,12 @@ step gives, and every padding write must land in the pad slot or the null block 
 from __future__ import annotations
 
 import itertools
+from collections import Counter
 
 import numpy as np
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from glm53.actors.caches import DSAState, KDAState
 from glm53.actors.cuda_graphs import StaticInputs, batch_buckets, uniform_width
@@ -17,6 +19,7 @@ from glm53.actors.memory_plan import activation_bytes_per_token, graph_workspace
 from glm53.actors.model_runner import ModelRunner
 from glm53.actors.speculative.verify import SyntheticAcceptance
 from glm53.actors.step import SamplingParams, StepInput
+from glm53.kernels import ops
 from glm53.raycluster.config import EngineConfig
 from glm53.raycluster.engine import LLMEngine
 from glm53.raycluster.executor import InProcessExecutor, StepPipeline
@@ -405,6 +408,57 @@ def test_graphs_share_one_set_of_outputs(tiny):
     assert graph_workspace(cfg, num_slots=4, num_spec=3, max_model_len=context,
                            dtype=dtype) == out.nbytes + rows * activation_bytes_per_token(
                                cfg, context)
+
+
+class OpCounter(TorchDispatchMode):
+    """Counts the aten ops dispatched inside it, but views and allocations (no launch)."""
+
+    NO_LAUNCH = ("slice", "select", "t", "view", "split", "split_with_sizes", "unsqueeze",
+                 "expand", "reshape", "_unsafe_view", "as_strided", "alias", "detach", "empty",
+                 "empty_like")
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: Counter[str] = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        if name not in self.NO_LAUNCH:
+            self.ops[str(func)] += 1
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.slow
+def test_shared_outputs_add_one_copy_per_graph(tiny):
+    """A verify graph's forward into the shared outputs (Triton kernels, interpreted) launches
+    what the forward that allocates its own outputs launches, plus one copy (the hidden
+    states): the in_proj GEMM of each KDA layer writes its replay rows (mm.out for linear),
+    the fused mixer stores q, k, v, g, beta there (no copy, no new tensor), and the logits'
+    copy into the outputs is their fp32 conversion (`.float()`: a launch in bf16, none in this
+    fp32 model, hence two copies here). Both give the same bits."""
+    runner = ModelRunner(tiny, num_slots=2, num_blocks=32, with_mtp=True, num_spec=3)
+    runner.allocate_caches(32)
+    graphs = runner.make_graphs(capture=False)
+    assert graphs.widths == (1, 4)
+    b, w, n_kda = 2, 4, len(graphs.kda)
+    graphs.static.load(None, b, w)
+    ids, batch = graphs.static.views(b, w)
+    graphs.static.views = lambda b, w: (ids, batch)  # built once, outside the counts
+    ops.use("triton")
+    try:
+        with OpCounter() as own:
+            hidden = graphs.model(ids, batch, graphs.caches)
+            logits = graphs.model.compute_logits(hidden)
+        replay = {i: attn.pending for i, attn in graphs.kda.items()}
+        with OpCounter() as shared:
+            g = graphs._forward(b, w)
+    finally:
+        ops.use("auto")
+    assert shared.ops - own.ops == Counter({"aten.mm.out": n_kda, "aten.copy_.default": 2})
+    assert own.ops - shared.ops == Counter({"aten.linear.default": n_kda, "aten.to.dtype": 1})
+    assert torch.equal(g.hidden, hidden) and torch.equal(g.logits, logits)
+    for i in graphs.kda:
+        assert all(torch.equal(x, y) for x, y in zip(g.pending[i], replay[i], strict=True))
 
 
 def test_capture_failure_falls_back_to_eager(tiny, monkeypatch, caplog):
