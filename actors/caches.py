@@ -32,9 +32,49 @@ MTP_LAYER = "mtp"  # the MTP layer's key in a scale bank (trunk layers: their in
 
 
 @dataclass(frozen=True)
+class KDAReplay:
+    """Where a KDA layer writes what its commit will replay when its step defers (verifies
+    drafts): the in_proj output (pre-conv q|k|v, then the beta logits) and the mixer's q, k,
+    v, g, beta, one row per token. Only the CUDA graphs pass them (their shared outputs,
+    graph_outputs.py), so that a graph keeps nothing of its own after its run; an eager step
+    allocates its replay."""
+
+    proj: torch.Tensor  # [R, 3 * heads * d + heads] model dtype
+    q: torch.Tensor  # [R, heads, d] model dtype (after the conv)
+    k: torch.Tensor  # [R, heads, d] model dtype
+    v: torch.Tensor  # [R, heads, d] model dtype
+    g: torch.Tensor  # [R, heads, d] fp32
+    beta: torch.Tensor  # [R, heads] fp32
+
+    @classmethod
+    def allocate(cls, cfg: ModelConfig, rows: int, dtype: torch.dtype,
+                 device: torch.device | str, ps: ParallelState | None = None) -> KDAReplay:
+        heads = split(cfg.linear_num_heads, (ps or ParallelState()).tp_size,
+                      "linear_num_heads")
+        d = cfg.linear_head_dim
+        return cls(torch.empty(rows, 3 * heads * d + heads, dtype=dtype, device=device),
+                   *(torch.empty(rows, heads, d, dtype=dtype, device=device) for _ in range(3)),
+                   torch.empty(rows, heads, d, dtype=torch.float32, device=device),
+                   torch.empty(rows, heads, dtype=torch.float32, device=device))
+
+    @staticmethod
+    def bytes_per_row(cfg: ModelConfig, dtype: torch.dtype, tp_size: int = 1) -> int:
+        """What `allocate` takes per row: (3 + 3) h d + h in the model dtype, h d + h fp32."""
+        heads, d = cfg.linear_num_heads // tp_size, cfg.linear_head_dim
+        item = torch.empty(0, dtype=dtype).element_size()
+        return (6 * heads * d + heads) * item + (heads * d + heads) * 4
+
+    def rows(self, n: int) -> KDAReplay:
+        """The first n rows (views)."""
+        return KDAReplay(*(t[:n] for t in vars(self).values()))
+
+
+@dataclass(frozen=True)
 class KDAState:
     conv: torch.Tensor  # [slots, 3 * linear_dim, conv_kernel - 1], pre-conv q|k|v inputs
     recurrent: torch.Tensor  # [slots, heads, dk, dv] fp32
+    # where a deferring step writes its replay (CUDA graphs' view of the caches), else None
+    replay: KDAReplay | None = None
 
 
 @dataclass(frozen=True)

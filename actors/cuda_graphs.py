@@ -35,8 +35,13 @@ graph per bucket and number of draft passes (`run_accepted`) that reads the veri
 outputs and one small static buffer of kept rows and emitted tokens: one launch instead of a
 few hundred eager ones.
 
-`capture=False` runs the same padded static-buffer forward eagerly (any device): CPU tests use
-it to check that padding changes nothing for the real sequences.
+Every graph writes its outputs (hidden states, tap states, fp32 logits and, at w > 1, the KDA
+layers' replay for the commit) into one set shared by all of them, sized by the largest graph
+(graph_outputs.py): a run's outputs are valid until the next run, so the pool keeps only
+scratch, which the smaller graphs reuse.
+
+`capture=False` runs the same padded static-buffer forward eagerly (any device), into the same
+shared outputs: CPU tests use it to check that padding changes nothing for the real sequences.
 """
 
 from __future__ import annotations
@@ -52,6 +57,7 @@ import torch
 
 from .caches import ModelCaches
 from .forward_batch import DeferredStates, ForwardBatch
+from .graph_outputs import GraphOutputs
 from .models.glm5_next import Glm5NextForCausalLM
 from .step import StepInput
 from .transfers import to_device
@@ -108,6 +114,7 @@ def uniform_width(step: StepInput) -> int | None:
 
 @dataclass(frozen=True)
 class _Graph:
+    """A graph and its outputs: views of the first b * w rows of the shared GraphOutputs."""
     graph: torch.cuda.CUDAGraph | None
     hidden: torch.Tensor  # [b * w, D]
     taps: torch.Tensor | None  # [b * w, n_taps * D]
@@ -268,13 +275,13 @@ class DecodeGraphs:
     what follows a speculative one once acceptance is known.
 
     run(step) returns (hidden [b*w, D], taps or None, logits [b*w, V] fp32), valid until the
-    next run; rows past the step's n*w are padding. After a run of a step whose sequences
-    all verify drafts (w > 1) or all may draft (with a `drafter` of up to `draft_passes`
-    passes), `run_accepted` replays the step's second graph: the KDA commit of the accepted
-    tokens (w > 1) and as many draft passes as the step proposes drafts (none: only the MTP
-    cache rows of the step's rows, which the first pass writes). Without it (an eager step) the
-    KDA layers' pending tensors are those of the replayed graph, so `commit_speculative` works
-    as after an eager forward.
+    next run (every graph writes the same `outputs`); rows past the step's n*w are padding.
+    After a run of a step whose sequences all verify drafts (w > 1) or all may draft (with a
+    `drafter` of up to `draft_passes` passes), `run_accepted` replays the step's second graph:
+    the KDA commit of the accepted tokens (w > 1) and as many draft passes as the step proposes
+    drafts (none: only the MTP cache rows of the step's rows, which the first pass writes).
+    Without it (an eager step) the KDA layers' pending tensors are those of the replayed graph,
+    so `commit_speculative` works as after an eager forward.
     """
 
     def __init__(self, model: Glm5NextForCausalLM, caches: ModelCaches, *, pad_slot: int,
@@ -297,6 +304,11 @@ class DecodeGraphs:
         self.static = StaticInputs(max(batch_sizes), max(widths), max_blocks, caches.block_size,
                                    pad_slot, device)
         self.kda = {i: layer.self_attn for i, layer in enumerate(model.layers) if layer.is_kda}
+        self.outputs = GraphOutputs.allocate(
+            model.config, max(batch_sizes) * max(widths), n_taps=len(tap_layers),
+            verify=max(widths) > 1, dtype=model.embed_tokens.weight.dtype, device=device,
+            ps=model.parallel)
+        self.graph_caches = self.outputs.caches(caches)  # KDA replays into `outputs`
         self.graphs: dict[GraphKey, _Graph] = {}  # empty when emulating
         # (key, passes) -> the graph after acceptance and its drafts [b, passes] (None
         # without a drafter)
@@ -387,11 +399,18 @@ class DecodeGraphs:
 
     @torch.inference_mode()
     def _forward(self, b: int, w: int, m: int) -> _Graph:
+        """The padded forward of (b, w) over tables m blocks wide into the shared outputs: the
+        KDA replay (w > 1) and the logits are written there by their producers, hidden and
+        taps by one copy each."""
         ids, batch = self.static.views(b, w, m)
-        out = self.model(ids, batch, self.caches, self.tap_layers)
+        out = self.model(ids, batch, self.graph_caches, self.tap_layers)
         hidden, taps = out if self.tap_layers else (out, None)
-        logits = self.model.compute_logits(hidden)
-        return _Graph(None, hidden, taps, logits,
+        t, o = b * w, self.outputs
+        o.hidden[:t].copy_(hidden)
+        if taps is not None:
+            o.taps[:t].copy_(taps)
+        self.model.compute_logits(hidden, out=o.logits[:t])
+        return _Graph(None, o.hidden[:t], None if taps is None else o.taps[:t], o.logits[:t],
                       {i: attn.pending for i, attn in self.kda.items()})
 
     @torch.inference_mode()
@@ -424,9 +443,10 @@ class DecodeGraphs:
         torch.cuda.synchronize(device)
         used = free_before - torch.cuda.mem_get_info(device)[0]
         logger.info("captured %d CUDA graphs (batch sizes %s, widths %s, tables of %s blocks) "
-                    "in %.1f s, %.0f MiB", len(self.graphs), list(self.batch_sizes),
-                    list(self.widths), list(self.table_widths), time.perf_counter() - start,
-                    used / 2**20)
+                    "in %.1f s, %.0f MiB besides their %.0f MiB of shared outputs",
+                    len(self.graphs), list(self.batch_sizes), list(self.widths),
+                    list(self.table_widths), time.perf_counter() - start, used / 2**20,
+                    self.outputs.nbytes / 2**20)
 
     def _capture_accepted(self, key: GraphKey, passes: int, g: _Graph, pool,
                           stream: torch.cuda.Stream,

@@ -23,7 +23,7 @@ import torch
 
 from .caches import cache_bytes
 from .config import KDA, ModelConfig
-from .cuda_graphs import batch_buckets
+from .graph_outputs import GraphOutputs
 from .loader import DTYPES, build_model, with_expert_format
 from .models.glm5_next import Glm5NextForCausalLM
 from .parallel import ParallelConfig, ParallelState
@@ -78,23 +78,40 @@ def _part(name: str, cfg: ModelConfig) -> str:
 
 
 def workspace_estimate(cfg: ModelConfig, *, max_num_batched_tokens: int, num_slots: int,
-                       num_spec: int, max_model_len: int) -> int:
+                       num_spec: int, max_model_len: int, dtype: torch.dtype, n_taps: int = 0,
+                       tp_size: int = 1) -> int:
     """Bytes the runner allocates after its caches (estimate): the eager forward of one step of
-    `max_num_batched_tokens` tokens (torch's cache keeps them), and the CUDA graph pool, whose
-    scratch is the largest graph's (num_slots sequences x the verify width; smaller graphs
-    reuse it) plus every graph's own fp32 logits [b * w, vocab].
+    `max_num_batched_tokens` tokens (torch's cache keeps them) and the CUDA graphs
+    (`graph_workspace`)."""
+    return (max_num_batched_tokens * activation_bytes_per_token(cfg, max_model_len)
+            + graph_workspace(cfg, num_slots=num_slots, num_spec=num_spec,
+                              max_model_len=max_model_len, dtype=dtype, n_taps=n_taps,
+                              tp_size=tp_size))
 
-    Per token: ACTIVATION_BYTES_PER_TOKEN, plus the indexer's scores over every pool the block
-    table can address, which grow with the context: one fp32 score per pool of index_kpool
-    tokens plus its radix-select histograms (4 passes x 256 int32 bins per 2048 pools), i.e.
-    (4 + 2) / index_kpool bytes per token of max_model_len (1.5 B: 3 GiB for a 2048-token chunk
-    at 1M context; that chunk measured a 3.3 GiB peak, 4.4 GiB held by torch's cache, against
-    the 5 GiB estimated here)."""
-    per_token = ACTIVATION_BYTES_PER_TOKEN + max_model_len * 6 // cfg.index_kpool
-    widths = (1, 1 + num_spec) if num_spec else (1,)
-    graph_tokens = num_slots * max(widths)
-    logit_rows = sum(batch_buckets(num_slots)) * sum(widths)
-    return (max_num_batched_tokens + graph_tokens) * per_token + logit_rows * cfg.vocab_size * 4
+
+def graph_workspace(cfg: ModelConfig, *, num_slots: int, num_spec: int, max_model_len: int,
+                    dtype: torch.dtype, n_taps: int = 0, tp_size: int = 1) -> int:
+    """Bytes of the CUDA graphs: their one set of shared outputs, exact
+    (GraphOutputs.bytes_per_row in the model `dtype`: hidden, `n_taps` tap states, fp32 logits
+    and, when speculating, every KDA layer's replay), plus the graph pool, whose scratch is the
+    largest graph's (an estimate: activation_bytes_per_token per row) and which every smaller
+    graph reuses. Both scale with the largest graph's rows: num_slots sequences (always a
+    bucket) x the widest step, 1 + num_spec (the runner captures widths 1 and 1 + num_spec, or
+    with adaptive draft length every width between; none is wider)."""
+    rows = num_slots * (1 + num_spec)
+    per_row = GraphOutputs.bytes_per_row(cfg, n_taps=n_taps, verify=num_spec > 0, dtype=dtype,
+                                         tp_size=tp_size)
+    return rows * (activation_bytes_per_token(cfg, max_model_len) + per_row)
+
+
+def activation_bytes_per_token(cfg: ModelConfig, max_model_len: int) -> int:
+    """Live activations of one token of a forward (estimate): ACTIVATION_BYTES_PER_TOKEN, plus
+    the indexer's scores over every pool the block table can address, which grow with the
+    context: one fp32 score per pool of index_kpool tokens plus its radix-select histograms (4
+    passes x 256 int32 bins per 2048 pools), i.e. (4 + 2) / index_kpool bytes per token of
+    max_model_len (1.5 B: 3 GiB for a 2048-token chunk at 1M context; that chunk measured a
+    3.3 GiB peak, 4.4 GiB held by torch's cache, against the 5 GiB estimated here)."""
+    return ACTIVATION_BYTES_PER_TOKEN + max_model_len * 6 // cfg.index_kpool
 
 
 class MemoryPlanError(ValueError):
@@ -269,7 +286,10 @@ def plan_memory(model: Glm5NextForCausalLM, device_bytes: int, utilization: floa
     if reserve_bytes is None:
         overhead, workspace = OVERHEAD_BYTES, workspace_estimate(
             cfg, max_num_batched_tokens=max_num_batched_tokens, num_slots=num_slots,
-            num_spec=num_spec, max_model_len=max_model_len)
+            num_spec=num_spec, max_model_len=max_model_len,
+            dtype=model.embed_tokens.weight.dtype,
+            n_taps=len(draft.target_layer_ids) if draft is not None else 0,
+            tp_size=ps.tp_size)
         if draft is not None:
             draft_workspace = min(num_slots, DRAFT_CHUNK) * forward_bytes_per_sequence(
                 draft, cache_dtype, ps.tp_size, draft_kv_cache_dtype)

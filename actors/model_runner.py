@@ -85,17 +85,17 @@ class ModelRunner:
                  kv_scale_bank: str | None = None, with_vision: bool = False,
                  num_checkpoints: int = 0, draft_kv_cache_dtype: str = "auto") -> None:
         """`block_size` counts logical tokens per block (latent rows per rank x DCP size).
-        Speculation: `num_spec` drafts per step from the MTP layer (`with_mtp`) or from the
-        DFlash draft checkpoint `draft_model` (its layers TP-sharded like the target's); with
+        Speculation: `num_spec` drafts per step from the MTP layer (`with_mtp`) or from the DFlash
+        draft checkpoint `draft_model` (its layers TP-sharded like the target's); with
         `adaptive_drafts` a step may verify any 0..num_spec of them. CUDA graphs (unless
-        `enforce_eager`) are captured for decode batches of `cuda_graph_batch_sizes` (capped
-        at num_slots) with block tables wide enough for `max_model_len` (default: the
-        model's context) tokens, and narrower ones for the `cuda_graph_context_sizes`
-        shorter than that (default cuda_graphs.DEFAULT_CONTEXT_SIZES). `quantize_experts` ("int4") quantises the routed experts of a
-        dense/FP8 checkpoint while loading. `kv_cache_dtype` (caches.KV_CACHE_DTYPES) sets the
-        latent rows; nvfp4 reads its outer scales from `kv_scale_bank` (default: the bank
-        file in the checkpoint). `with_vision` builds the vision tower: image embeddings are
-        computed once per image and spliced over its placeholders chunk by chunk.
+        `enforce_eager`) are captured for decode batches of `cuda_graph_batch_sizes` (capped at
+        num_slots) with block tables wide enough for `max_model_len` (default: the model's context)
+        tokens, and narrower ones for the `cuda_graph_context_sizes` shorter than that (default
+        cuda_graphs.DEFAULT_CONTEXT_SIZES). `quantize_experts` ("int4") quantises the routed experts
+        of a dense/FP8 checkpoint while loading. `kv_cache_dtype` (caches.KV_CACHE_DTYPES) sets the
+        latent rows; nvfp4 reads its outer scales from `kv_scale_bank` (default: the bank file in
+        the checkpoint). `with_vision` builds the vision tower: image embeddings are computed once
+        per image and spliced over its placeholders chunk by chunk.
 
         On CUDA without an explicit cache size, the memory plan (memory_plan.py) of the
         meta-built model is checked before anything is allocated, so a model that cannot fit

@@ -41,9 +41,10 @@ from glm53.deployments.tiny_model import make_tiny
 
 # mode -> (MTP layer built, drafts, DFlash draft ring: None without a draft, else its
 # draft_kv_cache_dtype); dflash7 is the reference runtime's profile (k=7), dflash3 the same
-# draft verifying MTP3's width (its CUDA graphs and logits rows cost what MTP3's do, so the two
-# differ only by the draft's memory); mtp7 is a reference for dflash7: what verifying 8
-# positions costs the target without any draft model; the _fp8 modes store the ring as fp8
+# draft verifying MTP3's width (its CUDA graphs and logits rows cost what MTP3's do, plus the
+# tap states the draft reads, so the two differ only by the draft's memory); mtp7 is a
+# reference for dflash7: what verifying 8 positions costs the target without any draft model;
+# the _fp8 modes store the ring as fp8
 MODES = {"none": (False, 0, None), "mtp3": (True, 3, None), "dflash7": (False, 7, "auto"),
          "dflash3": (False, 3, "auto"), "mtp7": (True, 7, None),
          "dflash7_fp8": (False, 7, "fp8"), "dflash3_fp8": (False, 3, "fp8")}

@@ -126,10 +126,13 @@ def kda_mixer(
     has_initial_state: torch.Tensor,
     defer: torch.Tensor | None = None,
     cu_seqlens_host: torch.Tensor | None = None,
+    replay_out: tuple[torch.Tensor, ...] | None = None,
 ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...] | None]:
     """Shapes as in the reference: pre [T, H*(2dk+dv)]; gate_logits [T, H*dk]; beta_logits
     [T, H]; out_gate [T, H, dv] (rows may be strided); state [S, H, dk, dv] fp32. Returns
-    (o, replay): replay = (q, k, v, g, beta) when `defer` is given, else None."""
+    (o, replay): replay = (q, k, v, g, beta) when `defer` is given, else None. replay_out
+    (contiguous, shaped as the replay): where the fused kernel stores the replay instead of new
+    tensors (a CUDA graph's outputs, kept after its run: no copy launch)."""
     n_tok = pre.shape[0]
     heads, dv = out_gate.shape[1], out_gate.shape[2]
     dk = gate_logits.shape[1] // heads
@@ -137,7 +140,7 @@ def kda_mixer(
     if n_tok > FUSED_MAX_TOKENS_PER_SEQ * max(n_seq, 1):
         return _unfused(pre, conv_weight, conv_state, gate_logits, dt_bias, a_log, lower_bound,
                         beta_logits, out_gate, norm_weight, eps, state, cu_seqlens, state_ids,
-                        has_initial_state, defer, cu_seqlens_host)
+                        has_initial_state, defer, cu_seqlens_host, replay_out)
     width = conv_weight.shape[1] - 1
     assert pre.shape[1] == heads * (2 * dk + dv) and conv_state.shape[1:] == (pre.shape[1], width)
     assert conv_weight.is_contiguous() and conv_state.is_contiguous() and state.is_contiguous()
@@ -145,7 +148,10 @@ def kda_mixer(
                                      for t in (pre, gate_logits, beta_logits))
     dev, dt = pre.device, pre.dtype
     o = torch.empty((n_tok, heads, dv), dtype=dt, device=dev)
-    if defer is not None:
+    if replay_out is not None:
+        assert defer is not None and all(t.is_contiguous() for t in replay_out)
+        q, k, v, g, beta = replay_out
+    elif defer is not None:
         q = torch.empty((n_tok, heads, dk), dtype=dt, device=dev)
         k = torch.empty((n_tok, heads, dk), dtype=dt, device=dev)
         v = torch.empty((n_tok, heads, dv), dtype=dt, device=dev)
@@ -173,8 +179,9 @@ def kda_mixer(
 
 def _unfused(pre, conv_weight, conv_state, gate_logits, dt_bias, a_log, lower_bound,
              beta_logits, out_gate, norm_weight, eps, state, cu_seqlens, state_ids,
-             has_initial_state, defer, cu_seqlens_host):
-    """Prefill: the separate kernels (the recurrence runs chunked there)."""
+             has_initial_state, defer, cu_seqlens_host, replay_out):
+    """Prefill: the separate kernels (the recurrence runs chunked there). A replay_out is
+    copied into: no graph step is this long per sequence."""
     n_tok = pre.shape[0]
     heads, dv = out_gate.shape[1], out_gate.shape[2]
     dk = gate_logits.shape[1] // heads
@@ -197,4 +204,7 @@ def _unfused(pre, conv_weight, conv_state, gate_logits, dt_bias, a_log, lower_bo
     g = kda.kda_gate(gate_logits, dt_bias, a_log, lower_bound)
     o = kda.kda_attention(q, k, v, g, beta, state, cu_seqlens, state_ids, has_initial_state,
                           defer, gate_lower_bound=lower_bound)
-    return kda.gated_rms_norm(o, out_gate, norm_weight, eps), (q, k, v, g, beta)
+    replay = (q, k, v, g, beta)
+    if replay_out is not None:
+        replay = tuple(out.copy_(t) for out, t in zip(replay_out, replay, strict=True))
+    return kda.gated_rms_norm(o, out_gate, norm_weight, eps), replay

@@ -64,16 +64,20 @@ class KDAttention(nn.Module):
         """x: [T, D] (normed block input) -> [T, D]."""
         n_tok = x.shape[0]
         heads = (n_tok, self.num_heads, self.head_dim)
+        # a deferring graph step writes its replay where the graphs keep their outputs
+        into = (state.replay.rows(n_tok) if state.replay is not None
+                and batch.defer_state is not None else None)
         # pre-conv q|k|v [T, 3 H dk] and beta logits [T, H]: strided views of one output
-        pre, beta = self.in_proj(x).split((3 * self.num_heads * self.head_dim, self.num_heads),
-                                          dim=-1)
+        proj = self.in_proj(x, out=None if into is None else into.proj)
+        pre, beta = proj.split((3 * self.num_heads * self.head_dim, self.num_heads), dim=-1)
         f_a, g_a = self.fg_a_proj.split(self.fg_a_proj(x))
         gate = self.g_b_proj(g_a).reshape(heads)
         o, replay = ops.kda_mixer(
             pre, self.conv_weight, state.conv, self.f_b_proj(f_a), self.dt_bias,
             self.A_log, self.lower_bound, beta, gate, self.o_norm.weight,
             self.o_norm.eps, state.recurrent, batch.cu_seqlens, batch.state_ids,
-            batch.has_initial_state, batch.defer_state, batch.cu_seqlens_host)
+            batch.has_initial_state, batch.defer_state, batch.cu_seqlens_host,
+            None if into is None else (into.q, into.k, into.v, into.g, into.beta))
         # what `commit` replays once the accepted lengths are known
         self.pending = None if replay is None else (pre, *replay)
         return self.ps.tp_all_reduce(self.o_proj(o.reshape(n_tok, -1)))

@@ -30,8 +30,11 @@ class Linear(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x.to(self.weight.dtype), self.weight)
+    def forward(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """x: [..., in] -> [..., out]; `out` (x 2-D): the GEMM writes there, no new tensor."""
+        if out is None:
+            return F.linear(x.to(self.weight.dtype), self.weight)
+        return torch.mm(x.to(self.weight.dtype), self.weight.t(), out=out)
 
 
 class ColumnParallelLinear(Linear):

@@ -150,9 +150,12 @@ class Glm5NextForCausalLM(nn.Module):
                 layer.self_attn.commit(deferred, state, num_accepted)
 
     @torch.inference_mode()
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden: [R, D] -> logits [R, vocab] in fp32."""
-        return self.lm_head(hidden).float()
+    def compute_logits(self, hidden: torch.Tensor,
+                       out: torch.Tensor | None = None) -> torch.Tensor:
+        """hidden: [R, D] -> logits [R, vocab] in fp32; with `out` ([R, vocab] fp32, the CUDA
+        graphs' shared logits) the fp32 conversion writes there instead of a new tensor."""
+        logits = self.lm_head(hidden)
+        return logits.float() if out is None else out.copy_(logits)
 
     @torch.inference_mode()
     def forward_mtp(self, prev_hidden: torch.Tensor, next_token_ids: torch.Tensor,

@@ -31,6 +31,7 @@ def kda_mixer(
     has_initial_state: torch.Tensor,
     defer: torch.Tensor | None = None,
     cu_seqlens_host: torch.Tensor | None = None,
+    replay_out: tuple[torch.Tensor, ...] | None = None,
 ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...] | None]:
     """One KDA layer's mixer over the flat varlen batch, updating its state slots.
 
@@ -38,7 +39,8 @@ def kda_mixer(
     conv_state: [S, H*(2dk+dv), W]; gate_logits: [T, H*dk] (f_b(f_a(x)), before dt_bias);
     beta_logits: [T, H]; out_gate: [T, H, dv]; norm_weight: [dv]; state: [S, H, dk, dv] fp32.
     Slots of sequences with `defer[i]` are left unwritten (see `conv_commit` / `kda_commit`).
-    cu_seqlens_host: as in `kda_attention`.
+    cu_seqlens_host: as in `kda_attention`. replay_out (with `defer`): tensors shaped as the
+    replay, written instead of new ones (a CUDA graph's outputs, kept after its run).
     Returns (o [T, H, dv] normed and gated, in pre's dtype; replay), replay being what a
     deferred commit replays when `defer` is given, else None: (q, k [T, H, dk] and v [T, H, dv]
     after the conv, in pre's dtype; g [T, H, dk] fp32; beta [T, H] fp32).
@@ -59,4 +61,7 @@ def kda_mixer(
     g = kda_gate(gate_logits, dt_bias, a_log, lower_bound)
     o = kda_attention(q, k, v, g, beta, state, cu_seqlens, state_ids, has_initial_state, defer,
                       gate_lower_bound=lower_bound)
-    return gated_rms_norm(o, out_gate, norm_weight, eps), (q, k, v, g, beta)
+    replay = (q, k, v, g, beta)
+    if replay_out is not None:
+        replay = tuple(out.copy_(t) for out, t in zip(replay_out, replay, strict=True))
+    return gated_rms_norm(o, out_gate, norm_weight, eps), replay

@@ -5,16 +5,21 @@ step gives, and every padding write must land in the pad slot or the null block 
 from __future__ import annotations
 
 import itertools
+from collections import Counter
 
 import numpy as np
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from glm53.actors.caches import DSAState, KDAState
 from glm53.actors.cuda_graphs import StaticInputs, batch_buckets, table_buckets, uniform_width
+from glm53.actors.graph_outputs import GraphOutputs
+from glm53.actors.memory_plan import activation_bytes_per_token, graph_workspace
 from glm53.actors.model_runner import ModelRunner
 from glm53.actors.speculative.verify import SyntheticAcceptance
 from glm53.actors.step import SamplingParams, StepInput
+from glm53.kernels import ops
 from glm53.raycluster.config import EngineConfig
 from glm53.raycluster.engine import LLMEngine
 from glm53.raycluster.executor import InProcessExecutor, StepPipeline
@@ -362,6 +367,112 @@ def test_adaptive_draft_lengths_run_through_the_graph_path(tiny):
     assert engine.generate(prompts, params) == plain
     assert {1, 2, 3, 4} <= used
     assert engine.executor.padded_steps > 0
+
+
+class OutputRecorder(InProcessExecutor):
+    """Runs the padded path (emulated) throughout, recording each graph run's bucket, its
+    outputs and the KDA layers' pending replay tensors after it."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        super().__init__(config)
+        graphs = self.runner.graphs = self.runner.make_graphs(capture=False)
+        self.runs = []
+        run = graphs.run
+
+        def recording(step, key, fill=None):
+            hidden, taps, logits = run(step, key, fill)
+            pending = [t for attn in graphs.kda.values() for t in attn.pending or ()]
+            self.runs.append((key, hidden, logits, pending))
+            return hidden, taps, logits
+
+        graphs.run = recording
+
+
+def test_graphs_share_one_set_of_outputs(tiny):
+    """Every bucket and width writes the same outputs, sized by the largest graph: runs of
+    different buckets and widths return views from the first row of the same storage, a
+    verify step's KDA replay (what `run_accepted` commits from) lies in them too, the engine's
+    tokens stay those of plain decoding, and the outputs take exactly the bytes the memory
+    plan counts for them."""
+    config = _config(tiny, 3, cuda_graph_batch_sizes=(2,), adaptive_drafts=True)
+    engine = LLMEngine(config, OutputRecorder(config))
+    turns = itertools.cycle([3, 3, 0])  # widths 4 and 1
+    engine.draft_policy.choose = lambda request_ids: next(turns)
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    for prompts in (_prompts()[:3], _prompts()[:1]):  # in lockstep: buckets 4, then 2
+        plain = LLMEngine(_config(tiny, 0)).generate(prompts, params)
+        assert engine.generate(prompts, params) == plain
+    graphs, runs = engine.executor.runner.graphs, engine.executor.runs
+    out = graphs.outputs
+    assert {key[:2] for key, *_ in runs} >= {(2, 1), (4, 1), (2, 4), (4, 4)}
+    replay = {t.untyped_storage().data_ptr() for r in out.replay.values() for t in vars(r).values()}
+    assert len(replay) == 6 * len(graphs.kda)
+    for (b, w, _), hidden, logits, pending in runs:
+        assert hidden.data_ptr() == out.hidden.data_ptr() and hidden.shape[0] == b * w
+        assert logits.data_ptr() == out.logits.data_ptr() and logits.shape[0] == b * w
+        if w > 1:
+            assert len(pending) == 6 * len(graphs.kda)
+            assert {t.untyped_storage().data_ptr() for t in pending} == replay
+    cfg, dtype = graphs.model.config, out.hidden.dtype
+    rows = 4 * 4  # 4 slots x width 4
+    assert out.hidden.shape[0] == out.logits.shape[0] == rows and out.taps is None
+    per_row = GraphOutputs.bytes_per_row(cfg, n_taps=0, verify=True, dtype=dtype)
+    assert out.nbytes == rows * per_row
+    context = 512
+    assert graph_workspace(cfg, num_slots=4, num_spec=3, max_model_len=context,
+                           dtype=dtype) == out.nbytes + rows * activation_bytes_per_token(
+                               cfg, context)
+
+
+class OpCounter(TorchDispatchMode):
+    """Counts the aten ops dispatched inside it, but views and allocations (no launch)."""
+
+    NO_LAUNCH = ("slice", "select", "t", "view", "split", "split_with_sizes", "unsqueeze",
+                 "expand", "reshape", "_unsafe_view", "as_strided", "alias", "detach", "empty",
+                 "empty_like")
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: Counter[str] = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        if name not in self.NO_LAUNCH:
+            self.ops[str(func)] += 1
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.slow
+def test_shared_outputs_add_one_copy_per_graph(tiny):
+    """A verify graph's forward into the shared outputs (Triton kernels, interpreted) launches
+    what the forward that allocates its own outputs launches, plus one copy (the hidden
+    states): the in_proj GEMM of each KDA layer writes its replay rows (mm.out for linear),
+    the fused mixer stores q, k, v, g, beta there (no copy, no new tensor), and the logits'
+    copy into the outputs is their fp32 conversion (`.float()`: a launch in bf16, none in this
+    fp32 model, hence two copies here). Both give the same bits."""
+    runner = ModelRunner(tiny, num_slots=2, num_blocks=32, with_mtp=True, num_spec=3)
+    runner.allocate_caches(32)
+    graphs = runner.make_graphs(capture=False)
+    assert graphs.widths == (1, 4)
+    b, w, m, n_kda = 2, 4, graphs.table_widths[-1], len(graphs.kda)
+    graphs.static.load(None, b, w)
+    ids, batch = graphs.static.views(b, w, m)
+    graphs.static.views = lambda b, w, m: (ids, batch)  # built once, outside the counts
+    ops.use("triton")
+    try:
+        with OpCounter() as own:
+            hidden = graphs.model(ids, batch, graphs.caches)
+            logits = graphs.model.compute_logits(hidden)
+        replay = {i: attn.pending for i, attn in graphs.kda.items()}
+        with OpCounter() as shared:
+            g = graphs._forward(b, w, m)
+    finally:
+        ops.use("auto")
+    assert shared.ops - own.ops == Counter({"aten.mm.out": n_kda, "aten.copy_.default": 2})
+    assert own.ops - shared.ops == Counter({"aten.linear.default": n_kda, "aten.to.dtype": 1})
+    assert torch.equal(g.hidden, hidden) and torch.equal(g.logits, logits)
+    for i in graphs.kda:
+        assert all(torch.equal(x, y) for x, y in zip(g.pending[i], replay[i], strict=True))
 
 
 def test_capture_failure_falls_back_to_eager(tiny, monkeypatch, caplog):

@@ -9,16 +9,22 @@ fp32 must match exactly. bf16 may split only at a near tie: a padded batch chang
 shapes, so bf16 rounding can move logits by ~1e-2; at the first differing position the eager
 run's top-2 logprobs must then be within NEAR_TIE (after the split the continuations are
 different sequences and are not compared further).
+
+A capture of many buckets and widths takes no more device memory than the memory plan
+reserves for the graphs.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import gc
 
 import numpy as np
 import pytest
 import torch
 
+from glm53.actors.memory_plan import MiB, graph_workspace
+from glm53.actors.model_runner import ModelRunner
 from glm53.actors.step import SamplingParams
 from glm53.raycluster.config import EngineConfig
 from glm53.raycluster.engine import LLMEngine
@@ -116,3 +122,47 @@ def test_adaptive_widths_through_graphs_match_eager(tiny, overlap):
     assert [t for t, _ in _run(graph_engine, NO_LOGPROBS)] == eager
     assert eager_engine.spec_stats.num_drafts > 0 and graph_engine.spec_stats.num_drafts > 0
     assert len(cache_only) >= 5
+
+
+def test_capture_takes_no_more_than_the_plan_reserves(tiny):
+    """The device memory a capture of the decode graphs takes stays within what the memory
+    plan reserves for them (memory_plan.graph_workspace: the one set of outputs every graph
+    shares, exact, and the largest graph's scratch, estimated per row) at 32 slots with MTP3
+    and adaptive draft length: 7 buckets x widths 1-4, each with the graphs after acceptance
+    for 0-3 draft passes (140 graphs into one pool). Measured as mem_get_info's drop over the
+    capture, its eager warm-ups included, after a first capture paid the one-time costs that
+    the plan's OVERHEAD_BYTES covers (Triton kernel images for these shapes); the new side
+    stream's cuBLAS workspace still counts here. The tiny model's outputs are small, so this
+    bounds the capture as a whole; the real model's rows are hand-counted in
+    test_memory_plan.py."""
+    slots, k = 32, 3
+    runner = ModelRunner(tiny, device="cuda", dtype="bfloat16", num_slots=slots,
+                         num_blocks=512, with_mtp=True, num_spec=k, adaptive_drafts=True,
+                         enforce_eager=True)  # no capture in allocate_caches
+    runner.allocate_caches(512)
+
+    def capture():
+        graphs = runner.make_graphs(capture=True)
+        assert graphs.batch_sizes == (1, 2, 4, 8, 16, 24, 32)
+        assert graphs.widths == (1, 2, 3, 4)
+        assert len(graphs.graphs) == 28 and len(graphs.accepted_graphs) == 28 * (k + 1)
+        return graphs
+
+    first = capture()
+    # let the first capture go: its graphs, its pool, and its outputs, which the KDA layers'
+    # pending replay (set by the last warm-up) still points into
+    for attn in first.kda.values():
+        attn.pending = None
+    del first
+    gc.collect()
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    free = torch.cuda.mem_get_info()[0]
+    graphs = capture()
+    torch.cuda.synchronize()
+    used = free - torch.cuda.mem_get_info()[0]
+    budget = graph_workspace(runner.config, num_slots=slots, num_spec=k,
+                             max_model_len=runner.max_model_len, dtype=torch.bfloat16)
+    assert graphs.outputs.nbytes < budget
+    assert 0 < used <= budget, (f"the capture took {used / MiB:.1f} MiB, the plan reserves "
+                                f"{budget / MiB:.1f} MiB")

@@ -18,9 +18,11 @@ from glm53.actors.memory_plan import (
     GiB,
     MemoryPlanError,
     MiB,
+    graph_workspace,
     plan_for_config,
     plan_memory,
     weight_bytes,
+    workspace_estimate,
 )
 from glm53.actors.parallel import ParallelConfig, ParallelState
 from glm53.actors.release import exl3_release_config, release_config
@@ -202,6 +204,37 @@ def block_bytes(block: int, dcp: int) -> int:
     return N_DSA_CACHED * BF16 * (block // dcp * 512 + block // 4 * 128)
 
 
+def graph_row_bytes(tp: int, verify: bool, n_taps: int = 0) -> int:
+    """One row of the CUDA graphs' shared outputs: hidden (+ taps) bf16, fp32 logits, and when
+    verifying, per KDA layer the replay: in_proj output (q|k|v + beta logits), q, k, v bf16
+    and g, beta fp32."""
+    heads = 64 // tp
+    replay = (3 * heads * 128 + heads + 3 * heads * 128) * BF16 + (heads * 128 + heads) * FP32
+    return (1 + n_taps) * D * BF16 + V * FP32 + verify * N_KDA * replay
+
+
+def test_graph_workspace_is_one_shared_set_of_outputs(meta_model) -> None:
+    """The graphs' bytes: num_slots x (1 + num_spec) rows of shared outputs (exact) and of the
+    largest graph's scratch (1 MiB + 1.5 B per token of context), however many buckets and
+    widths are captured."""
+    cfg = meta_model("exl3", "TP2/EP2/DCP2 r0").config
+    kw = dict(max_model_len=8192, dtype=torch.bfloat16, tp_size=2)
+    act = MiB + 8192 * 3 // 2
+    assert graph_row_bytes(2, True) == 8192 + 619_520 + 34 * 65_728  # 2.73 MiB a row at TP2
+    # MTP3 at 384 slots: 1536 rows (the issue's case: 15 GB of replay + 5.4 GB of logits
+    # kept per graph before; 4.1 GiB of outputs now)
+    assert graph_workspace(cfg, num_slots=384, num_spec=3, **kw) == (
+        384 * 4 * (act + graph_row_bytes(2, True)))
+    assert graph_workspace(cfg, num_slots=16, num_spec=0, **kw) == (
+        16 * (act + graph_row_bytes(2, False)))
+    # a DFlash draft's 5 tap layers, 7 drafts
+    assert graph_workspace(cfg, num_slots=16, num_spec=7, n_taps=5, **kw) == (
+        16 * 8 * (act + graph_row_bytes(2, True, n_taps=5)))
+    # the eager step comes on top
+    assert workspace_estimate(cfg, max_num_batched_tokens=2048, num_slots=16, num_spec=3,
+                              **kw) == 2048 * act + 16 * 4 * (act + graph_row_bytes(2, True))
+
+
 def test_slot_and_block_bytes_match_hand_counts(meta_model) -> None:
     assert slot_bytes(1) - N_DSA_CACHED * RING * 512 == 147_619_840  # §4.1: 140.8 MiB
     plan = _plan(meta_model("exl3", "TP2/EP2/DCP2 r0"), 139)
@@ -231,9 +264,9 @@ def test_exl3_k4_fits_an_h200_pair(meta_model) -> None:
     assert plan.check() is plan, plan.describe()
     weights = sum(expected_parts("exl3", 2, 2).values())
     # reserve estimate: 2 GiB overhead + (2048-token prefill + 16 x 4-token verify graph) x
-    # (1 MiB + 1.5 B per token of the 1M context) + fp32 logits of graphs b in 1,2,4,8,16 x w 1,4
+    # (1 MiB + 1.5 B per token of the 1M context) + the graphs' shared outputs of 16 x 4 rows
     reserve = (2 * GiB + (2048 + 16 * 4) * (MiB + 1048576 * 3 // 2)
-               + (1 + 2 + 4 + 8 + 16) * (1 + 4) * V * 4)
+               + 16 * 4 * graph_row_bytes(tp=2, verify=True))
     pool = int(139 * GiB * 0.9) - weights - reserve
     blocks = (pool - 17 * slot_bytes(2)) // block_bytes(32, 2)
     got = (plan.weight_bytes, plan.reserve_bytes, plan.kv_pool_bytes, plan.num_blocks,

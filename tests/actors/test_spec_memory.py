@@ -127,7 +127,10 @@ def test_draft_forward_is_in_the_reserve() -> None:
                + 3 * 7 * 154880 * 4)
     assert forward_bytes_per_sequence(DFLASH2, torch.bfloat16, tp=2) == per_seq  # 23.4 MiB
     assert drafted.draft_workspace_bytes == DRAFT_CHUNK * per_seq
-    assert drafted.reserve_bytes - plain.reserve_bytes == DRAFT_CHUNK * per_seq
+    # and the CUDA graphs' shared tap states: 16 x 8 rows of the 5 target layers' hidden (bf16)
+    assert len(DFLASH2.target_layer_ids) == 5
+    assert drafted.reserve_bytes - plain.reserve_bytes == (DRAFT_CHUNK * per_seq
+                                                           + 16 * 8 * 5 * 4096 * 2)
     assert drafted.after_cache_bytes == drafted.workspace_bytes + DRAFT_CHUNK * per_seq
     assert "0.18 GiB DFlash forward" in drafted.describe()
     # the fp8 ring: its gather is rows of 128 codes + a 4 B scale, and the attention's copy

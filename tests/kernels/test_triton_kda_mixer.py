@@ -40,11 +40,11 @@ def _case(lens, init, defer, heads, dk, dv, width, seed):
     return args, meta
 
 
-def _run(fn, args, meta, lower_bound):
+def _run(fn, args, meta, lower_bound, **kw):
     a = args
     return fn(a["pre"], a["conv_weight"], a["conv_state"], a["gate_logits"], a["dt_bias"],
               a["a_log"], lower_bound, a["beta_logits"], a["out_gate"], a["norm_weight"], 1e-5,
-              a["state"], *meta)
+              a["state"], *meta, **kw)
 
 
 @pytest.mark.parametrize("lens,init,defer,heads,dk,dv,width,lower_bound", [
@@ -100,3 +100,25 @@ def test_decode_steps_take_the_fused_kernel(monkeypatch):
         _run(kda_mixer.kda_mixer, {k: v.to(DEVICE) for k, v in args.items()},
              [None if t is None else t.to(DEVICE) for t in meta], -5.0)
     assert grids == [(2, 2, 3)]  # (V blocks of 8, heads, sequences)
+
+
+@pytest.mark.parametrize("lens", [[4, 4, 2, 4], [17, 20]], ids=["fused", "separate"])
+@pytest.mark.parametrize("backend", ["ref", "triton"])
+def test_replay_goes_into_given_tensors(lens, backend):
+    """With replay_out (a CUDA graph's shared outputs) the replay is written into those very
+    tensors, and everything equals the run that allocates its own."""
+    from glm53.kernels import kda_mixer
+
+    fn = ref.kda_mixer if backend == "ref" else kda_mixer.kda_mixer
+    defer = [i % 2 == 0 for i in range(len(lens))]
+    args, meta = _case(lens, [True] * len(lens), defer, 2, 16, 32, 3, 11)
+    meta = [t.to(DEVICE) for t in meta]
+    own, given = ({k: v.clone().to(DEVICE) for k, v in args.items()} for _ in range(2))
+    want = _run(fn, own, meta, -5.0)
+    outs = tuple(torch.full_like(t, float("nan")) for t in want[1])
+    got = _run(fn, given, meta, -5.0, replay_out=outs)
+    assert all(a is b for a, b in zip(got[1], outs, strict=True))
+    for a, b in zip([got[0], *got[1]], [want[0], *want[1]], strict=True):
+        assert torch.equal(a, b)
+    assert torch.equal(given["state"], own["state"])
+    assert torch.equal(given["conv_state"], own["conv_state"])
