@@ -25,9 +25,10 @@ a delta (built by hand) has its whole tables written into its rows instead.
 
 Eligibility (anything else runs eagerly): the runner is on CUDA without enforce_eager and
 capture succeeded; every sequence computes w tokens with w = 1, or w = 1 + num_spec and every
-sequence verifies exactly num_spec drafts; n <= the largest bucket; the step's block tables fit
-max_blocks. Sampling stays eager, so any sampling settings, non-sampling rows and prompt-logprob
-rows are fine (the graph's logits cover every row).
+sequence verifies exactly num_spec drafts; n <= the largest bucket b with b x w <= the graphs'
+`max_tokens` (DEFAULT_MAX_GRAPH_TOKENS); the step's block tables fit max_blocks. Sampling
+stays eager, so any sampling settings, non-sampling rows and prompt-logprob rows are fine (the
+graph's logits cover every row).
 
 A speculative step is decided on the host (acceptance reads the samples); what follows it, the
 KDA commit of the accepted tokens and, with a greedy MTP drafter, the draft passes, is a second
@@ -63,6 +64,12 @@ from .step import StepInput
 from .transfers import to_device
 
 logger = logging.getLogger(__name__)
+
+# rows (batch x width) of the largest graph captured by default: a wider step is compute-bound
+# enough to launch eagerly, and every graph row costs memory (the shared outputs, with a verify
+# width each KDA layer's replay: ~2.7 MiB a row for the real model at TP2, and the pool's
+# scratch), so the cap, not the number of sequences times the verify width, sizes the graphs
+DEFAULT_MAX_GRAPH_TOKENS = 512
 
 # contexts (tokens) whose block-table widths are captured by default, besides the model's
 # longest: a short sequence's step does not pay for scoring and selecting over the pools of a
@@ -270,9 +277,10 @@ Drafter = Callable[[torch.Tensor, torch.Tensor, ForwardBatch, torch.Tensor, torc
 
 class DecodeGraphs:
     """Graphs (or, with capture=False, their eager emulation) of the trunk forward + lm_head
-    for uniform steps of `widths` tokens per sequence and `batch_sizes` sequences with block
-    tables of `table_widths` blocks (default: table_buckets(max_blocks, block size)), and of
-    what follows a speculative one once acceptance is known.
+    for uniform steps of `widths` tokens per sequence and `batch_sizes` sequences (those of at
+    most `max_tokens` rows: b x w) with block tables of `table_widths` blocks (default:
+    table_buckets(max_blocks, block size)), and of what follows a speculative one once
+    acceptance is known.
 
     run(step) returns (hidden [b*w, D], taps or None, logits [b*w, V] fp32), valid until the
     next run (every graph writes the same `outputs`); rows past the step's n*w are padding.
@@ -288,12 +296,18 @@ class DecodeGraphs:
                  max_blocks: int, batch_sizes: tuple[int, ...], widths: tuple[int, ...],
                  tap_layers: tuple[int, ...] = (), capture: bool = True,
                  drafter: Drafter | None = None, draft_passes: int = 0,
-                 table_widths: tuple[int, ...] | None = None) -> None:
+                 table_widths: tuple[int, ...] | None = None,
+                 max_tokens: int = DEFAULT_MAX_GRAPH_TOKENS) -> None:
         if (drafter is None) != (draft_passes == 0):
             raise ValueError("a drafter needs draft_passes >= 1, and passes need a drafter")
+        if max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
         self.model, self.caches, self.tap_layers = model, caches, tap_layers
         self.drafter, self.draft_passes = drafter, draft_passes
         self.batch_sizes, self.widths = batch_sizes, widths
+        # width -> the batch sizes captured for it (b x w <= max_tokens)
+        self.sizes = {w: tuple(b for b in batch_sizes if b * w <= max_tokens) for w in widths}
+        rows = max((b * w for w, sizes in self.sizes.items() for b in sizes), default=1)
         self.table_widths = (table_buckets(max_blocks, caches.block_size)
                              if table_widths is None else table_widths)
         if self.table_widths[-1] != max_blocks or list(self.table_widths) != sorted(
@@ -305,9 +319,9 @@ class DecodeGraphs:
                                    pad_slot, device)
         self.kda = {i: layer.self_attn for i, layer in enumerate(model.layers) if layer.is_kda}
         self.outputs = GraphOutputs.allocate(
-            model.config, max(batch_sizes) * max(widths), n_taps=len(tap_layers),
-            verify=max(widths) > 1, dtype=model.embed_tokens.weight.dtype, device=device,
-            ps=model.parallel)
+            model.config, rows, n_taps=len(tap_layers),
+            verify=any(w > 1 and sizes for w, sizes in self.sizes.items()),
+            dtype=model.embed_tokens.weight.dtype, device=device, ps=model.parallel)
         self.graph_caches = self.outputs.caches(caches)  # KDA replays into `outputs`
         self.graphs: dict[GraphKey, _Graph] = {}  # empty when emulating
         # (key, passes) -> the graph after acceptance and its drafts [b, passes] (None
@@ -323,12 +337,13 @@ class DecodeGraphs:
         """The graph that serves `step`, or None (the step runs eagerly)."""
         w = uniform_width(step)
         n = len(step.state_ids)
-        if w not in self.widths or n > self.batch_sizes[-1]:
+        sizes = self.sizes.get(w)
+        if not sizes or n > sizes[-1]:
             return None
         m = step.block_tables.shape[1]
         if m > self.static.max_blocks:
             return None
-        return GraphKey(next(b for b in self.batch_sizes if b >= n), w,
+        return GraphKey(next(b for b in sizes if b >= n), w,
                         next(t for t in self.table_widths if t >= m))
 
     def run(self, step: StepInput, key: GraphKey,
@@ -423,7 +438,7 @@ class DecodeGraphs:
         pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream(device)
         keys = [GraphKey(b, w, m) for w in sorted(self.widths, reverse=True)
-                for b in sorted(self.batch_sizes, reverse=True)
+                for b in sorted(self.sizes[w], reverse=True)
                 for m in sorted(self.table_widths, reverse=True)]
         for key in keys:
             b, w, m = key

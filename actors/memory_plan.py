@@ -23,6 +23,7 @@ import torch
 
 from .caches import cache_bytes
 from .config import KDA, ModelConfig
+from .cuda_graphs import DEFAULT_MAX_GRAPH_TOKENS
 from .graph_outputs import GraphOutputs
 from .loader import DTYPES, build_model, with_expert_format
 from .models.glm5_next import Glm5NextForCausalLM
@@ -79,26 +80,29 @@ def _part(name: str, cfg: ModelConfig) -> str:
 
 def workspace_estimate(cfg: ModelConfig, *, max_num_batched_tokens: int, num_slots: int,
                        num_spec: int, max_model_len: int, dtype: torch.dtype, n_taps: int = 0,
-                       tp_size: int = 1) -> int:
+                       tp_size: int = 1, graph_max_tokens: int = DEFAULT_MAX_GRAPH_TOKENS,
+                       ) -> int:
     """Bytes the runner allocates after its caches (estimate): the eager forward of one step of
     `max_num_batched_tokens` tokens (torch's cache keeps them) and the CUDA graphs
     (`graph_workspace`)."""
     return (max_num_batched_tokens * activation_bytes_per_token(cfg, max_model_len)
             + graph_workspace(cfg, num_slots=num_slots, num_spec=num_spec,
                               max_model_len=max_model_len, dtype=dtype, n_taps=n_taps,
-                              tp_size=tp_size))
+                              tp_size=tp_size, max_tokens=graph_max_tokens))
 
 
 def graph_workspace(cfg: ModelConfig, *, num_slots: int, num_spec: int, max_model_len: int,
-                    dtype: torch.dtype, n_taps: int = 0, tp_size: int = 1) -> int:
+                    dtype: torch.dtype, n_taps: int = 0, tp_size: int = 1,
+                    max_tokens: int = DEFAULT_MAX_GRAPH_TOKENS) -> int:
     """Bytes of the CUDA graphs: their one set of shared outputs, exact
     (GraphOutputs.bytes_per_row in the model `dtype`: hidden, `n_taps` tap states, fp32 logits
     and, when speculating, every KDA layer's replay), plus the graph pool, whose scratch is the
     largest graph's (an estimate: activation_bytes_per_token per row) and which every smaller
     graph reuses. Both scale with the largest graph's rows: num_slots sequences (always a
     bucket) x the widest step, 1 + num_spec (the runner captures widths 1 and 1 + num_spec, or
-    with adaptive draft length every width between; none is wider)."""
-    rows = num_slots * (1 + num_spec)
+    with adaptive draft length every width between; none is wider), but at most `max_tokens`
+    (the graphs' cap: wider steps run eagerly, within the eager step's reserve)."""
+    rows = min(num_slots * (1 + num_spec), max_tokens)
     per_row = GraphOutputs.bytes_per_row(cfg, n_taps=n_taps, verify=num_spec > 0, dtype=dtype,
                                          tp_size=tp_size)
     return rows * (activation_bytes_per_token(cfg, max_model_len) + per_row)
@@ -266,7 +270,8 @@ def plan_memory(model: Glm5NextForCausalLM, device_bytes: int, utilization: floa
                 max_num_batched_tokens: int = 2048, reserve_bytes: int | None = None,
                 kv_cache_dtype: str = "auto",
                 draft: DFlashConfig | None = None, num_checkpoints: int = 0,
-                draft_kv_cache_dtype: str = "auto") -> MemoryPlan:
+                draft_kv_cache_dtype: str = "auto",
+                graph_max_tokens: int = DEFAULT_MAX_GRAPH_TOKENS) -> MemoryPlan:
     """Plan this rank (`model`: its meta-built shard; whether it has the MTP layer is read off
     it, so the cache plan cannot disagree with the weights). `block_size`: the runner's logical
     tokens per block; `num_slots`: max_num_seqs; `cache_dtype` defaults to the model's (the
@@ -276,7 +281,8 @@ def plan_memory(model: Glm5NextForCausalLM, device_bytes: int, utilization: floa
     weights and per-slot ring (this rank's shard, in `cache_dtype`, as the runner loads it; the
     ring stored as `draft_kv_cache_dtype` says, its fp8 scales included) join the plan.
     `num_checkpoints`: the prefix cache's KDA state checkpoints (EngineConfig
-    .num_prefix_checkpoints), each a state slot and, with a draft, a ring."""
+    .num_prefix_checkpoints), each a state slot and, with a draft, a ring. `graph_max_tokens`:
+    the runner's cap on a CUDA graph's rows (EngineConfig.cuda_graph_max_tokens)."""
     cfg, ps = model.config, model.parallel
     cache_dtype = cache_dtype or model.embed_tokens.weight.dtype
     max_model_len = max_model_len or cfg.max_position_embeddings
@@ -289,7 +295,7 @@ def plan_memory(model: Glm5NextForCausalLM, device_bytes: int, utilization: floa
             num_spec=num_spec, max_model_len=max_model_len,
             dtype=model.embed_tokens.weight.dtype,
             n_taps=len(draft.target_layer_ids) if draft is not None else 0,
-            tp_size=ps.tp_size)
+            tp_size=ps.tp_size, graph_max_tokens=graph_max_tokens)
         if draft is not None:
             draft_workspace = min(num_slots, DRAFT_CHUNK) * forward_bytes_per_sequence(
                 draft, cache_dtype, ps.tp_size, draft_kv_cache_dtype)

@@ -31,7 +31,13 @@ import numpy as np
 import torch
 
 from .caches import CachePlan, ModelCaches, copy_state_slots, plan_cache
-from .cuda_graphs import DecodeGraphs, GraphKey, batch_buckets, table_buckets
+from .cuda_graphs import (
+    DEFAULT_MAX_GRAPH_TOKENS,
+    DecodeGraphs,
+    GraphKey,
+    batch_buckets,
+    table_buckets,
+)
 from .forward_batch import DeferredStates, ForwardBatch
 from .kv_scale_bank import bank_path, load_scale_bank
 from .loader import DTYPES, load_model
@@ -79,6 +85,7 @@ class ModelRunner:
                  enforce_eager: bool = False, adaptive_drafts: bool = False,
                  cuda_graph_batch_sizes: tuple[int, ...] | None = None,
                  cuda_graph_context_sizes: tuple[int, ...] | None = None,
+                 cuda_graph_max_tokens: int = DEFAULT_MAX_GRAPH_TOKENS,
                  max_model_len: int | None = None,
                  quantize_experts: str | None = None,
                  max_num_batched_tokens: int = 2048, kv_cache_dtype: str = "auto",
@@ -91,11 +98,12 @@ class ModelRunner:
         `enforce_eager`) are captured for decode batches of `cuda_graph_batch_sizes` (capped at
         num_slots) with block tables wide enough for `max_model_len` (default: the model's context)
         tokens, and narrower ones for the `cuda_graph_context_sizes` shorter than that (default
-        cuda_graphs.DEFAULT_CONTEXT_SIZES). `quantize_experts` ("int4") quantises the routed experts
-        of a dense/FP8 checkpoint while loading. `kv_cache_dtype` (caches.KV_CACHE_DTYPES) sets the
-        latent rows; nvfp4 reads its outer scales from `kv_scale_bank` (default: the bank file in
-        the checkpoint). `with_vision` builds the vision tower: image embeddings are computed once
-        per image and spliced over its placeholders chunk by chunk.
+        cuda_graphs.DEFAULT_CONTEXT_SIZES), each of at most `cuda_graph_max_tokens` rows (batch x
+        verify width; wider steps run eagerly). `quantize_experts` ("int4") quantises the routed
+        experts of a dense/FP8 checkpoint while loading. `kv_cache_dtype` (caches.KV_CACHE_DTYPES)
+        sets the latent rows; nvfp4 reads its outer scales from `kv_scale_bank` (default: the bank
+        file in the checkpoint). `with_vision` builds the vision tower: image embeddings are
+        computed once per image and spliced over its placeholders chunk by chunk.
 
         On CUDA without an explicit cache size, the memory plan (memory_plan.py) of the
         meta-built model is checked before anything is allocated, so a model that cannot fit
@@ -127,6 +135,7 @@ class ModelRunner:
                 kv_cache_dtype=kv_cache_dtype, num_checkpoints=num_checkpoints,
                 draft=DFlashConfig.from_dir(draft_model) if draft_model and num_spec else None,
                 draft_kv_cache_dtype=draft_kv_cache_dtype,
+                graph_max_tokens=cuda_graph_max_tokens,
             ).check()
 
         self.model = load_model(model_dir, with_mtp=with_mtp,
@@ -169,6 +178,7 @@ class ModelRunner:
         self.enforce_eager = enforce_eager or self.device.type != "cuda"
         self.graph_batch_sizes = batch_buckets(num_slots, cuda_graph_batch_sizes)
         self.graph_context_sizes = cuda_graph_context_sizes
+        self.graph_max_tokens = cuda_graph_max_tokens
         self.max_model_len = max_model_len or self.config.max_position_embeddings
         # embeddings of images whose prefill continues in a later chunk, by StepImage.key
         self.image_embeds: dict[str, torch.Tensor] = {}
@@ -225,7 +235,8 @@ class ModelRunner:
                             drafter=self.proposer.draft_after_verify if greedy_mtp else None,
                             draft_passes=self.num_spec if greedy_mtp else 0,
                             table_widths=table_buckets(max_blocks, self.plan.block_size,
-                                                       self.graph_context_sizes))
+                                                       self.graph_context_sizes),
+                            max_tokens=self.graph_max_tokens)
 
     def _free_memory_budget(self, utilization: float) -> int:
         if self.device.type != "cuda":

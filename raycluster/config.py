@@ -56,6 +56,9 @@ class EngineConfig:
     # contexts (tokens) whose block-table widths get CUDA graphs of their own, besides
     # max_model_len's; None = actors/cuda_graphs.py DEFAULT_CONTEXT_SIZES
     cuda_graph_context_sizes: tuple[int, ...] | None = None
+    # rows (sequences x tokens each) of the largest CUDA graph: wider uniform steps run
+    # eagerly (actors/cuda_graphs.py DEFAULT_MAX_GRAPH_TOKENS)
+    cuda_graph_max_tokens: int = 512
     # prefix caching (raycluster/prefix_cache.py): cached blocks + KDA state checkpoints, each
     # checkpoint one more state slot per rank (and DFlash ring; None: max_num_seqs of them),
     # taken every prefix_checkpoint_interval tokens of a prefill (a multiple of the block) and
@@ -116,6 +119,7 @@ class EngineConfig:
             (self.cuda_graph_context_sizes is None
              or all(s >= 1 for s in self.cuda_graph_context_sizes),
              "cuda_graph_context_sizes must be >= 1 token"),
+            (self.cuda_graph_max_tokens >= 1, "cuda_graph_max_tokens must be >= 1"),
             (self.prefix_checkpoints is None or self.prefix_checkpoints >= 1,
              "prefix_checkpoints must be >= 1"),
             (not self.enable_prefix_caching or self.prefix_caching_refusal is None,

@@ -130,6 +130,7 @@ def runner_kwargs(config: EngineConfig) -> dict:
                 adaptive_drafts=config.adaptive_drafts,
                 cuda_graph_batch_sizes=config.cuda_graph_batch_sizes,
                 cuda_graph_context_sizes=config.cuda_graph_context_sizes,
+                cuda_graph_max_tokens=config.cuda_graph_max_tokens,
                 max_model_len=config.max_model_len,
                 num_checkpoints=config.num_prefix_checkpoints)
 

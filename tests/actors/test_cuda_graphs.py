@@ -211,7 +211,9 @@ def test_padded_graph_path_equals_eager(tiny, k):
     plain = _run(LLMEngine(_config(tiny, k)))
     # buckets 2 and 4: single sequences and triples run padded
     block = EngineConfig(model=tiny).block_size
-    config = _config(tiny, k, cuda_graph_batch_sizes=(2,), cuda_graph_context_sizes=(block,))
+    # with drafts, graphs of at most 8 rows: verify steps of 2 sequences graphed, of 3-4 eager
+    config = _config(tiny, k, cuda_graph_batch_sizes=(2,), cuda_graph_context_sizes=(block,),
+                     cuda_graph_max_tokens=8 if k else 512)
     engine = LLMEngine(config, TwinExecutor(config))
     assert _run(engine) == plain
     assert engine.dead is None
@@ -473,6 +475,26 @@ def test_shared_outputs_add_one_copy_per_graph(tiny):
     assert torch.equal(g.hidden, hidden) and torch.equal(g.logits, logits)
     for i in graphs.kda:
         assert all(torch.equal(x, y) for x, y in zip(g.pending[i], replay[i], strict=True))
+
+
+def test_graph_rows_are_capped(tiny):
+    """Graphs of at most `cuda_graph_max_tokens` rows: each width keeps the batch sizes that
+    fit, a wider step runs eagerly, and the shared outputs hold the largest graph's rows."""
+    runner = ModelRunner(tiny, num_slots=4, num_blocks=32, with_mtp=True, num_spec=3,
+                         cuda_graph_max_tokens=8)
+    runner.allocate_caches(32)
+    graphs = runner.make_graphs(capture=False)
+    assert graphs.sizes == {1: (1, 2, 4), 4: (1, 2)}
+    assert graphs.outputs.hidden.shape[0] == graphs.outputs.logits.shape[0] == 8
+
+    def verify_step(n: int) -> StepInput:
+        cu = np.arange(n + 1) * 4
+        return StepInput(0, [""] * n, np.zeros(4 * n), np.zeros(4 * n), cu,
+                         np.zeros((n, 1), np.int32), np.zeros(4 * n), np.arange(n),
+                         np.arange(n), np.arange(n), None, num_drafts=np.full(n, 3))
+
+    assert graphs.bucket(verify_step(2))[:2] == (2, 4)
+    assert graphs.bucket(verify_step(3)) is None  # 12 rows: eager
 
 
 def test_capture_failure_falls_back_to_eager(tiny, monkeypatch, caplog):

@@ -214,17 +214,22 @@ def graph_row_bytes(tp: int, verify: bool, n_taps: int = 0) -> int:
 
 
 def test_graph_workspace_is_one_shared_set_of_outputs(meta_model) -> None:
-    """The graphs' bytes: num_slots x (1 + num_spec) rows of shared outputs (exact) and of the
-    largest graph's scratch (1 MiB + 1.5 B per token of context), however many buckets and
-    widths are captured."""
+    """The graphs' bytes: num_slots x (1 + num_spec) rows, at most the graphs' cap (512 by
+    default), of shared outputs (exact) and of the largest graph's scratch (1 MiB + 1.5 B per
+    token of context), however many buckets and widths are captured."""
     cfg = meta_model("exl3", "TP2/EP2/DCP2 r0").config
     kw = dict(max_model_len=8192, dtype=torch.bfloat16, tp_size=2)
     act = MiB + 8192 * 3 // 2
     assert graph_row_bytes(2, True) == 8192 + 619_520 + 34 * 65_728  # 2.73 MiB a row at TP2
-    # MTP3 at 384 slots: 1536 rows (the issue's case: 15 GB of replay + 5.4 GB of logits
-    # kept per graph before; 4.1 GiB of outputs now)
-    assert graph_workspace(cfg, num_slots=384, num_spec=3, **kw) == (
+    # MTP3 at 384 slots: 1536 rows without a cap (15 GB of replay + 5.4 GB of logits kept per
+    # graph before the outputs were shared; 4.1 GiB of outputs shared), 512 under the default
+    # cap (1.4 GiB; batches over 128 verify eagerly)
+    assert graph_workspace(cfg, num_slots=384, num_spec=3, max_tokens=10**6, **kw) == (
         384 * 4 * (act + graph_row_bytes(2, True)))
+    assert graph_workspace(cfg, num_slots=384, num_spec=3, **kw) == (
+        512 * (act + graph_row_bytes(2, True)))
+    assert graph_workspace(cfg, num_slots=384, num_spec=7, **kw) == (
+        512 * (act + graph_row_bytes(2, True)))  # DFlash's 8-token steps: the same cap
     assert graph_workspace(cfg, num_slots=16, num_spec=0, **kw) == (
         16 * (act + graph_row_bytes(2, False)))
     # a DFlash draft's 5 tap layers, 7 drafts
