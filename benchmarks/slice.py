@@ -225,9 +225,10 @@ def engine_step_ms(model, caches: ModelCaches, cfg: ModelConfig, batch_size: int
     host["overlapped_ms"] = (time.perf_counter() - start) / (steps + 1) * 1e3
     if graphs.graphs:
         # where the overlapped step's time over a bare replay goes, on the device alone (host
-        # time hidden): the engine's graph replayed by itself (its block tables are as wide
-        # as the model's context, the benchmark's bare replay's only as wide as the case's),
-        # then everything a step queues (copies, replay, sampler, copy back)
+        # time hidden): the engine's graph replayed by itself (its block tables as wide as the
+        # narrowest captured context holding the case, the bare replay's only as wide as the
+        # case), the same at tables as wide as the model's context, then everything a step
+        # queues (copies, replay, sampler, copy back)
         graph = graphs.graphs[graphs.bucket(step_input(True))].graph
         host["engine_graph_device_ms"] = device_ms(graph.replay)
         full = DecodeGraphs(model, caches, pad_slot=graphs.static.pad_slot,
