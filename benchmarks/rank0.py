@@ -26,9 +26,15 @@ published runs; `measured` applies the real rule to the random model's drafts).
 `mtp3_tokens_per_cycle_assumed` is the accepted length of published GLM-5.3-Flash MTP3 runs
 (2.6-2.8 tokens a cycle, issue 20), stated, not measured.
 
+`--prefill CHUNK[xDEPTH],...` adds prefill rows (phase "prefill"): one sequence's chunk after
+DEPTH cached tokens, eager as the engine prefills, only the last row's logits: wall ms, tok/s,
+the modeled GFLOP a token on this rank (`prefill_gflop_per_token`, performance.md §4.4 at rank
+0's shapes), TFLOP/s and MFU against 790 TFLOP/s, and the kernels one chunk launches.
+
     python benchmarks/rank0.py [--json benchmarks/results/rank0_h200_<commit>.json]
         [--commit SHA] [--decode 1x8192,...] [--experts exl3|int4] [--utilization 0.9]
         [--profile] [--kv-cache-dtype bf16[,fp8,nvfp4]] [--mtp-acceptance 1,1,0|measured]
+        [--prefill 2048,8192,16384,8192x32768]
 """
 
 from __future__ import annotations
@@ -50,7 +56,7 @@ from glm53.actors.config import ModelConfig
 from glm53.actors.emulation import build_rank0
 from glm53.actors.forward_batch import ForwardBatch
 from glm53.actors.loader import with_expert_format
-from glm53.actors.memory_plan import weight_bytes
+from glm53.actors.memory_plan import activation_bytes_per_token, weight_bytes
 from glm53.actors.parallel import ParallelConfig
 from glm53.actors.release import exl3_release_config, release_config
 
@@ -59,6 +65,7 @@ PLAN = ParallelConfig(tp=2, ep=2, dcp=2)
 HBM_BYTES_PER_S = 4.3e12  # measured device-to-device copy on the H200 (performance.md)
 GRAPH_RESERVE = 6 * 2**30  # graphs' private pools and workspace during the run
 MTP_SPEC = 3  # drafts a cycle of the MTP3 setting
+PEAK_TFLOPS = 790.0  # dense bf16 the prefill MFU is taken against (performance.md §4.4)
 # tokens an MTP3 cycle emits in published GLM-5.3-Flash runs (issue 20): stated, not measured
 MTP3_TOKENS_PER_CYCLE = (2.6, 2.8)
 
@@ -144,11 +151,69 @@ def graph_replay_ms(model, caches, batch: int, context: int, tables,
     return ms, kernel_profile(step, top=40) if profile else None
 
 
+def prefill_gflop_per_token(model, depth: int, chunk: int) -> float:
+    """Modeled GFLOP this rank computes per token of a prefill chunk of `chunk` tokens after
+    `depth` cached ones (performance.md §4.4, at rank 0's shapes): 2 x the linear weights a
+    token runs through here (every trunk weight of the shard but the embedding, lm_head (one
+    row a chunk) and MTP layer; of the routed experts, its 8 picks' share on this rank, 8 x
+    n_local / n_routed under uniform routing); KDA's chunked form (C = 64: 5 x 2 C d + 3 x 2
+    d^2 per head); the absorbed sparse MLA (2 x sel x (512 + 512) per head, sel = min(pos + 1,
+    2048), over this rank's heads, or all heads over half the rows under DCP2: the same); the
+    indexer (2 x heads x d x pos / kpool, replicated: every rank scores every pool)."""
+    cfg, ps = model.config, model.parallel
+    skip = ("mtp.", "embed_tokens.", "lm_head.")
+    # every matrix a token runs through (the depthwise conv's taps too: 2 C K, as counted);
+    # routed experts apart: stored as 4-bit codes, their element counts are not weights
+    dense = sum(p.numel() for name, p in model.named_parameters()
+                if p.dim() == 2 and not name.startswith(skip) and ".mlp.experts." not in name)
+    n_local = next(m.mlp.experts.n_local for m in model.layers if hasattr(m.mlp, "experts"))
+    n_moe = sum(hasattr(m.mlp, "experts") for m in model.layers)
+    expert_params = n_moe * n_local * 3 * cfg.hidden_size * cfg.moe_intermediate_size
+    active_experts = expert_params * cfg.num_experts_per_tok / cfg.n_routed_experts
+    linear = 2 * (dense + active_experts)
+    d, heads = cfg.linear_head_dim, cfg.linear_num_heads // ps.tp_size
+    kda = len(cfg.kda_layers) * heads * (5 * 2 * 64 * d + 3 * 2 * d * d)
+    positions = torch.arange(depth, depth + chunk, dtype=torch.float64)
+    sel = torch.clamp(positions + 1, max=cfg.index_topk).mean().item()
+    mla_heads = cfg.num_attention_heads // ps.tp_size
+    mla = len(cfg.dsa_layers) * mla_heads * 2 * sel * 2 * cfg.kv_lora_rank
+    pools = (positions + 1).div(cfg.index_kpool).floor().mean().item()
+    indexer = len(cfg.dsa_layers) * 2 * cfg.index_n_heads * cfg.index_head_dim * pools
+    return (linear + kda + mla + indexer) / 1e9
+
+
+def prefill_case(model, caches, cfg, chunk: int, depth: int) -> dict:
+    """One prefill chunk of `chunk` tokens of one sequence after `depth` cached tokens (their
+    rows: whatever the pool holds; random weights), eager as the engine runs prefill, only
+    the last row's logits: wall ms (host launches included), tokens/s, modeled TFLOP/s and
+    MFU against PEAK_TFLOPS, and the kernels launched (one profiled call)."""
+    per = -(-(depth + chunk) // BLOCK)
+    ids = torch.randint(0, cfg.vocab_size, (chunk,), device=DEV)
+    fb = ForwardBatch.build([depth], [chunk], [0], [list(range(1, 1 + per))], BLOCK,
+                            device=DEV)
+
+    def step():
+        return model.compute_logits(model(ids, fb, caches)[-1:]).argmax(-1)
+
+    ms = _timed(step, reps_for(_timed(step, 1)))
+    gflop = prefill_gflop_per_token(model, depth, chunk)
+    tflops = gflop * chunk / (ms * 1e-3) / 1e3
+    prof = kernel_profile(step, top=15)
+    return dict(phase="prefill", batch=1, context=depth + chunk, depth=depth, chunk=chunk,
+                ms=ms, tok_s=chunk / (ms * 1e-3), gflop_per_token=round(gflop, 3),
+                tflops=round(tflops, 1), mfu_pct=round(tflops / PEAK_TFLOPS * 100, 1),
+                launches=prof["launches"], device_ms=prof["device_ms"],
+                top_kernels=prof["kernels"])
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--json")
     ap.add_argument("--commit")
     ap.add_argument("--decode", default="1x8192,16x8192,64x8192,1x131072,16x131072,64x131072")
+    ap.add_argument("--prefill", default="",
+                    help="prefill chunks CHUNK[xDEPTH],... (e.g. 2048,8192,16384x32768): one "
+                         "sequence's chunk after DEPTH cached tokens, eager, MFU (issue 20)")
     ap.add_argument("--experts", choices=["exl3", "int4"], default="exl3")
     ap.add_argument("--utilization", type=float, default=0.9)
     ap.add_argument("--layers", type=int, default=None,
@@ -164,6 +229,8 @@ def main() -> None:
     acceptance = (None if args.mtp_acceptance == "measured" else
                   tuple(float(p) for p in args.mtp_acceptance.split(",")))
     cases = [tuple(int(v) for v in c.split("x")) for c in args.decode.split(",") if c]
+    prefills = [(int(c.split("x")[0]), int(c.split("x")[1]) if "x" in c else 0)
+                for c in args.prefill.split(",") if c]
     cfg = emulation_config(args.experts, args.layers)
     torch.manual_seed(0)
     model = build_rank0(cfg, PLAN, with_mtp=True, device=DEV)
@@ -172,7 +239,10 @@ def main() -> None:
     gc.collect()
     torch.cuda.empty_cache()  # the random fill's temporaries are not the rank's memory
     free, total = torch.cuda.mem_get_info()
-    max_batch = max(b for b, _ in cases)
+    max_batch = max((b for b, _ in cases), default=1)
+    # a prefill chunk's activations, allocated after the caches (memory_plan's estimate)
+    prefill_reserve = max((chunk * activation_bytes_per_token(cfg, chunk + depth)
+                           for chunk, depth in prefills), default=0)
     meta = dict(
         benchmark="rank0", device=torch.cuda.get_device_name(), commit=args.commit,
         date=datetime.now(UTC).isoformat(timespec="seconds"), torch=torch.__version__,
@@ -194,7 +264,8 @@ def main() -> None:
                 json.dump(dict(meta, results=rows), f, indent=2)
 
     for kv_dtype in args.kv_cache_dtype.split(","):
-        budget = int(args.utilization * total) - (total - free) - GRAPH_RESERVE
+        budget = (int(args.utilization * total) - (total - free) - GRAPH_RESERVE
+                  - prefill_reserve)
         # sized for the MTP3 cycle's verify steps (the indexer ring holds the drafts)
         per_block, per_slot = cache_bytes(cfg, BLOCK, torch.bfloat16, True, model.parallel,
                                           MTP_SPEC, kv_cache_dtype=kv_dtype)
@@ -211,6 +282,18 @@ def main() -> None:
         print(json.dumps(meta, indent=1), flush=True)
         run_cases(model, caches, cfg, cases, num_blocks, kv_dtype, args.profile, rows, save,
                   acceptance)
+        for chunk, depth in prefills:
+            row = dict(phase="prefill", kv_cache_dtype=kv_dtype, chunk=chunk, depth=depth)
+            try:
+                with torch.inference_mode():
+                    row.update(prefill_case(model, caches, cfg, chunk, depth))
+            except Exception:  # noqa: BLE001 - a failed case is recorded, not fatal
+                row["prefill_error"] = traceback.format_exc()[-3000:]
+            rows.append(row)
+            print({k: v for k, v in row.items() if k != "top_kernels"}, flush=True)
+            save()
+            gc.collect()
+            torch.cuda.empty_cache()
         del caches
         gc.collect()
         torch.cuda.empty_cache()

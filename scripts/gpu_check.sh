@@ -13,7 +13,8 @@
 # kv:      the quantised latent cache: its gpu tests, then benchmarks/slice.py decode at 32K
 #          (batch 1 and 64) and 4K prefill with bf16, fp8 and nvfp4 rows
 # rank0:   benchmarks/rank0.py with int4 experts over the three cache formats (GPUs of
-#          >= 100 GB; smaller ones run the first 24 layers: not the rank's numbers)
+#          >= 100 GB; smaller ones run the first 24 layers: not the rank's numbers); RANK0_DECODE,
+#          RANK0_PREFILL (e.g. 2048,8192,16384) and RANK0_PROFILE passed on
 # serving: benchmarks/vision.py, prefix_cache.py --slice (10-turn chat) and adaptive.py --slice
 # adaptive: adaptive.py --slice alone (ADAPTIVE_ARGS passed on)
 # Results go to $OUT (the device tool's return folder) or ./gpu_out.
@@ -66,6 +67,7 @@ case $stage in
     layers=(); [ "$mem" -lt 100000 ] && layers=(--layers 24)
     python benchmarks/rank0.py --experts int4 "${layers[@]}" --kv-cache-dtype bf16,fp8,nvfp4 \
       --decode "${RANK0_DECODE:-1x8192,16x8192,64x8192,1x131072}" ${RANK0_PROFILE:+--profile} \
+      --prefill "${RANK0_PREFILL:-}" \
       --commit "$commit" --json "$out/rank0_int4_$commit.json" 2>&1 | grep "^{'phase'" \
       | cut -c1-300 ;;
   serving)
