@@ -4,6 +4,8 @@ layers) instead of reading the device copy back, a device sync per step."""
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 
 from glm53.actors.forward_batch import ForwardBatch
@@ -29,7 +31,7 @@ def test_kda_layers_pass_the_host_copy(tiny_checkpoint, monkeypatch):
     mixer = ops.kda_mixer
 
     def spy(*args, **kwargs):
-        seen.append(args[-1])  # cu_seqlens_host, the last positional argument
+        seen.append(inspect.signature(mixer).bind(*args, **kwargs).arguments["cu_seqlens_host"])
         return mixer(*args, **kwargs)
 
     monkeypatch.setattr(ops, "kda_mixer", spy)
