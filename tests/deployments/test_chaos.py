@@ -13,7 +13,6 @@ import asyncio
 import json
 import os
 import signal
-import socket
 import time
 
 import httpx
@@ -31,19 +30,11 @@ STREAM_BOUND_S = 60  # every stream ends within this after the kill
 RECOVERY_BOUND_S = 120  # health is 200 again and requests are served
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
-def base_url(ray_session, tiny_checkpoints):
+def base_url(serve_url, tiny_checkpoints):
     from ray import serve
 
     path = tiny_checkpoints(seed=4)
-    port = _free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
     common = dict(model=str(path), device="cpu", max_model_len=512, max_num_seqs=32,
                   num_blocks=1024, speculative="none")
     servers = {"solo": server_app(ServingConfig(served_model_name="solo", **common), "cpu"),
@@ -52,8 +43,8 @@ def base_url(ray_session, tiny_checkpoints):
                    decode_context_parallel_size=2, **common), "cpu")}
     serve.run(ingress_app(servers), name="chaos-test", route_prefix="/",
               logging_config={"log_level": "WARNING", "enable_access_log": False})
-    yield f"http://127.0.0.1:{port}"
-    serve.shutdown()
+    yield serve_url
+    serve.delete("chaos-test")
 
 
 async def _stream(client: httpx.AsyncClient, model: str, seed: int) -> str:

@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import socket
 
 import httpx
 import pytest
@@ -233,24 +232,16 @@ def test_keys_are_compared_as_digests():
 
 # ----- under Ray Serve: the guard is mounted in the replica, behind Serve's HTTP proxy -----
 @pytest.fixture(scope="module")
-def served(ray_session):
+def served(serve_url):
     from ray import serve
 
-    port = _free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
     app = ingress_app({"scripted": server_app(scripted_config(), "cpu", ScriptedEngine)},
                       HTTPConfig(api_keys=["served-key"], max_request_bytes=65536))
     serve.run(app, name="guard-test", route_prefix="/",
               logging_config={"log_level": "WARNING", "enable_access_log": False})
-    with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=60) as client:
+    with httpx.Client(base_url=serve_url, timeout=60) as client:
         yield client
-    serve.shutdown()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    serve.delete("guard-test")
 
 
 @pytest.mark.slow  # serves the app through Ray Serve's proxy

@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import json
 import shutil
-import socket
 import time
 
 import httpx
@@ -32,22 +31,14 @@ pytestmark = pytest.mark.slow
 GREEDY = {"temperature": 0, "extra_body": {"ignore_eos": True}}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
-def base_url(ray_session, tmp_path_factory, tiny_checkpoints):
+def base_url(serve_url, tmp_path_factory, tiny_checkpoints):
     from ray import serve
 
     # a copy: the manifest written into it must not reach the other tests
     path = tmp_path_factory.mktemp("serve") / "tiny"
     shutil.copytree(tiny_checkpoints(seed=0, mtp=True), path)
     write_manifest(path, progress=False)
-    port = _free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
     common = {"model": str(path), "device": "cpu"}
     # the default profile's speculative decoding (MTP), with 2 drafts
     tiny = ServingConfig(served_model_name="tiny", max_model_len=256, max_num_seqs=16,
@@ -61,8 +52,8 @@ def base_url(ray_session, tmp_path_factory, tiny_checkpoints):
                        "scripted": server_app(scripted, "cpu", ScriptedEngine)})
     serve.run(app, name="openai-test", route_prefix="/",
               logging_config={"log_level": "WARNING", "enable_access_log": False})
-    yield f"http://127.0.0.1:{port}"
-    serve.shutdown()
+    yield serve_url
+    serve.delete("openai-test")
 
 
 @pytest.fixture(scope="module")

@@ -5,8 +5,6 @@ conversations reach both; promptless calls (models, health) still route."""
 
 from __future__ import annotations
 
-import socket
-
 import httpx
 import pytest
 
@@ -18,27 +16,19 @@ from tests.deployments.scripted_engine import ReplicaEngine
 pytestmark = pytest.mark.slow
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
-def http(ray_session):
+def http(serve_url):
     from ray import serve
 
-    port = _free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
     config = ServingConfig(served_model_name="m", device="cpu", speculative="none",
                            num_replicas=2, enable_prefix_caching=True)
     assert config.prefix_routing_enabled
     serve.run(ingress_app({"m": server_app(config, "cpu", ReplicaEngine)}),
               name="prefix-routing-test", route_prefix="/",
               logging_config={"log_level": "WARNING", "enable_access_log": False})
-    with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=60) as client:
+    with httpx.Client(base_url=serve_url, timeout=60) as client:
         yield client
-    serve.shutdown()
+    serve.delete("prefix-routing-test")
 
 
 def _replica(http: httpx.Client, messages: list[dict]) -> str:

@@ -71,15 +71,22 @@ def test_layout_matches_tp1(ray_session, tiny, reference, layout):
         assert ours.shape == ref.shape and np.abs(ours - ref).max() <= 1e-4
 
 
-@pytest.mark.parametrize("k", [0, 2], ids=["plain", "mtp2"])
-def test_overlapped_execution_matches_tp1(ray_session, tiny_checkpoints, k):
-    """Overlapped scheduling through the step channel: the engine sends step N+1 while the
-    workers run step N, and they launch it before finishing N (two steps in flight); with MTP
-    drafts too (a step verifying them waits for its predecessor's acceptance)."""
+@pytest.fixture(scope="module")
+def mtp_reference(tiny_checkpoints):
+    """(checkpoint with MTP weights, prompts, TP1's synchronous tokens and logprobs): the same
+    reference for every overlapped run."""
     path = str(tiny_checkpoints(seed=4, layers=5, index_topk=8, mtp=True))
     one = LLMEngine(_config(path))
     prompts = _prompts(one.model_config.vocab_size)
-    ref_tokens, ref_logprobs = _run(one, prompts)
+    return path, prompts, _run(one, prompts)
+
+
+@pytest.mark.parametrize("k", [0, 2], ids=["plain", "mtp2"])
+def test_overlapped_execution_matches_tp1(ray_session, mtp_reference, k):
+    """Overlapped scheduling through the step channel: the engine sends step N+1 while the
+    workers run step N, and they launch it before finishing N (two steps in flight); with MTP
+    drafts too (a step verifying them waits for its predecessor's acceptance)."""
+    path, prompts, (ref_tokens, ref_logprobs) = mtp_reference
     spec = {"speculative_method": "mtp", "num_speculative_tokens": k} if k else {}
     engine = LLMEngine(_config(path, 2, 2, 2, async_scheduling=True, **spec))
     try:
