@@ -396,9 +396,15 @@ class DecodeGraphs:
                 raise RuntimeError(f"run_accepted{key} follows no run of that bucket")
             out = self._after_acceptance(b, w, m, self.last[1].hidden, passes)
         else:
-            graph, out = self.accepted_graphs[(key, passes)]
+            graph, out = self.accepted_graphs[(self._accepted_key(key), passes)]
             graph.replay()
         return None if out is None else out[:len(emitted)]
+
+    def _accepted_key(self, key: GraphKey) -> GraphKey:
+        """The bucket whose graph after acceptance serves `key`'s: its own when a drafter's
+        passes read the block tables; without one, the commit reads none (and every graph's
+        replay lies in the shared outputs), so one graph per (b, w) serves every table width."""
+        return key if self.drafter is not None else key._replace(blocks=self.table_widths[-1])
 
     @torch.inference_mode()
     def _after_acceptance(self, b: int, w: int, m: int, hidden: torch.Tensor,
@@ -451,7 +457,7 @@ class DecodeGraphs:
             with torch.cuda.graph(graph, pool=pool, stream=stream):
                 g = self._forward(b, w, m)
             self.graphs[key] = _Graph(graph, g.hidden, g.taps, g.logits, g.pending)
-            if self.has_accepted_graph(w):
+            if self.has_accepted_graph(w) and self._accepted_key(key) == key:
                 for passes in range(self.draft_passes + 1):
                     self.accepted_graphs[(key, passes)] = self._capture_accepted(
                         key, passes, g, pool, stream)

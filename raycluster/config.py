@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from glm53.actors.caches import KV_CACHE_DTYPES
+from glm53.actors.cuda_graphs import DEFAULT_MAX_GRAPH_TOKENS
 from glm53.actors.speculative.dflash import DRAFT_KV_CACHE_DTYPES
 
 
@@ -56,9 +57,8 @@ class EngineConfig:
     # contexts (tokens) whose block-table widths get CUDA graphs of their own, besides
     # max_model_len's; None = actors/cuda_graphs.py DEFAULT_CONTEXT_SIZES
     cuda_graph_context_sizes: tuple[int, ...] | None = None
-    # rows (sequences x tokens each) of the largest CUDA graph: wider uniform steps run
-    # eagerly (actors/cuda_graphs.py DEFAULT_MAX_GRAPH_TOKENS)
-    cuda_graph_max_tokens: int = 512
+    # rows (sequences x tokens each) of the largest CUDA graph: wider uniform steps run eagerly
+    cuda_graph_max_tokens: int = DEFAULT_MAX_GRAPH_TOKENS
     # prefix caching (raycluster/prefix_cache.py): cached blocks + KDA state checkpoints, each
     # checkpoint one more state slot per rank (and DFlash ring; None: max_num_seqs of them),
     # taken every prefix_checkpoint_interval tokens of a prefill (a multiple of the block) and

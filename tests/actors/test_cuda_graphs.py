@@ -13,7 +13,14 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from glm53.actors.caches import DSAState, KDAState
-from glm53.actors.cuda_graphs import StaticInputs, batch_buckets, table_buckets, uniform_width
+from glm53.actors.cuda_graphs import (
+    DecodeGraphs,
+    GraphKey,
+    StaticInputs,
+    batch_buckets,
+    table_buckets,
+    uniform_width,
+)
 from glm53.actors.graph_outputs import GraphOutputs
 from glm53.actors.memory_plan import activation_bytes_per_token, graph_workspace
 from glm53.actors.model_runner import ModelRunner
@@ -495,6 +502,23 @@ def test_graph_rows_are_capped(tiny):
 
     assert graphs.bucket(verify_step(2))[:2] == (2, 4)
     assert graphs.bucket(verify_step(3)) is None  # 12 rows: eager
+
+
+def test_one_commit_graph_serves_every_table_width(tiny):
+    """Without a drafter the graph after acceptance only commits KDA states (no block table
+    read), so every table width shares the widest one's; greedy MTP drafts over the tables, so
+    each width keeps its own."""
+    def graphs(sampling: str) -> DecodeGraphs:
+        runner = ModelRunner(tiny, num_slots=4, num_blocks=32, with_mtp=True, num_spec=3,
+                             draft_sampling=sampling, cuda_graph_context_sizes=(16,))
+        runner.allocate_caches(32)
+        return runner.make_graphs(capture=False)
+
+    commit_only, drafting = graphs("probabilistic"), graphs("greedy")
+    narrow, widest = commit_only.table_widths
+    assert commit_only.drafter is None and drafting.drafter is not None
+    assert commit_only._accepted_key(GraphKey(2, 4, narrow)) == GraphKey(2, 4, widest)
+    assert drafting._accepted_key(GraphKey(2, 4, narrow)) == GraphKey(2, 4, narrow)
 
 
 def test_capture_failure_falls_back_to_eager(tiny, monkeypatch, caplog):
