@@ -77,17 +77,31 @@ def nibble_f32(w, one, I: tl.constexpr):
 
 
 @triton.jit
-def gemv_rows(p_w, p_s, p_z, p_x0, p_x1, p_x2, p_x3, w0, n_steps, GW, one, BM: tl.constexpr,
-              BN: tl.constexpr, BKW: tl.constexpr, AHEAD: tl.constexpr):
-    """y_m[n] = sum over n_steps * BKW words from word w0 of x_m . W[n] for the BM <= 4 input
-    rows m, without tl.dot: W's codes and x meet in fp32 registers (FMAs), reduced over K once
-    at the end. p_w, p_s, p_z: [BN] pointers to each weight row's word w0 (int32, 8 codes) and
-    to its first scale / zero; p_xm: row m's input at column 8 w0. Each step of BKW words lies
-    inside one group (GW words), so a row has one (scale, zero) per step, and
+def step_sums(p_x, n_steps, BKW: tl.constexpr, NS: tl.constexpr):
+    """[NS] fp32: the sum of the 8 BKW inputs from p_x of each of the n_steps steps (0 past
+    them): the zero points' share of a row, x . z = z sum(x), applied once after the K loop."""
+    o_t = tl.arange(0, NS)
+    o_k = tl.arange(0, 8 * BKW)
+    b_x = tl.load(p_x + o_t[:, None] * (8 * BKW) + o_k[None, :], mask=(o_t < n_steps)[:, None],
+                  other=0.0)
+    return tl.sum(b_x.to(tl.float32), 1)
+
+
+@triton.jit
+def gemv_rows(p_w, p_s, p_z, p_x0, p_x1, p_x2, p_x3, w0, n_steps, one, GW: tl.constexpr,
+              BM: tl.constexpr, BN: tl.constexpr, BKW: tl.constexpr, NS: tl.constexpr,
+              AHEAD: tl.constexpr):
+    """y_m[n] = sum over n_steps <= NS steps of BKW words from word w0 of x_m . W[n] for the
+    BM <= 4 input rows m, without tl.dot: W's codes and x meet in fp32 registers (FMAs), reduced
+    over K once at the end. p_w, p_s, p_z: [BN] pointers to each weight row's word w0 (int32, 8
+    codes) and to its first scale / zero; p_xm: row m's input at column 8 w0. Each step of BKW
+    words lies inside one group (GW words), so a row has one (scale, zero) per step, and
     x . (code * s + z) = 16 s (x . (1 + code / 16)) + (z - 16 s) sum(x): the codes enter as
-    `nibble_f32`, the scale and zero once per step per row. The words and scales of the step
-    AHEAD (1 or 2) steps on are loaded before this step's arithmetic (in flight while it runs:
-    two keep twice the bytes in flight per program at the cost of one more step of registers)."""
+    `nibble_f32` and are scaled once per step per row; the zero terms need only each step's
+    sum(x) (`step_sums`) and are added after the loop, which thus reads no zeros and sums no
+    inputs. The words and scales of the step AHEAD (1 or 2) steps on are loaded
+    before this step's arithmetic (in flight while it runs: two keep twice the weight bytes in
+    flight per program at the cost of one more step of registers)."""
     c = tl.arange(0, BKW)
     a0 = tl.zeros([BN, BKW], dtype=tl.float32)
     a1 = tl.zeros([BN, BKW], dtype=tl.float32)
@@ -95,57 +109,53 @@ def gemv_rows(p_w, p_s, p_z, p_x0, p_x1, p_x2, p_x3, w0, n_steps, GW, one, BM: t
     a3 = tl.zeros([BN, BKW], dtype=tl.float32)
     w = tl.load(p_w[:, None] + c[None, :])
     s = tl.load(p_s + w0 // GW).to(tl.float32)
-    z = tl.load(p_z + w0 // GW).to(tl.float32)
     # the step after this one (unused when AHEAD is 1)
     w_1 = tl.load(p_w[:, None] + (BKW + c)[None, :], mask=(n_steps > 1) & (AHEAD > 1), other=0)
     s_1 = tl.load(p_s + (w0 + BKW) // GW, mask=(n_steps > 1) & (AHEAD > 1), other=0.0)
-    z_1 = tl.load(p_z + (w0 + BKW) // GW, mask=(n_steps > 1) & (AHEAD > 1), other=0.0)
-    s_1, z_1 = s_1.to(tl.float32), z_1.to(tl.float32)
+    s_1 = s_1.to(tl.float32)
     for t in range(n_steps):
         kw = t * BKW
         more = t + AHEAD < n_steps
         w_nx = tl.load(p_w[:, None] + (kw + AHEAD * BKW + c)[None, :], mask=more, other=0)
-        g_nx = (w0 + kw + AHEAD * BKW) // GW
-        s_nx = tl.load(p_s + g_nx, mask=more, other=0.0).to(tl.float32)
-        z_nx = tl.load(p_z + g_nx, mask=more, other=0.0).to(tl.float32)
-        s16 = (16.0 * s)[:, None]
-        z16 = (z - 16.0 * s)[:, None]
+        s_nx = tl.load(p_s + (w0 + kw + AHEAD * BKW) // GW, mask=more, other=0.0)
+        s_nx = s_nx.to(tl.float32)
         o_x = 8 * (kw + c)
         p0 = tl.zeros([BN, BKW], dtype=tl.float32)
         p1 = tl.zeros([BN, BKW], dtype=tl.float32)
         p2 = tl.zeros([BN, BKW], dtype=tl.float32)
         p3 = tl.zeros([BN, BKW], dtype=tl.float32)
-        x0s = tl.zeros([BKW], dtype=tl.float32)
-        x1s = tl.zeros([BKW], dtype=tl.float32)
-        x2s = tl.zeros([BKW], dtype=tl.float32)
-        x3s = tl.zeros([BKW], dtype=tl.float32)
         for i in tl.static_range(8):
             f = nibble_f32(w, one, i)
-            xv = tl.load(p_x0 + o_x + i).to(tl.float32)
-            p0 += xv[None, :] * f
-            x0s += xv
+            p0 += tl.load(p_x0 + o_x + i).to(tl.float32)[None, :] * f
             if BM > 1:
-                xv = tl.load(p_x1 + o_x + i).to(tl.float32)
-                p1 += xv[None, :] * f
-                x1s += xv
+                p1 += tl.load(p_x1 + o_x + i).to(tl.float32)[None, :] * f
             if BM > 2:
-                xv = tl.load(p_x2 + o_x + i).to(tl.float32)
-                p2 += xv[None, :] * f
-                x2s += xv
-                xv = tl.load(p_x3 + o_x + i).to(tl.float32)
-                p3 += xv[None, :] * f
-                x3s += xv
-        a0 += s16 * p0 + z16 * x0s[None, :]
+                p2 += tl.load(p_x2 + o_x + i).to(tl.float32)[None, :] * f
+                p3 += tl.load(p_x3 + o_x + i).to(tl.float32)[None, :] * f
+        a0 += s[:, None] * p0
         if BM > 1:
-            a1 += s16 * p1 + z16 * x1s[None, :]
+            a1 += s[:, None] * p1
         if BM > 2:
-            a2 += s16 * p2 + z16 * x2s[None, :]
-            a3 += s16 * p3 + z16 * x3s[None, :]
+            a2 += s[:, None] * p2
+            a3 += s[:, None] * p3
         if AHEAD > 1:
-            w, s, z, w_1, s_1, z_1 = w_1, s_1, z_1, w_nx, s_nx, z_nx
+            w, s, w_1, s_1 = w_1, s_1, w_nx, s_nx
         else:
-            w, s, z = w_nx, s_nx, z_nx
-    return tl.sum(a0, 1), tl.sum(a1, 1), tl.sum(a2, 1), tl.sum(a3, 1)
+            w, s = w_nx, s_nx
+    # the zero terms: sum over steps t of (z - 16 s)[n, t] sum(x_m over step t)
+    o_t = tl.arange(0, NS)
+    m_t = (o_t < n_steps)[None, :]
+    p_g = (w0 + o_t * BKW) // GW
+    b_s = tl.load(p_s[:, None] + p_g[None, :], mask=m_t, other=0.0).to(tl.float32)
+    b_z = tl.load(p_z[:, None] + p_g[None, :], mask=m_t, other=0.0).to(tl.float32) - 16.0 * b_s
+    y0 = 16.0 * tl.sum(a0, 1) + tl.sum(b_z * step_sums(p_x0, n_steps, BKW, NS)[None, :], 1)
+    y1, y2, y3 = y0, y0, y0
+    if BM > 1:
+        y1 = 16.0 * tl.sum(a1, 1) + tl.sum(b_z * step_sums(p_x1, n_steps, BKW, NS)[None, :], 1)
+    if BM > 2:
+        y2 = 16.0 * tl.sum(a2, 1) + tl.sum(b_z * step_sums(p_x2, n_steps, BKW, NS)[None, :], 1)
+        y3 = 16.0 * tl.sum(a3, 1) + tl.sum(b_z * step_sums(p_x3, n_steps, BKW, NS)[None, :], 1)
+    return y0, y1, y2, y3
 
 
 @triton.jit
@@ -185,8 +195,9 @@ def swiglu_store(h, act, r, ok, o_n, m_n, INTER, limit, BN: tl.constexpr):
 
 @triton.jit
 def w13_gemv_kernel(x, q, scale, zero, blocks, sorted_tok, act, stride_x, INTER, KW, NG, limit,
-                    GW, one, K, e_off, E, BM: tl.constexpr, BN: tl.constexpr, BKW: tl.constexpr,
-                    PAIRS: tl.constexpr, AHEAD: tl.constexpr):
+                    one, K, e_off, E, GW: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                    BKW: tl.constexpr, NS: tl.constexpr, PAIRS: tl.constexpr,
+                    AHEAD: tl.constexpr):
     """`int4.w13_swiglu_kernel` for blocks of BM <= 4 rows, dot-free (`gemv_rows`): one program
     computes gate and up (rows interleaved in one [2 BN] tile) for BN output columns.
     q: int32 words [E, 2I, D/8]. PAIRS (BM = 1): unsorted, see `pair_block`."""
@@ -206,8 +217,8 @@ def w13_gemv_kernel(x, q, scale, zero, blocks, sorted_tok, act, stride_x, INTER,
     p_x1 = x + row_token(sorted_tok, tl.minimum(r0 + 1, r1 - 1), K, PAIRS) * stride_x
     p_x2 = x + row_token(sorted_tok, tl.minimum(r0 + 2, r1 - 1), K, PAIRS) * stride_x
     p_x3 = x + row_token(sorted_tok, tl.minimum(r0 + 3, r1 - 1), K, PAIRS) * stride_x
-    h0, h1, h2, h3 = gemv_rows(p_w, p_s, p_z, p_x0, p_x1, p_x2, p_x3, 0, KW // BKW, GW, one, BM,
-                               2 * BN, BKW, AHEAD)
+    h0, h1, h2, h3 = gemv_rows(p_w, p_s, p_z, p_x0, p_x1, p_x2, p_x3, 0, KW // BKW, one, GW, BM,
+                               2 * BN, BKW, NS, AHEAD)
     swiglu_store(h0, act, r0, r0 < r1, o_n, m_n, INTER, limit, BN)
     if BM > 1:
         swiglu_store(h1, act, r0 + 1, r0 + 1 < r1, o_n, m_n, INTER, limit, BN)
@@ -217,9 +228,10 @@ def w13_gemv_kernel(x, q, scale, zero, blocks, sorted_tok, act, stride_x, INTER,
 
 
 @triton.jit
-def w2_gemv_kernel(act, q, scale, zero, blocks, sorted_tok, sorted_w, out, D, INTER, KW, NG, GW,
-                   STEPS, one, K, e_off, E, BM: tl.constexpr, BN: tl.constexpr,
-                   BKW: tl.constexpr, PAIRS: tl.constexpr, AHEAD: tl.constexpr):
+def w2_gemv_kernel(act, q, scale, zero, blocks, sorted_tok, sorted_w, out, D, INTER, KW, NG,
+                   STEPS, one, K, e_off, E, GW: tl.constexpr, BM: tl.constexpr,
+                   BN: tl.constexpr, BKW: tl.constexpr, NS: tl.constexpr, PAIRS: tl.constexpr,
+                   AHEAD: tl.constexpr):
     """`int4.w2_kernel` for blocks of BM <= 4 rows, dot-free (`gemv_rows`), split along K: program
     (block, n, s) covers the STEPS * BKW words from s * STEPS * BKW and adds its part of
     weight * y into out [T, D] fp32 with atomics. q: int32 words [E, D, I/8]. PAIRS (BM = 1):
@@ -241,8 +253,8 @@ def w2_gemv_kernel(act, q, scale, zero, blocks, sorted_tok, sorted_w, out, D, IN
     y0, y1, y2, y3 = gemv_rows(p_w, p_s, p_z, ra + r0 * INTER,
                                ra + tl.minimum(r0 + 1, r1 - 1) * INTER,
                                ra + tl.minimum(r0 + 2, r1 - 1) * INTER,
-                               ra + tl.minimum(r0 + 3, r1 - 1) * INTER, w0, STEPS, GW, one, BM, BN,
-                               BKW, AHEAD)
+                               ra + tl.minimum(r0 + 3, r1 - 1) * INTER, w0, STEPS, one, GW, BM, BN,
+                               BKW, NS, AHEAD)
     if PAIRS:
         row = r0.to(tl.int64) * tl.num_programs(2) + i_k
         tl.store(out + row * D + o_n, y0, mask=m_n)
@@ -355,8 +367,9 @@ def launch(x, w13, w2, g13, g2, bm, blocks, tok32, wts, n_blk, n_hit, limit, out
     bkw = min(GEMV_BKW, gw13 & -gw13)
     w13_gemv_kernel[(n_blk, triton.cdiv(inter, bn))](
         x, q13.view(torch.int32), s13, z13, blocks, tok32, act, x.stride(0), inter, d // 8,
-        s13.shape[-1], float(limit), gw13, ONE_F32_BITS, k, e_off, n_local, BM=bm, BN=bn,
-        BKW=bkw, PAIRS=pairs is not None, AHEAD=GEMV_AHEAD, num_warps=GEMV_WARPS)
+        s13.shape[-1], float(limit), ONE_F32_BITS, k, e_off, n_local, GW=gw13, BM=bm, BN=bn,
+        BKW=bkw, NS=next_pow2(d // 8 // bkw), PAIRS=pairs is not None, AHEAD=GEMV_AHEAD,
+        num_warps=GEMV_WARPS)
     bn = max(16, min(GEMV_BN2 >> bm // 2, next_pow2(d)))
     bkw = min(GEMV_BKW, gw2 & -gw2)
     steps = inter // 8 // bkw
@@ -367,8 +380,9 @@ def launch(x, w13, w2, g13, g2, bm, blocks, tok32, wts, n_blk, n_hit, limit, out
                                                 device=x.device)
     w2_gemv_kernel[(n_blk, n_n, split)](
         act, q2.view(torch.int32), s2, z2, blocks, tok32, wts, dst, d, inter, inter // 8,
-        s2.shape[-1], gw2, steps // split, ONE_F32_BITS, k, e_off, n_local, BM=bm, BN=bn,
-        BKW=bkw, PAIRS=pairs is not None, AHEAD=GEMV_AHEAD, num_warps=GEMV_WARPS)
+        s2.shape[-1], steps // split, ONE_F32_BITS, k, e_off, n_local, GW=gw2, BM=bm, BN=bn,
+        BKW=bkw, NS=next_pow2(steps // split), PAIRS=pairs is not None, AHEAD=GEMV_AHEAD,
+        num_warps=GEMV_WARPS)
     if pairs:
         br = next_pow2(k * split)
         bn = max(16, min(next_pow2(d), GEMV_REDUCE_TILE // br))
