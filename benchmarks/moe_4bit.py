@@ -17,7 +17,8 @@ bf16 activations in and out; % of 4.3 TB/s (the H200 copy bandwidth of benchmark
 With --profile, each (format, tokens) row also gets the device time per kernel of one eager
 call (torch.profiler); --int4-sweep times int4 at each token count under every setting of
 INT4_SWEEP (the dot-free variant's tiles, warps, K splits and the unsorted-pairs bound), the
-defaults row included, so kernels/int4_gemv.py's constants are chosen on measurements.
+defaults row included, so kernels/int4_gemv.py's constants are chosen on measurements;
+--sweep NAME=V1,V2 (repeatable) replaces NAME's values in it, e.g. to sweep a few only.
 
     python benchmarks/moe_4bit.py [--ep2] [--json benchmarks/results/moe_4bit_h200_<commit>.json]
     TRITON_INTERPRET=1 python benchmarks/moe_4bit.py --smoke   # CPU: tiny shapes, no timing
@@ -109,16 +110,29 @@ INT4_SWEEP = {"GEMV_BN13": [32, 64, 128], "GEMV_BN2": [64, 128, 256], "GEMV_WARP
               "GEMV_PROGRAMS_PER_SM": [4, 8], "GEMV_AHEAD": [1, 2]}
 
 
-def int4_sweep(op, routes, replays: int, repeats: int) -> list[dict]:
-    """ms of int4's op on `routes` under every setting of INT4_SWEEP (module constants set
-    for the run, restored after)."""
+def sweep_grid(overrides: list[str]) -> dict[str, list[int]]:
+    """INT4_SWEEP with each `NAME=V1,V2` of `overrides` replacing (or adding) NAME's values;
+    NAME must be an int4_gemv constant."""
+    grid = dict(INT4_SWEEP)
+    for item in overrides:
+        name, _, values = item.partition("=")
+        if not hasattr(int4_gemv, name) or not values:
+            raise SystemExit(f"--sweep {item!r}: expected NAME=V1,V2 with NAME a constant of "
+                             f"glm53.kernels.int4_gemv")
+        grid[name] = [int(v) for v in values.split(",")]
+    return grid
+
+
+def int4_sweep(op, routes, replays: int, repeats: int, grid: dict[str, list[int]]) -> list[dict]:
+    """ms of int4's op on `routes` under every setting of `grid` (module constants set for
+    the run, restored after)."""
     import itertools
 
-    names = list(INT4_SWEEP)
+    names = list(grid)
     saved = {n: getattr(int4_gemv, n) for n in names}
     rows = []
     try:
-        for values in itertools.product(*INT4_SWEEP.values()):
+        for values in itertools.product(*grid.values()):
             setting = dict(zip(names, values, strict=True))
             for n, v in setting.items():
                 setattr(int4_gemv, n, v)
@@ -170,9 +184,12 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true", help="device time per kernel per row")
     ap.add_argument("--int4-sweep", action="store_true", help="int4 under every INT4_SWEEP")
     ap.add_argument("--sweep-tokens", default="1,8,16", help="token counts --int4-sweep runs")
+    ap.add_argument("--sweep", action="append", default=[], metavar="NAME=V1,V2",
+                    help="--int4-sweep over these values of NAME instead (repeatable)")
     ap.add_argument("--smoke", action="store_true",
                     help="tiny shapes, correctness only (CPU under TRITON_INTERPRET=1)")
     args = ap.parse_args()
+    grid = sweep_grid(args.sweep)
     names = args.formats.split(",")
     if args.smoke:
         dev = "cuda" if torch.cuda.is_available() else "cpu"
@@ -219,7 +236,7 @@ def main() -> None:
                 if args.profile:
                     row["profile"] = kernel_profile(lambda op=op, r=routes[0]: op(*r, 0))
                 if args.int4_sweep and name == "int4" and str(t) in args.sweep_tokens.split(","):
-                    row["sweep"] = int4_sweep(op, routes, args.replays, args.repeats)
+                    row["sweep"] = int4_sweep(op, routes, args.replays, args.repeats, grid)
                     best = row["sweep"][0]
                     print(f"int4 {t} tokens: best {best['ms']:.4f} ms {best['setting']}, "
                           f"defaults {ms:.4f} ms")
