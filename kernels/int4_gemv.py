@@ -5,17 +5,20 @@ The codes are read as int32 words (8 codes, [BN rows, 16 words] per K step = 64 
 bytes a row), and each code becomes the fp32 1 + code/16 with one shift and one and-or (code
 under the mantissa of 1.0: no int-to-float conversion, whose 16/clk/SM would cap T=1 at ~45% of
 the bandwidth); x . (code * s + z) = 16 s (x . (1 + code/16)) + (z - 16 s) sum(x), so a weight
-costs one FMA per row and the scale and zero are applied once per step (a step lies in one
-group). Products stay per K lane in registers and are reduced once at the end: no shared-memory
-round trip, no 16-row padding. The next step's words and scales are loaded before this step's
-arithmetic. w2 is also split along K (its rows are summed over pairs anyway) until
-~GEMV_PROGRAMS_PER_SM programs per SM, and w13's columns per program are halved while its
-programs would fill under half of that: at T = 1, 8 experts give 512 w13 programs (BN 32: 64
-rows x 4096 columns each) and 256 x 2 w2 programs. sm_90 SASS per K step and thread: 128
-weights for ~600 instructions (~4.7 a weight, 128 registers, no spills); at 4 warps and ~4
-programs an SM that is ~1.5x the issue rate 4.3 TB/s of int4 needs, hence >= 50% of it
-expected at T = 1 (to be measured). BM rows share the unpacking (one FMA a row a weight):
-BM = 2 beats re-reading for T ~ 32-64 (~1.8 rows per expert hit at T = 64, 288 experts).
+costs one FMA per row, the scale is applied once per step (a step lies in one group) and the
+zero terms once per program, after the K loop, from each step's sum(x). Products stay per K
+lane in registers and are reduced once at the end: no shared-memory round trip, no 16-row
+padding. The next step's words and scales are loaded before this step's arithmetic. w2 is also
+split along K (its rows are summed over pairs anyway) until ~GEMV_PROGRAMS_PER_SM programs per
+SM, and w13's columns per program are halved while its programs would fill under half of that:
+at T = 1, 8 experts give 512 w13 programs (BN 32: 64 rows x 4096 columns each) and 256 x 2 w2
+programs. sm_90 SASS per K step and thread at T = 1 (scripts/kernel_build.py's case): w13 64
+weights for 314 instructions (64 registers), w2 128 for 508 (128 registers), no spills; with
+the zeros and sums of x inside the loop it was 385 and 603. H100 and H200 (the same SMs,
+1.4x apart in bandwidth) ran T = 1 in the same time, 0.073 and 0.072 ms
+(moe_4bit_h100_b22b294.json, moe_4bit_h200_8fdaacd.json): the instructions, not the bytes,
+bound it. BM rows share the unpacking (one FMA a row a weight): BM = 2 beats re-reading for
+T ~ 32-64 (~1.8 rows per expert hit at T = 64, 288 experts).
 
 `launch` runs the two kernels over the sorted blocks of `int4.align_kernel`, w2 adding
 weight * row into the fp32 output with atomics, or, up to PAIRS_MAX_TOKENS tokens, over the
