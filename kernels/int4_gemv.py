@@ -65,6 +65,10 @@ PAIRS_MAX_TOKENS = 16
 # elements of a `pairs_reduce_kernel` program's tile [k * split rows, columns]: 2048 (16 a
 # thread at 4 warps) gives 128 columns at top-8 and split 2 (32 programs at D = 4096, T = 1)
 GEMV_REDUCE_TILE = 2048
+# w13 reads x converted to fp32 by one launch before it (1: each of its threads then loads
+# fp32 inputs, without a bf16-to-fp32 conversion per input per program), or x as it comes (0);
+# swept by benchmarks/moe_4bit.py: a launch against ~10% of w13's instructions
+GEMV_X_FP32 = 0
 ONE_F32_BITS = 0x3F800000
 
 
@@ -368,8 +372,9 @@ def launch(x, w13, w2, g13, g2, bm, blocks, tok32, wts, n_blk, n_hit, limit, out
     gw13, gw2 = g13 // 8, g2 // 8
     bn = _w13_columns(inter, bm, min(n_blk, n_hit), x.device)
     bkw = min(GEMV_BKW, gw13 & -gw13)
+    xk = x.float() if GEMV_X_FP32 else x
     w13_gemv_kernel[(n_blk, triton.cdiv(inter, bn))](
-        x, q13.view(torch.int32), s13, z13, blocks, tok32, act, x.stride(0), inter, d // 8,
+        xk, q13.view(torch.int32), s13, z13, blocks, tok32, act, xk.stride(0), inter, d // 8,
         s13.shape[-1], float(limit), ONE_F32_BITS, k, e_off, n_local, GW=gw13, BM=bm, BN=bn,
         BKW=bkw, NS=next_pow2(d // 8 // bkw), PAIRS=pairs is not None, AHEAD=GEMV_AHEAD,
         num_warps=GEMV_WARPS)
