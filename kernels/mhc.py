@@ -140,21 +140,23 @@ def hc_pre(
 
 @triton.jit
 def hc_post_kernel(streams, block_out, post, comb, out, D, N: tl.constexpr, BD: tl.constexpr):
-    i_t, i_d = tl.program_id(0), tl.program_id(1)
-    o_i = tl.arange(0, N)
+    """Program (i_t, i_d): columns i_d*BD.. of token i_t's N output streams. Each stream row is
+    its own [BD] vector and the gates are scalars, so every output is a chain of FMAs in the
+    thread that holds its column: no reduction across the streams (with the streams as one
+    [N, BD] tile, each output's sum over them crossed warps, through shared memory)."""
+    i_t, i_d = tl.program_id(0).to(tl.int64), tl.program_id(1)
     o_d = i_d * BD + tl.arange(0, BD)
     m_d = o_d < D
-    p_x = streams + i_t * N * D + o_i[:, None] * D + o_d[None, :]
-    b_x = tl.load(p_x, mask=m_d[None, :], other=0.0).to(tl.float32)  # [N, BD]
+    p_x = streams + i_t * N * D + o_d
     b_y = tl.load(block_out + i_t * D + o_d, mask=m_d, other=0.0).to(tl.float32)
-    b_post = tl.load(post + i_t * N + o_i)
-    p_out = out + i_t * N * D + o_d
+    p_c = comb + i_t * N * N
     for j in tl.static_range(N):
-        # column j of comb: how much of each input stream flows into output stream j
-        b_cj = tl.load(comb + i_t * N * N + o_i * N + j)
-        b_pj = tl.sum(tl.where(o_i == j, b_post, 0.0), 0)
-        b_o = b_pj * b_y + tl.sum(b_cj[:, None] * b_x, 0)
-        tl.store(p_out + j * D, b_o.to(out.dtype.element_ty), mask=m_d)
+        # comb[i, j]: how much of input stream i flows into output stream j
+        b_o = tl.load(post + i_t * N + j) * b_y
+        for i in tl.static_range(N):
+            b_x = tl.load(p_x + i * D, mask=m_d, other=0.0).to(tl.float32)
+            b_o += tl.load(p_c + i * N + j) * b_x
+        tl.store(out + i_t * N * D + j * D + o_d, b_o.to(out.dtype.element_ty), mask=m_d)
 
 
 def hc_post(
