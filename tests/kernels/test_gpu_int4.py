@@ -37,7 +37,8 @@ def random_int4_experts(n_local, inter, gen, group_size=128):
 
 
 def _routes(tokens, n_experts, gen):
-    ids = torch.rand(tokens, n_experts, generator=gen, device=DEV).argsort(1)[:, :8]
+    # contiguous, as route_topk writes them (a strided view costs moe_int4 one copy launch)
+    ids = torch.rand(tokens, n_experts, generator=gen, device=DEV).argsort(1)[:, :8].contiguous()
     return torch.rand(tokens, 8, generator=gen, device=DEV), ids
 
 
