@@ -12,6 +12,8 @@ different 8 of POOL experts each call so that L2 (50-60 MB) holds none of them.
 Orders (R rows x BKW words a step, R * BKW = 1024 words = 4 KiB, 32 steps a program):
   rows R x BKW   row-major weights [rows, 512 words], the kernel's order at R = 64
   tiles 64 x 16  the same tiles, each stored contiguously (a load-time repack)
+Then the prefill path's dequantisation (int4._dequant_into: 32 experts' w13, group 128, into
+bf16), whose bytes are the codes and scales read plus the bf16 written.
 
     python benchmarks/int4_access.py [--json benchmarks/results/int4_access_<dev>_<commit>.json]
 """
@@ -27,6 +29,8 @@ import torch
 import triton
 import triton.language as tl
 from bench_common import git_commit
+
+from glm53.kernels import int4
 
 ROWS, WORDS, EXPERTS, POOL = 4096, 512, 8, 64  # w13 of D = 4096, I = 2048; experts a call
 TILE_WORDS = 1024
@@ -76,6 +80,33 @@ def stream_ms(pool: torch.Tensor, bn: int, tiled: bool, reps: int) -> float:
     return statistics.median(times)
 
 
+def dequant_row(reps: int, peak: float) -> dict:
+    """ms and bandwidth of int4._dequant_into over 32 w13 experts (D 4096, I 2048, group 128),
+    each call on the next 32 of 64 (L2 holds none of them)."""
+    n, per, dev = 64, 32, "cuda"
+    q = torch.randint(0, 256, (n, 2 * 2048, 2048), dtype=torch.uint8, device=dev)
+    scale = torch.rand(n, 2 * 2048, 32, device=dev).half()
+    zero = -7.5 * scale
+    out = torch.empty((per, 2 * 2048, 4096), dtype=torch.bfloat16, device=dev)
+    id_sets = [torch.arange(i * per, (i + 1) * per, dtype=torch.int32, device=dev)
+               for i in range(n // per)]
+    for ids in id_sets:
+        int4._dequant_into(q, scale, zero, 128, ids, out)
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for ids in id_sets:
+            int4._dequant_into(q, scale, zero, 128, ids, out)
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) / len(id_sets))
+    ms = statistics.median(times)
+    nbytes = per * (q[0].numel() + 2 * scale[0].numel() * 2 + out[0].numel() * 2)
+    return dict(order="dequant bf16", experts=per, bytes=nbytes, ms=ms,
+                gb_s=nbytes / ms / 1e6, pct_peak=100 * nbytes / (ms * 1e-3) / peak)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--reps", type=int, default=20)
@@ -98,6 +129,10 @@ def main() -> None:
         r = rows[-1]
         print(f"{label:5} {bn:3d} x {TILE_WORDS // bn:4d} words: {ms:.4f} ms  "
               f"{r['gb_s']:7.0f} GB/s  {r['pct_peak']:5.1f}% of {peak / 1e12:.2f} TB/s")
+    rows.append(dequant_row(args.reps, peak))
+    r = rows[-1]
+    print(f"dequant {r['experts']} experts: {r['ms']:.3f} ms  {r['gb_s']:7.0f} GB/s  "
+          f"{r['pct_peak']:5.1f}%")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(benchmark="int4_access", device=name, commit=args.commit or

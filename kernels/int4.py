@@ -76,20 +76,38 @@ DOT_DTYPE = tl.float32 if INTERPRET else tl.float16
 
 @triton.jit
 def dequant_kernel(q, scale, zero, ids, out, N, KH, NG, GH: tl.constexpr, BR: tl.constexpr,
-                   BC: tl.constexpr):
-    """out[s] = dequantised expert ids[s]: [N, 2 KH] from q [E, N, KH] (GH = group / 2)."""
+                   BC: tl.constexpr, GROUPS: tl.constexpr):
+    """out[s] = dequantised expert ids[s]: [N, 2 KH] from q [E, N, KH] (GH = group / 2), one
+    [BR rows, BC bytes] tile a program. GROUPS >= 1: the tile's bytes cover GROUPS whole groups
+    (or lie inside one), so a row loads GROUPS scales and zeros; 0: one gathered per byte. The
+    low and high nibbles' values are interleaved in registers (tl.join) and stored as one
+    contiguous [BR, 2 BC] tile (two stride-2 stores wrote each 32-byte sector twice, half of
+    it each time)."""
     i_s, i_r, i_c = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     e = tl.load(ids + i_s).to(tl.int64)
     o_r = i_r * BR + tl.arange(0, BR)
     o_c = i_c * BC + tl.arange(0, BC)
     m = (o_r < N)[:, None] & (o_c < KH)[None, :]
     b = tl.load(q + e * N * KH + o_r[:, None] * KH + o_c[None, :], mask=m, other=0)
-    o_g = e * N * NG + o_r[:, None] * NG + (o_c // GH)[None, :]
-    s = tl.load(scale + o_g, mask=m, other=0.0).to(tl.float32)
-    z = tl.load(zero + o_g, mask=m, other=0.0).to(tl.float32)
-    p_o = out + i_s.to(tl.int64) * N * 2 * KH + o_r[:, None] * 2 * KH + 2 * o_c[None, :]
-    tl.store(p_o, ((b & 15).to(tl.float32) * s + z).to(out.dtype.element_ty), mask=m)
-    tl.store(p_o + 1, ((b >> 4).to(tl.float32) * s + z).to(out.dtype.element_ty), mask=m)
+    if GROUPS == 0:
+        o_g = e * N * NG + o_r[:, None] * NG + (o_c // GH)[None, :]
+        s = tl.load(scale + o_g, mask=m, other=0.0).to(tl.float32)
+        z = tl.load(zero + o_g, mask=m, other=0.0).to(tl.float32)
+        lo = (b & 15).to(tl.float32) * s + z
+        hi = (b >> 4).to(tl.float32) * s + z
+    else:
+        o_g = (i_c * BC) // GH + tl.arange(0, GROUPS)
+        m_g = (o_r < N)[:, None] & (o_g < NG)[None, :]
+        p_g = e * N * NG + o_r[:, None] * NG + o_g[None, :]
+        s = tl.load(scale + p_g, mask=m_g, other=0.0).to(tl.float32)[:, :, None]
+        z = tl.load(zero + p_g, mask=m_g, other=0.0).to(tl.float32)[:, :, None]
+        b3 = tl.reshape(b, [BR, GROUPS, BC // GROUPS])
+        lo = tl.reshape((b3 & 15).to(tl.float32) * s + z, [BR, BC])
+        hi = tl.reshape((b3 >> 4).to(tl.float32) * s + z, [BR, BC])
+    o_w = 2 * i_c * BC + tl.arange(0, 2 * BC)
+    p_o = out + i_s.to(tl.int64) * N * 2 * KH + o_r[:, None] * 2 * KH + o_w[None, :]
+    tl.store(p_o, tl.reshape(tl.join(lo, hi), [BR, 2 * BC]).to(out.dtype.element_ty),
+             mask=(o_r < N)[:, None] & (o_w < 2 * KH)[None, :])
 
 
 @triton.jit
@@ -226,11 +244,13 @@ def _dequant_into(q, scale, zero, group_size, ids, out) -> None:
     """out[s] = dequantised q[ids[s]] (any float dtype). q: [E, N, Kin/2]; ids: [n] int32;
     out: [n, N, Kin] contiguous."""
     _, n_rows, kh = q.shape
-    br, bc = min(32, next_pow2(n_rows)), min(128, next_pow2(kh))
+    br, bc, gh = min(32, next_pow2(n_rows)), min(128, next_pow2(kh)), group_size // 2
+    # whole groups a tile, or a tile inside one group: scales per row; else per byte
+    groups = max(1, bc // gh) if bc % gh == 0 or gh % bc == 0 else 0
     grid = (ids.numel(), triton.cdiv(n_rows, br), triton.cdiv(kh, bc))
     if ids.numel():
-        dequant_kernel[grid](q, scale, zero, ids, out, n_rows, kh, scale.shape[-1],
-                             GH=group_size // 2, BR=br, BC=bc)
+        dequant_kernel[grid](q, scale, zero, ids, out, n_rows, kh, scale.shape[-1], GH=gh,
+                             BR=br, BC=bc, GROUPS=groups)
 
 
 def dequantize_int4(

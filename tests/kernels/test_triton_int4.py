@@ -28,7 +28,10 @@ pytestmark = needs_triton
 TOL = 1e-5 if DEVICE == "cpu" else 2e-2
 
 
-@pytest.mark.parametrize("shape,g", [((3, 40, 96), 32), ((2, 5, 48), 48), ((7, 64), 64)])
+# the dequantise tile (<= 128 bytes a row) covers whole groups (g 32, 64; the first masked), no
+# whole group (g 48: a scale per byte) or lies inside one (g 512)
+@pytest.mark.parametrize("shape,g", [((3, 40, 96), 32), ((2, 5, 48), 48), ((7, 64), 64),
+                                     ((2, 3, 512), 512)])
 def test_dequantize_exact(shape, g):
     from glm53.kernels import int4
 
