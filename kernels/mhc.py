@@ -25,22 +25,38 @@ __all__ = ["hc_post", "hc_pre"]
 # projection is spread over n * D / MIX_COLUMNS programs (128 at release size), which share the
 # fp32 fn rows (1.5 MB) without a cast of the streams and a GEMM launch of their own
 MIX_COLUMNS = 128
+# tokens per program of the mixing pass (tl.dot) from MIX_DOT_MIN_TOKENS on: each program's
+# slice of fn is read once per MIX_TOKENS tokens, not once per token (at an 8K-token prefill
+# chunk fn was read 8192 times a site from L2: 1.6 ms, rank0_l24_h100_int4_a4b1ae6.json)
+MIX_TOKENS, MIX_TOKENS_LARGE, MIX_LARGE_FROM, MIX_DOT_MIN_TOKENS = 16, 64, 512, 16
 
 
 @triton.jit
-def hc_mix_kernel(streams, fn, mix_part, ss_part, ND, SPLIT, M: tl.constexpr, BM: tl.constexpr,
-                  BC: tl.constexpr):
-    """Program (i_s, i_t): columns i_s*BC.. of token i_t's flattened streams: their part of the
-    un-normalised projection fn @ x ([M]) and of sum x^2."""
+def hc_mix_kernel(streams, fn, mix_part, ss_part, T, ND, SPLIT, M: tl.constexpr,
+                  BM: tl.constexpr, BC: tl.constexpr, BT: tl.constexpr):
+    """Program (i_s, i_t): columns i_s*BC.. of tokens i_t*BT.. of the flattened streams: their
+    part of the un-normalised projection fn @ x ([M] a token) and of sum x^2. BT = 1: the
+    [BM, BC] slice of fn times one token's columns; BT >= 16: tl.dot of the [BT, BC] tokens
+    with the slice (exact fp32 products, as BT = 1)."""
     i_s, i_t = tl.program_id(0), tl.program_id(1).to(tl.int64)
     o_c = i_s * BC + tl.arange(0, BC)
     m_c = o_c < ND
-    b_x = tl.load(streams + i_t * ND + o_c, mask=m_c, other=0.0).to(tl.float32)
     o_m = tl.arange(0, BM)
     b_w = tl.load(fn + o_m[:, None] * ND + o_c[None, :],
                   mask=(o_m < M)[:, None] & m_c[None, :], other=0.0).to(tl.float32)
-    tl.store(mix_part + (i_t * SPLIT + i_s) * BM + o_m, tl.sum(b_w * b_x[None, :], 1))
-    tl.store(ss_part + i_t * SPLIT + i_s, tl.sum(b_x * b_x, 0))
+    if BT == 1:
+        b_x = tl.load(streams + i_t * ND + o_c, mask=m_c, other=0.0).to(tl.float32)
+        tl.store(mix_part + (i_t * SPLIT + i_s) * BM + o_m, tl.sum(b_w * b_x[None, :], 1))
+        tl.store(ss_part + i_t * SPLIT + i_s, tl.sum(b_x * b_x, 0))
+    else:
+        o_t = i_t * BT + tl.arange(0, BT)
+        m_t = o_t < T
+        b_x = tl.load(streams + o_t[:, None] * ND + o_c[None, :],
+                      mask=m_t[:, None] & m_c[None, :], other=0.0).to(tl.float32)
+        b_mix = tl.dot(b_x, tl.trans(b_w), input_precision="ieee")  # [BT, BM]
+        tl.store(mix_part + ((o_t * SPLIT + i_s) * BM)[:, None] + o_m[None, :], b_mix,
+                 mask=m_t[:, None])
+        tl.store(ss_part + o_t * SPLIT + i_s, tl.sum(b_x * b_x, 1), mask=m_t)
 
 
 @triton.jit
@@ -116,7 +132,10 @@ def hc_pre(
     n_tok, n, d = streams.shape
     assert n == next_pow2(n) and streams.is_contiguous()
     m, nd = (2 + n) * n, n * d
-    bm, split = next_pow2(m), triton.cdiv(nd, MIX_COLUMNS)
+    bt = 1 if n_tok < MIX_DOT_MIN_TOKENS else (
+        MIX_TOKENS_LARGE if n_tok >= MIX_LARGE_FROM else MIX_TOKENS)
+    # tl.dot's operands are at least 16 wide
+    bm, split = next_pow2(m) if bt == 1 else max(16, next_pow2(m)), triton.cdiv(nd, MIX_COLUMNS)
     dev = streams.device
     post = torch.empty((n_tok, n), dtype=torch.float32, device=dev)
     comb = torch.empty((n_tok, n, n), dtype=torch.float32, device=dev)
@@ -128,8 +147,9 @@ def hc_pre(
         mix_part = torch.empty((n_tok, split, bm), dtype=torch.float32, device=dev)
         ss_part = torch.empty((n_tok, split), dtype=torch.float32, device=dev)
         mixed = torch.empty((n_tok, bm), dtype=torch.float32, device=dev)
-        hc_mix_kernel[(split, n_tok)](streams, fn.float().contiguous(), mix_part, ss_part, nd,
-                                      split, M=m, BM=bm, BC=MIX_COLUMNS)
+        hc_mix_kernel[(split, triton.cdiv(n_tok, bt))](
+            streams, fn.float().contiguous(), mix_part, ss_part, n_tok, nd, split, M=m, BM=bm,
+            BC=MIX_COLUMNS, BT=bt)
         hc_pre_kernel[(n_tok,)](streams, mix_part, ss_part, mixed, base.float().contiguous(),
                                 scale.float().contiguous(), norm_weight if norm else collapsed,
                                 post, comb, collapsed, out, rms_eps, hc_eps, float(norm_eps),

@@ -350,6 +350,9 @@ def _cases(arch: int) -> dict[str, Callable[[], object]]:
         "rms norm": lambda: norm.rms_norm(z(64, 4096), z(4096), 1e-5),
         "mhc pre": lambda: mhc.hc_pre(streams, z(24, 4 * 4096, dtype=f32), z(24, dtype=f32),
                                       z(3, dtype=f32), 1e-5, 1e-6, 20, z(4096), 1e-5),
+        "mhc pre 1 token": lambda: mhc.hc_pre(streams[:1], z(24, 4 * 4096, dtype=f32),
+                                              z(24, dtype=f32), z(3, dtype=f32), 1e-5, 1e-6,
+                                              20, z(4096), 1e-5),
         "mhc post": lambda: mhc.hc_post(streams, z(16, 4096), z(16, 4, dtype=f32),
                                         z(16, 4, 4, dtype=f32)),
     }
