@@ -7,6 +7,8 @@ rank 0, routing still over 288 so about half the pairs are another rank's). Toke
   exl3  glm53.kernels.exl3.moe_exl3, K = 4, codebook 1 (MCG): random int16 trellis codes,
         suh = +-1 and svh = +-0.02 (weights ~0.02 like the bf16 ones)
   int4  glm53.kernels.int4.moe_int4, group 128
+  int4t the same codes in int4_gemv.tile_words' layout, on the unsorted-pairs path at every
+        token count (int4_gemv.moe_decode_pairs(tiled=True))
 Each call is first checked against its format's reference on the first tokens (abort above
 TOL). It is then captured in a CUDA graph together with ROUTINGS - 1 more calls on other
 routings (so replays do not find the previous call's experts in L2), the graph is replayed
@@ -75,10 +77,13 @@ def _int4(n_local, d, inter, rnd, dtype, n_experts):
         scale = (torch.rand(n_local, n, kin // min(GROUP, kin), **rnd) * 1e-3 + 2e-3).half()
         return q, scale, (-7.5 * scale.float()).half()
     w = (*linear(2 * inter, d), *linear(d, inter))
-    # the launch is sized for this rank's share of the pairs (EP2: half of them)
-    return (lambda x, wts, ids, off: int4.moe_int4(x, *w, wts, ids, LIMIT, off, GROUP,
-                                                   n_experts),
-            lambda x, wts, ids, off: ref_int4.moe_int4(x, *w, wts, ids, LIMIT, off, GROUP),
+
+    def op(x, wts, ids, off):
+        # the launch is sized for this rank's share of the pairs (EP2: half of them)
+        return int4.moe_int4(x, *w, wts, ids, LIMIT, off, GROUP, n_experts)
+
+    op.weights = w
+    return (op, lambda x, wts, ids, off: ref_int4.moe_int4(x, *w, wts, ids, LIMIT, off, GROUP),
             sum(t.nbytes for t in w) // n_local)
 
 
@@ -103,7 +108,18 @@ def _exl3_format(n_local, d, inter, rnd, dtype, n_experts):
             sum(t.nbytes for t in w) // n_local)
 
 
-FORMATS = {"bf16": _bf16, "exl3": _exl3_format, "int4": _int4}
+def _int4_tiled(n_local, d, inter, rnd, dtype, n_experts):
+    """int4 with its codes in int4_gemv.tile_words' layout, run on the unsorted-pairs path at
+    every token count (the layout only the dot-free kernels read so far)."""
+    op, ref, nbytes = _int4(n_local, d, inter, rnd, dtype, n_experts)
+    q13, s13, z13, q2, s2, z2 = op.weights
+    w13, w2 = (int4_gemv.tile_words(q13), s13, z13), (int4_gemv.tile_words(q2), s2, z2)
+    return (lambda x, wts, ids, off: int4_gemv.moe_decode_pairs(
+                x, w13, w2, GROUP, GROUP, ids, wts, off, LIMIT, n_experts, tiled=True),
+            ref, nbytes)
+
+
+FORMATS = {"bf16": _bf16, "exl3": _exl3_format, "int4": _int4, "int4t": _int4_tiled}
 # kernels/int4_gemv.py constants swept by --int4-sweep: each entry is one setting (the product
 # of these lists, on top of the module's defaults)
 INT4_SWEEP = {"GEMV_BN13": [32, 64, 128], "GEMV_BN2": [64, 128, 256], "GEMV_WARPS": [4, 8],
@@ -243,7 +259,7 @@ def main() -> None:
             rows.append(row)
     by = {(r["format"], r["tokens"]): r.get("ms") for r in rows}
     speedups = {f"speedup_{key}_vs_bf16": {t: by[("bf16", t)] / by[(fmt, t)] for t in tokens}
-                for key, fmt in (("4bit", "exl3"), ("int4", "int4"))
+                for key, fmt in (("4bit", "exl3"), ("int4", "int4"), ("int4_tiled", "int4t"))
                 if timed and "bf16" in formats and fmt in formats}
     print(f"{'format':<6} {'tokens':>6} {'experts':>7} {'GB':>7} {'ms':>8} {'%bw':>6} {'err':>8}")
     for r in rows:

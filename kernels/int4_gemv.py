@@ -42,7 +42,7 @@ import triton.language as tl
 
 from .utils import next_pow2
 
-__all__ = ["launch", "moe_decode_pairs", "rows_per_block", "words_aligned"]
+__all__ = ["launch", "moe_decode_pairs", "rows_per_block", "tile_words", "words_aligned"]
 
 # dot-free (GEMV) variant of the fused path: (max tokens, rows per block) in order; the first
 # entry with T <= its bound is taken, none: the tl.dot variant. Chosen on cost per weight (see
@@ -70,6 +70,8 @@ GEMV_REDUCE_TILE = 2048
 # swept by benchmarks/moe_4bit.py: a launch against ~10% of w13's instructions
 GEMV_X_FP32 = 0
 ONE_F32_BITS = 0x3F800000
+# rows (and words) of a tile of `tile_words`' layout
+TILE_ROWS = 16
 
 
 @triton.jit
@@ -97,12 +99,13 @@ def step_sums(p_x, n_steps, BKW: tl.constexpr, NS: tl.constexpr):
 @triton.jit
 def gemv_rows(p_w, p_s, p_z, p_x0, p_x1, p_x2, p_x3, w0, n_steps, one, GW: tl.constexpr,
               BM: tl.constexpr, BN: tl.constexpr, BKW: tl.constexpr, NS: tl.constexpr,
-              AHEAD: tl.constexpr):
+              AHEAD: tl.constexpr, WS: tl.constexpr):
     """y_m[n] = sum over n_steps <= NS steps of BKW words from word w0 of x_m . W[n] for the
     BM <= 4 input rows m, without tl.dot: W's codes and x meet in fp32 registers (FMAs), reduced
     over K once at the end. p_w, p_s, p_z: [BN] pointers to each weight row's word w0 (int32, 8
-    codes) and to its first scale / zero; p_xm: row m's input at column 8 w0. Each step of BKW
-    words lies inside one group (GW words), so a row has one (scale, zero) per step, and
+    codes; the row's next BKW words lie WS * BKW words on: WS 1 row-major, TILE_ROWS tiled,
+    see `word_rows`) and to its first scale / zero; p_xm: row m's input at column 8 w0. Each
+    step of BKW words lies inside one group (GW words), so a row has one (scale, zero) per step, and
     x . (code * s + z) = 16 s (x . (1 + code / 16)) + (z - 16 s) sum(x): the codes enter as
     `nibble_f32` and are scaled once per step per row; the zero terms need only each step's
     sum(x) (`step_sums`) and are added after the loop, which thus reads no zeros and sums no
@@ -117,13 +120,15 @@ def gemv_rows(p_w, p_s, p_z, p_x0, p_x1, p_x2, p_x3, w0, n_steps, one, GW: tl.co
     w = tl.load(p_w[:, None] + c[None, :])
     s = tl.load(p_s + w0 // GW).to(tl.float32)
     # the step after this one (unused when AHEAD is 1)
-    w_1 = tl.load(p_w[:, None] + (BKW + c)[None, :], mask=(n_steps > 1) & (AHEAD > 1), other=0)
+    w_1 = tl.load(p_w[:, None] + (WS * BKW + c)[None, :], mask=(n_steps > 1) & (AHEAD > 1),
+                  other=0)
     s_1 = tl.load(p_s + (w0 + BKW) // GW, mask=(n_steps > 1) & (AHEAD > 1), other=0.0)
     s_1 = s_1.to(tl.float32)
     for t in range(n_steps):
         kw = t * BKW
         more = t + AHEAD < n_steps
-        w_nx = tl.load(p_w[:, None] + (kw + AHEAD * BKW + c)[None, :], mask=more, other=0)
+        w_nx = tl.load(p_w[:, None] + (WS * (kw + AHEAD * BKW) + c)[None, :], mask=more,
+                       other=0)
         s_nx = tl.load(p_s + (w0 + kw + AHEAD * BKW) // GW, mask=more, other=0.0)
         s_nx = s_nx.to(tl.float32)
         o_x = 8 * (kw + c)
@@ -166,6 +171,17 @@ def gemv_rows(p_w, p_s, p_z, p_x0, p_x1, p_x2, p_x3, w0, n_steps, one, GW: tl.co
 
 
 @triton.jit
+def word_rows(rows, KW, TILED: tl.constexpr):
+    """Word offsets of rows' first words in an expert's [N, KW] int32 codes: row-major, or
+    TILED (`tile_words`: [N / TILE_ROWS, KW / TILE_ROWS, TILE_ROWS, TILE_ROWS] tiles, so that a
+    K step of 16 words of 16 consecutive rows is one contiguous KiB)."""
+    if TILED:
+        return (rows // TILE_ROWS) * (KW * TILE_ROWS) + (rows % TILE_ROWS) * TILE_ROWS
+    else:
+        return rows * KW
+
+
+@triton.jit
 def pair_block(blocks, i_b, e_off, E, PAIRS: tl.constexpr):
     """(local expert, first row, end row) of block i_b. Sorted: blocks [NB, 3] from
     `int4.align_kernel`. PAIRS: blocks are the flat top-k ids [T k] and block i_b is pair i_b
@@ -204,7 +220,7 @@ def swiglu_store(h, act, r, ok, o_n, m_n, INTER, limit, BN: tl.constexpr):
 def w13_gemv_kernel(x, q, scale, zero, blocks, sorted_tok, act, stride_x, INTER, KW, NG, limit,
                     one, K, e_off, E, GW: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                     BKW: tl.constexpr, NS: tl.constexpr, PAIRS: tl.constexpr,
-                    AHEAD: tl.constexpr):
+                    AHEAD: tl.constexpr, TILED: tl.constexpr):
     """`int4.w13_swiglu_kernel` for blocks of BM <= 4 rows, dot-free (`gemv_rows`): one program
     computes gate and up (rows interleaved in one [2 BN] tile) for BN output columns.
     q: int32 words [E, 2I, D/8]. PAIRS (BM = 1): unsorted, see `pair_block`."""
@@ -216,7 +232,7 @@ def w13_gemv_kernel(x, q, scale, zero, blocks, sorted_tok, act, stride_x, INTER,
     o_n = i_n * BN + tl.arange(0, BN)
     m_n = o_n < INTER
     rows = tl.minimum(i_n * BN + j // 2, INTER - 1) + (j % 2) * INTER  # gate, up, gate, ...
-    p_w = q + e * 2 * INTER * KW + rows * KW
+    p_w = q + e * 2 * INTER * KW + word_rows(rows, KW, TILED)
     p_s = scale + e * 2 * INTER * NG + rows * NG
     p_z = zero + e * 2 * INTER * NG + rows * NG
     # rows past the block's end re-read its last row (results not stored)
@@ -225,7 +241,7 @@ def w13_gemv_kernel(x, q, scale, zero, blocks, sorted_tok, act, stride_x, INTER,
     p_x2 = x + row_token(sorted_tok, tl.minimum(r0 + 2, r1 - 1), K, PAIRS) * stride_x
     p_x3 = x + row_token(sorted_tok, tl.minimum(r0 + 3, r1 - 1), K, PAIRS) * stride_x
     h0, h1, h2, h3 = gemv_rows(p_w, p_s, p_z, p_x0, p_x1, p_x2, p_x3, 0, KW // BKW, one, GW, BM,
-                               2 * BN, BKW, NS, AHEAD)
+                               2 * BN, BKW, NS, AHEAD, TILE_ROWS if TILED else 1)
     swiglu_store(h0, act, r0, r0 < r1, o_n, m_n, INTER, limit, BN)
     if BM > 1:
         swiglu_store(h1, act, r0 + 1, r0 + 1 < r1, o_n, m_n, INTER, limit, BN)
@@ -238,7 +254,7 @@ def w13_gemv_kernel(x, q, scale, zero, blocks, sorted_tok, act, stride_x, INTER,
 def w2_gemv_kernel(act, q, scale, zero, blocks, sorted_tok, sorted_w, out, D, INTER, KW, NG,
                    STEPS, one, K, e_off, E, GW: tl.constexpr, BM: tl.constexpr,
                    BN: tl.constexpr, BKW: tl.constexpr, NS: tl.constexpr, PAIRS: tl.constexpr,
-                   AHEAD: tl.constexpr):
+                   AHEAD: tl.constexpr, TILED: tl.constexpr):
     """`int4.w2_kernel` for blocks of BM <= 4 rows, dot-free (`gemv_rows`), split along K: program
     (block, n, s) covers the STEPS * BKW words from s * STEPS * BKW and adds its part of
     weight * y into out [T, D] fp32 with atomics. q: int32 words [E, D, I/8]. PAIRS (BM = 1):
@@ -253,7 +269,7 @@ def w2_gemv_kernel(act, q, scale, zero, blocks, sorted_tok, sorted_w, out, D, IN
     m_n = o_n < D
     rows = tl.minimum(o_n, D - 1)
     w0 = i_k * STEPS * BKW
-    p_w = q + e * D * KW + rows * KW + w0
+    p_w = q + e * D * KW + word_rows(rows, KW, TILED) + (TILE_ROWS if TILED else 1) * w0
     p_s = scale + e * D * NG + rows * NG
     p_z = zero + e * D * NG + rows * NG
     ra = act + 8 * w0
@@ -261,7 +277,7 @@ def w2_gemv_kernel(act, q, scale, zero, blocks, sorted_tok, sorted_w, out, D, IN
                                ra + tl.minimum(r0 + 1, r1 - 1) * INTER,
                                ra + tl.minimum(r0 + 2, r1 - 1) * INTER,
                                ra + tl.minimum(r0 + 3, r1 - 1) * INTER, w0, STEPS, one, GW, BM, BN,
-                               BKW, NS, AHEAD)
+                               BKW, NS, AHEAD, TILE_ROWS if TILED else 1)
     if PAIRS:
         row = r0.to(tl.int64) * tl.num_programs(2) + i_k
         tl.store(out + row * D + o_n, y0, mask=m_n)
@@ -356,13 +372,13 @@ def _w13_columns(inter: int, bm: int, blocks: int, device: torch.device) -> int:
 
 
 def launch(x, w13, w2, g13, g2, bm, blocks, tok32, wts, n_blk, n_hit, limit, out, *,
-           pairs=None) -> None:
+           pairs=None, tiled: bool = False) -> None:
     """The dot-free variant's two launches over n_blk blocks of bm rows (n_hit: experts that
     can hold rows), w2 adding into out [T, D] fp32 (wts: fp32, in sorted order). pairs:
     (k, expert offset, local experts) when blocks are the flat top-k ids (one pair a block,
     bm = 1; act rows and wts in pair order, wts in any float dtype; tok32 unused): then w2
     fills a scratch and a third launch writes out [T, D] in any float dtype, with no need to
-    zero it first."""
+    zero it first. tiled: the codes are in `tile_words`' layout."""
     (q13, s13, z13), (q2, s2, z2) = w13, w2
     d, inter = out.shape[1], q13.shape[1] // 2
     n_pairs = n_blk * bm if pairs else tok32.numel()
@@ -372,12 +388,15 @@ def launch(x, w13, w2, g13, g2, bm, blocks, tok32, wts, n_blk, n_hit, limit, out
     gw13, gw2 = g13 // 8, g2 // 8
     bn = _w13_columns(inter, bm, min(n_blk, n_hit), x.device)
     bkw = min(GEMV_BKW, gw13 & -gw13)
+    if tiled and not (bkw == TILE_ROWS and min(gw2 & -gw2, GEMV_BKW) == TILE_ROWS):
+        raise ValueError(f"tiled int4 codes need K steps of {TILE_ROWS} words (groups of a "
+                         f"multiple of {8 * TILE_ROWS} inputs); groups {g13}, {g2}")
     xk = x.float() if GEMV_X_FP32 else x
     w13_gemv_kernel[(n_blk, triton.cdiv(inter, bn))](
         xk, q13.view(torch.int32), s13, z13, blocks, tok32, act, xk.stride(0), inter, d // 8,
         s13.shape[-1], float(limit), ONE_F32_BITS, k, e_off, n_local, GW=gw13, BM=bm, BN=bn,
         BKW=bkw, NS=next_pow2(d // 8 // bkw), PAIRS=pairs is not None, AHEAD=GEMV_AHEAD,
-        num_warps=GEMV_WARPS)
+        TILED=tiled, num_warps=GEMV_WARPS)
     bn = max(16, min(GEMV_BN2 >> bm // 2, next_pow2(d)))
     bkw = min(GEMV_BKW, gw2 & -gw2)
     steps = inter // 8 // bkw
@@ -390,7 +409,7 @@ def launch(x, w13, w2, g13, g2, bm, blocks, tok32, wts, n_blk, n_hit, limit, out
         act, q2.view(torch.int32), s2, z2, blocks, tok32, wts, dst, d, inter, inter // 8,
         s2.shape[-1], steps // split, ONE_F32_BITS, k, e_off, n_local, GW=gw2, BM=bm, BN=bn,
         BKW=bkw, NS=next_pow2(steps // split), PAIRS=pairs is not None, AHEAD=GEMV_AHEAD,
-        num_warps=GEMV_WARPS)
+        TILED=tiled, num_warps=GEMV_WARPS)
     if pairs:
         br = next_pow2(k * split)
         bn = max(16, min(next_pow2(d), GEMV_REDUCE_TILE // br))
@@ -400,20 +419,33 @@ def launch(x, w13, w2, g13, g2, bm, blocks, tok32, wts, n_blk, n_hit, limit, out
 
 
 def moe_decode_pairs(x, w13, w2, g13, g2, topk_ids, topk_weights, expert_offset, limit,
-                     num_experts: int) -> torch.Tensor:
+                     num_experts: int, tiled: bool = False) -> torch.Tensor:
     """The dot-free variant on the unsorted pairs (T <= PAIRS_MAX_TOKENS): one block a pair, so
     an expert chosen by several tokens is read once per token, against the sort, searchsorted
     and align launches it saves (~2 us each at decode sizes). Three launches (w13, w2 and the
     reduce, see the module docstring); returns [T, D] in x's dtype, deterministic. Under EP
     the pairs of other ranks' experts exit at once: the launch is sized for the pairs expected
     to be this rank's (E / num_experts of them), so that those fill the SMs (at EP2 and 1
-    token, w13's columns per program halve: ~4 live pairs, not 8)."""
+    token, w13's columns per program halve: ~4 live pairs, not 8). tiled: w13's and w2's codes
+    in `tile_words`' layout."""
     n_tok, k = topk_ids.shape
     ids = topk_ids.reshape(-1)
     out = torch.empty((n_tok, x.shape[1]), dtype=x.dtype, device=x.device)
     n_local = w13[0].shape[0]
     live = max(1, -(-n_tok * k * n_local // num_experts))
     launch(x, w13, w2, g13, g2, 1, ids, ids, topk_weights.reshape(-1), n_tok * k,
-           min(n_local, live), limit, out, pairs=(k, expert_offset, n_local))
+           min(n_local, live), limit, out, pairs=(k, expert_offset, n_local), tiled=tiled)
     return out
 
+
+def tile_words(q: torch.Tensor) -> torch.Tensor:
+    """q: uint8 codes [E, N, K/2] (N and K/8 multiples of TILE_ROWS) in the tiled layout the
+    dot-free kernels read with tiled=True: same shape, memory in [E, N/16, K/128, 16 rows,
+    16 words] order, so one K step of 16 rows is a contiguous KiB (row-major, it is 64 bytes
+    from each of 16 rows KW words apart)."""
+    e, n, kh = q.shape
+    t = TILE_ROWS
+    if n % t or kh % (4 * t):
+        raise ValueError(f"tile_words: rows {n} and words {kh // 4} must be multiples of {t}")
+    words = q.contiguous().view(torch.int32).view(e, n // t, t, kh // (4 * t), t)
+    return words.permute(0, 1, 3, 2, 4).contiguous().view(torch.uint8).view(e, n, kh)

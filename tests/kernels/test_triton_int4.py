@@ -297,3 +297,27 @@ def test_decode_pairs_deterministic(monkeypatch):
     args = [a.to(DEVICE) for a in (x, *packed, wts, ids)]
     first = int4.moe_int4_on_path(*args, 7.0, 2, 32, path="decode")
     assert torch.equal(int4.moe_int4_on_path(*args, 7.0, 2, 32, path="decode"), first)
+
+
+@pytest.mark.parametrize("t,split", [(1, None), (3, 2)])
+def test_decode_pairs_tiled_codes(monkeypatch, t, split):
+    """tile_words' layout read with tiled=True gives the row-major result bit for bit (16-row,
+    16-word tiles: D 256, I 128, group 128; w2 in K splits too); shapes off the tile refuse."""
+    from glm53.kernels import int4_gemv
+
+    monkeypatch.setattr(int4_gemv, "GEMV_W2_SPLIT", split)
+    x, (q13, s13, z13, q2, s2, z2), wts, ids = _case(256, 128, 128, t, 3, 5, seed=7 + t)
+    q13t, q2t = int4_gemv.tile_words(q13), int4_gemv.tile_words(q2)
+    assert q13t.shape == q13.shape and not torch.equal(q13t, q13)
+    def run(a13, a2, tiled):
+        w13 = tuple(a.to(DEVICE) for a in (a13, s13, z13))
+        w2 = tuple(a.to(DEVICE) for a in (a2, s2, z2))
+        return int4_gemv.moe_decode_pairs(x.to(DEVICE), w13, w2, 128, 128, ids.to(DEVICE),
+                                          wts.to(DEVICE), 1, 7.0, 8, tiled=tiled)
+
+    outs = [run(q13, q2, False), run(q13t, q2t, True)]
+    assert torch.equal(outs[0], outs[1])
+    want = ref_int4.moe_int4(x, q13, s13, z13, q2, s2, z2, wts, ids, 7.0, 1, 128)
+    assert rel_err(outs[1], want) < TOL
+    with pytest.raises(ValueError, match="multiples of 16"):
+        int4_gemv.tile_words(q13[:, :8])
