@@ -14,11 +14,12 @@ SM, and w13's columns per program are halved while its programs would fill under
 at T = 1, 8 experts give 512 w13 programs (BN 32: 64 rows x 4096 columns each) and 256 x 2 w2
 programs. sm_90 SASS per K step and thread at T = 1 (scripts/kernel_build.py's case): w13 64
 weights for 314 instructions (64 registers), w2 128 for 508 (128 registers), no spills; with
-the zeros and sums of x inside the loop it was 385 and 603. H100 and H200 (the same SMs,
-1.4x apart in bandwidth) ran T = 1 in the same time, 0.073 and 0.072 ms
-(moe_4bit_h100_b22b294.json, moe_4bit_h200_8fdaacd.json): the instructions, not the bytes,
-bound it. BM rows share the unpacking (one FMA a row a weight): BM = 2 beats re-reading for
-T ~ 32-64 (~1.8 rows per expert hit at T = 64, 288 experts).
+the zeros and sums of x inside the loop it was 385 and 603, and T = 1 took the same time
+(0.0726 vs 0.0718 ms on an H100, moe_4bit_h100_a4b1ae6.json / _int4_h100_9e0769f.json), as it
+did on an H100 and an H200 (0.073, 0.072 ms), 1.4x apart in bandwidth: neither the issue rate
+nor the nominal bandwidth bounds it (benchmarks/int4_access.py times the access pattern
+alone, `tile_words` a tiled one). BM rows share the unpacking (one FMA a row a weight):
+BM = 2 beats re-reading for T ~ 32-64 (~1.8 rows per expert hit at T = 64, 288 experts).
 
 `launch` runs the two kernels over the sorted blocks of `int4.align_kernel`, w2 adding
 weight * row into the fp32 output with atomics, or, up to PAIRS_MAX_TOKENS tokens, over the
@@ -65,10 +66,6 @@ PAIRS_MAX_TOKENS = 16
 # elements of a `pairs_reduce_kernel` program's tile [k * split rows, columns]: 2048 (16 a
 # thread at 4 warps) gives 128 columns at top-8 and split 2 (32 programs at D = 4096, T = 1)
 GEMV_REDUCE_TILE = 2048
-# w13 reads x converted to fp32 by one launch before it (1: each of its threads then loads
-# fp32 inputs, without a bf16-to-fp32 conversion per input per program), or x as it comes (0);
-# swept by benchmarks/moe_4bit.py: a launch against ~10% of w13's instructions
-GEMV_X_FP32 = 0
 ONE_F32_BITS = 0x3F800000
 # rows (and words) of a tile of `tile_words`' layout
 TILE_ROWS = 16
@@ -391,9 +388,8 @@ def launch(x, w13, w2, g13, g2, bm, blocks, tok32, wts, n_blk, n_hit, limit, out
     if tiled and not (bkw == TILE_ROWS and min(gw2 & -gw2, GEMV_BKW) == TILE_ROWS):
         raise ValueError(f"tiled int4 codes need K steps of {TILE_ROWS} words (groups of a "
                          f"multiple of {8 * TILE_ROWS} inputs); groups {g13}, {g2}")
-    xk = x.float() if GEMV_X_FP32 else x
     w13_gemv_kernel[(n_blk, triton.cdiv(inter, bn))](
-        xk, q13.view(torch.int32), s13, z13, blocks, tok32, act, xk.stride(0), inter, d // 8,
+        x, q13.view(torch.int32), s13, z13, blocks, tok32, act, x.stride(0), inter, d // 8,
         s13.shape[-1], float(limit), ONE_F32_BITS, k, e_off, n_local, GW=gw13, BM=bm, BN=bn,
         BKW=bkw, NS=next_pow2(d // 8 // bkw), PAIRS=pairs is not None, AHEAD=GEMV_AHEAD,
         TILED=tiled, num_warps=GEMV_WARPS)

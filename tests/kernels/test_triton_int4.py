@@ -84,33 +84,6 @@ def test_moe_int4_bf16_strided_input(path):
     assert out.dtype == torch.bfloat16 and rel_err(out, want) < max(TOL, 1e-2)
 
 
-@pytest.mark.parametrize("t", [1, 3, 40])  # unsorted pairs; sorted blocks of 1 and 2 rows
-def test_decode_fp32_copy_of_x_changes_no_bit(monkeypatch, t):
-    """GEMV_X_FP32: w13 reading an fp32 copy of bf16 x gives the very bits of reading x."""
-    from glm53.kernels import int4, int4_gemv
-
-    x, packed, wts, ids = _case(96, 64, 32, t, 3, 5, seed=t)
-    args = (x.bfloat16(), *packed, wts, ids)
-    kernel, x_dtypes = int4_gemv.w13_gemv_kernel, []
-
-    class Spy:  # records the dtype of the x each w13 launch reads
-        def __getitem__(self, grid):
-            def launch(x_in, *rest, **kw):
-                x_dtypes.append(x_in.dtype)
-                return kernel[grid](x_in, *rest, **kw)
-            return launch
-
-    monkeypatch.setattr(int4_gemv, "w13_gemv_kernel", Spy())
-    outs = []
-    for fp32 in (0, 1):
-        monkeypatch.setattr(int4_gemv, "GEMV_X_FP32", fp32)
-        outs.append(int4.moe_int4_on_path(*(a.to(DEVICE) for a in args), 7.0, 1, 32,
-                                          path="decode"))
-    assert x_dtypes == [torch.bfloat16, torch.float32]
-    want = ref_int4.moe_int4(*args, 7.0, 1, 32)
-    assert torch.equal(outs[0], outs[1]) and rel_err(outs[1], want) < max(TOL, 1e-2)
-
-
 def test_switch_rule_and_bad_path(monkeypatch):
     """The prefill path from PREFILL_MIN_ROWS_PER_EXPERT rows per local expert on (it alone
     dequantises through the scratch)."""
