@@ -147,14 +147,16 @@ def test_small_ops():
     x = torch.randn(64, 4096, generator=gen).to(DEV, torch.bfloat16)
     w = torch.randn(4096, generator=gen).to(DEV, torch.bfloat16)
     assert rel_err(norm.rms_norm(x, w, 1e-5), ref_norm.rms_norm(x, w, 1e-5)) < BF16_TOL
-    streams = torch.randn(16, 4, 4096, generator=gen).to(DEV, torch.bfloat16)
     fn = (torch.randn(24, 4 * 4096, generator=gen) * 0.01).to(DEV)
     base, scale = torch.randn(24, generator=gen).to(DEV), torch.rand(3, generator=gen).to(DEV)
-    for fused_norm in ((), (w, 1e-5)):  # with the block's input RMSNorm fused, and without
-        for a, b in zip(mhc.hc_pre(streams, fn, base, scale, 1e-5, 1e-6, 20, *fused_norm),
-                        ref_mhc.hc_pre(streams, fn, base, scale, 1e-5, 1e-6, 20, *fused_norm),
-                        strict=True):
-            assert rel_err(a, b) < BF16_TOL
+    # the mixing pass one token a program (1), 16 by tl.dot (16), 64 by tl.dot (600)
+    for tokens in (1, 600, 16):
+        streams = torch.randn(tokens, 4, 4096, generator=gen).to(DEV, torch.bfloat16)
+        for fused_norm in ((), (w, 1e-5)):  # with the block's input RMSNorm fused, and without
+            for a, b in zip(mhc.hc_pre(streams, fn, base, scale, 1e-5, 1e-6, 20, *fused_norm),
+                            ref_mhc.hc_pre(streams, fn, base, scale, 1e-5, 1e-6, 20,
+                                           *fused_norm), strict=True):
+                assert rel_err(a, b) < BF16_TOL
     post, comb, _ = ref_mhc.hc_pre(streams, fn, base, scale, 1e-5, 1e-6, 20)
     y = torch.randn(16, 4096, generator=gen).to(DEV, torch.bfloat16)
     assert rel_err(mhc.hc_post(streams, y, post, comb),
