@@ -142,3 +142,20 @@ def test_moe_int4_pairs_three_launches(experts_288, tokens):
     assert len(kernels) == 3, kernels
     want = ref_int4.moe_int4(x, *experts_288, wts, ids, 10.0, 0, 128)
     assert out.dtype == torch.bfloat16 and rel_err(out, want) < TOL
+
+
+@pytest.mark.parametrize("tokens", [1, 8])
+def test_tiled_codes_give_the_row_major_bits(experts_288, tokens):
+    """int4_gemv.tile_words' layout read with tiled=True: the row-major result bit for bit."""
+    from glm53.kernels import int4_gemv
+
+    gen = torch.Generator(device=DEV).manual_seed(500 + tokens)
+    x = torch.randn(tokens, D, generator=gen, device=DEV, dtype=torch.bfloat16)
+    wts, ids = _routes(tokens, 288, gen)
+    q13, s13, z13, q2, s2, z2 = experts_288
+    tiled = ((int4_gemv.tile_words(q13), s13, z13), (int4_gemv.tile_words(q2), s2, z2))
+    outs = [int4_gemv.moe_decode_pairs(x, w13, w2, 128, 128, ids, wts, 0, 10.0, 288,
+                                       tiled=is_tiled)
+            for (w13, w2), is_tiled in ((((q13, s13, z13), (q2, s2, z2)), False), (tiled, True))]
+    assert torch.equal(outs[0], outs[1])
+    assert rel_err(outs[1], ref_int4.moe_int4(x, *experts_288, wts, ids, 10.0, 0, 128)) < TOL
