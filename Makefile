@@ -47,10 +47,11 @@ $(STAMP): pyproject.toml | $(PY)
 	@[ -x $(UV) ] || $(PY) -m pip install -q --disable-pip-version-check uv
 	@if command -v nvidia-smi >/dev/null 2>&1; then \
 		echo "setup: CUDA machine, letting torch resolve"; \
-		$(UV) pip install --python $(PY) -e '.[dev]'; \
+		$(UV) pip install --python $(PY) --compile-bytecode -e '.[dev]'; \
 	else \
 		echo "setup: no nvidia-smi, installing CPU torch"; \
-		$(UV) pip install --python $(PY) $(FIND_LINKS) $(CPU_TORCH) -e '.[dev,triton]'; \
+		$(UV) pip install --python $(PY) --compile-bytecode $(FIND_LINKS) $(CPU_TORCH) \
+			-e '.[dev,triton]'; \
 	fi
 	@touch $@
 

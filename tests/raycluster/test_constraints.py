@@ -35,6 +35,7 @@ SCHEMA = {
     "additionalProperties": False,
 }
 JSON_SCHEMA = StructuredOutput("json_schema", json.dumps(SCHEMA))
+GREEDY_JSON = SamplingParams(max_tokens=120, temperature=0.0, structured_output=JSON_SCHEMA)
 
 
 @pytest.fixture(scope="module")
@@ -86,13 +87,19 @@ def test_unconstrained_output_is_not_json(engine, tokenizer):
             json.loads(decode(tokenizer, out))
 
 
-@pytest.mark.parametrize("sampling", ["greedy", "probabilistic"])
-def test_speculative_constrained_equals_plain(tiny, tokenizer, engine, sampling):
+@pytest.fixture(scope="module")
+def plain_greedy(engine, tokenizer):
+    """The plain engine's constrained greedy outputs: both draft samplings below must give
+    these (deterministic, so computed once)."""
     prompts = _prompts(tokenizer, 4)
-    greedy = SamplingParams(max_tokens=120, temperature=0.0, structured_output=JSON_SCHEMA)
-    plain = engine.generate(prompts, greedy)
+    return prompts, engine.generate(prompts, GREEDY_JSON)
+
+
+@pytest.mark.parametrize("sampling", ["greedy", "probabilistic"])
+def test_speculative_constrained_equals_plain(tiny, tokenizer, plain_greedy, sampling):
+    prompts, plain = plain_greedy
     spec = _engine(tiny, tokenizer, k=3, draft_sampling=sampling)
-    assert spec.generate(prompts, greedy) == plain
+    assert spec.generate(prompts, GREEDY_JSON) == plain
     assert spec.spec_stats.num_drafts > 0
 
 
