@@ -43,6 +43,9 @@ setup: $(STAMP)
 $(PY):
 	$(PYTHON) -m venv $(VENV)
 
+# --compile-bytecode: uv writes no .pyc by default, and where PYTHONDONTWRITEBYTECODE is set
+# (CI) every process (pytest, each Ray worker and Serve replica) would compile torch, Ray and
+# transformers from source again: ~270 s of the CPU suite
 $(STAMP): pyproject.toml | $(PY)
 	@[ -x $(UV) ] || $(PY) -m pip install -q --disable-pip-version-check uv
 	@if command -v nvidia-smi >/dev/null 2>&1; then \
