@@ -15,8 +15,8 @@ at T = 1, 8 experts give 512 w13 programs (BN 32: 64 rows x 4096 columns each) a
 programs. sm_90 SASS per K step and thread at T = 1 (scripts/kernel_build.py's case): w13 64
 weights for 314 instructions (64 registers), w2 128 for 508 (128 registers), no spills; with
 the zeros and sums of x inside the loop it was 385 and 603, and T = 1 took the same time
-(0.0726 vs 0.0718 ms on an H100, moe_4bit_h100_a4b1ae6.json / _int4_h100_9e0769f.json), as it
-did on an H100 and an H200 (0.073, 0.072 ms), 1.4x apart in bandwidth: neither the issue rate
+(0.0726 vs 0.0718 ms on an H100: moe_4bit_h100_a4b1ae6.json, moe_4bit_int4_h100_9e0769f.json),
+as it did on an H100 and an H200 (0.073, 0.072 ms), 1.4x apart in bandwidth: neither the issue rate
 nor the nominal bandwidth bounds it (benchmarks/int4_access.py times the access pattern
 alone, `tile_words` a tiled one). BM rows share the unpacking (one FMA a row a weight):
 BM = 2 beats re-reading for T ~ 32-64 (~1.8 rows per expert hit at T = 64, 288 experts).
