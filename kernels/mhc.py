@@ -29,6 +29,9 @@ MIX_COLUMNS = 128
 # slice of fn is read once per MIX_TOKENS tokens, not once per token (at an 8K-token prefill
 # chunk fn was read 8192 times a site from L2: 1.6 ms, rank0_l24_h100_int4_a4b1ae6.json)
 MIX_TOKENS, MIX_TOKENS_LARGE, MIX_LARGE_FROM, MIX_DOT_MIN_TOKENS = 16, 64, 512, 16
+# columns a step of `hc_pre_kernel` (16 warps: 8 a thread): a release row (4096) is one step,
+# normalised from registers
+PRE_COLUMNS = 4096
 
 
 @triton.jit
@@ -60,31 +63,39 @@ def hc_mix_kernel(streams, fn, mix_part, ss_part, T, ND, SPLIT, M: tl.constexpr,
 
 
 @triton.jit
-def hc_pre_kernel(streams, mix_part, ss_part, mixed, base, scale, norm_w, post, comb, collapsed,
+def pick(v, o_m, idx, RANK: tl.constexpr):
+    """v[idx] for every entry of the index tensor idx of RANK dimensions (v: [BM] over o_m), in
+    registers: a masked sum over v, exact (one term is not zero)."""
+    hit = tl.expand_dims(idx, RANK) == o_m
+    return tl.sum(tl.where(hit, v, 0.0), RANK)
+
+
+@triton.jit
+def hc_pre_kernel(streams, mix_part, ss_part, base, scale, norm_w, post, comb, collapsed,
                   normed, rms_eps, hc_eps, norm_eps, iters, D, SPLIT, N: tl.constexpr,
-                  BM: tl.constexpr, BS: tl.constexpr, BD: tl.constexpr, NORM: tl.constexpr):
-    """Program i_t (16 warps: at decode one program is the whole site's latency, and a
-    release row, [n, 4096], is one step of the loops): token i_t's gates and comb from the
-    mixing pass's parts, the collapsed block
-    input sum_i pre_i X_i and, with NORM, its RMSNorm (as `rms_norm`: the collapsed row rounded
-    to the streams' dtype, normalised in fp32, rounded, scaled)."""
+                  BM: tl.constexpr, BS: tl.constexpr, BD: tl.constexpr, NORM: tl.constexpr,
+                  ONE_PASS: tl.constexpr):
+    """Program i_t (16 warps: at decode one program is the whole site's latency): token i_t's
+    gates and comb from the mixing pass's parts, the collapsed block input sum_i pre_i X_i and,
+    with NORM, its RMSNorm (as `rms_norm`: the collapsed row rounded to the streams' dtype,
+    normalised in fp32, rounded, scaled). The projection's entries are picked from registers
+    (no store, barrier and load of the summed projection). ONE_PASS (D <= BD, a release row):
+    the collapsed row stays in registers for its norm (and is not stored when normed); else BD
+    columns a step, the row read back for the norm. (Loading the streams at the kernel's start,
+    to overlap them with the Sinkhorn loop, made the sm_90 build spill 2.8 KB a thread.)"""
     i_t = tl.program_id(0).to(tl.int64)
-    o_s, o_m = tl.arange(0, BS), tl.arange(0, BM)
+    o_s, o_m, o_i, o_d = tl.arange(0, BS), tl.arange(0, BM), tl.arange(0, N), tl.arange(0, BD)
+    p_x = streams + i_t * N * D + o_i[:, None] * D
     m_s = o_s < SPLIT
     b_ss = tl.sum(tl.load(ss_part + i_t * SPLIT + o_s, mask=m_s, other=0.0), 0)
     b_mix = tl.sum(tl.load(mix_part + (i_t * SPLIT + o_s[:, None]) * BM + o_m[None, :],
                            mask=m_s[:, None], other=0.0), 0)
-    # through memory: the gates read single entries of the projection
-    tl.store(mixed + i_t * BM + o_m, b_mix)
-    tl.debug_barrier()
     b_r = 1.0 / tl.sqrt(b_ss / (N * D) + rms_eps)
-    o_i = tl.arange(0, N)
     s0, s1, s2 = tl.load(scale), tl.load(scale + 1), tl.load(scale + 2)
-    p_m = mixed + i_t * BM
-    b_pre = tl.sigmoid(tl.load(p_m + o_i) * b_r * s0 + tl.load(base + o_i)) + hc_eps
-    b_post = 2.0 * tl.sigmoid(tl.load(p_m + N + o_i) * b_r * s1 + tl.load(base + N + o_i))
+    b_pre = tl.sigmoid(pick(b_mix, o_m, o_i, 1) * b_r * s0 + tl.load(base + o_i)) + hc_eps
+    b_post = 2.0 * tl.sigmoid(pick(b_mix, o_m, N + o_i, 1) * b_r * s1 + tl.load(base + N + o_i))
     o_ij = o_i[:, None] * N + o_i[None, :]
-    b_c = tl.load(p_m + 2 * N + o_ij) * b_r * s2 + tl.load(base + 2 * N + o_ij)
+    b_c = pick(b_mix, o_m, 2 * N + o_ij, 2) * b_r * s2 + tl.load(base + 2 * N + o_ij)
     b_c = tl.exp(b_c - tl.max(b_c, 1)[:, None])
     b_c = b_c / tl.sum(b_c, 1)[:, None] + hc_eps
     b_c = b_c / (tl.sum(b_c, 0)[None, :] + hc_eps)
@@ -93,24 +104,36 @@ def hc_pre_kernel(streams, mix_part, ss_part, mixed, base, scale, norm_w, post, 
         b_c = b_c / (tl.sum(b_c, 0)[None, :] + hc_eps)
     tl.store(post + i_t * N + o_i, b_post)
     tl.store(comb + i_t * N * N + o_ij, b_c)
-    p_x = streams + i_t * N * D + o_i[:, None] * D
-    o_d = tl.arange(0, BD)
-    b_uu = tl.zeros([BD], dtype=tl.float32)
-    for d0 in range(0, D, BD):
-        m_d = d0 + o_d < D
-        b_x = tl.load(p_x + d0 + o_d[None, :], mask=m_d[None, :], other=0.0).to(tl.float32)
-        b_u = tl.sum(b_pre[:, None] * b_x, 0).to(collapsed.dtype.element_ty)
-        tl.store(collapsed + i_t * D + d0 + o_d, b_u, mask=m_d)
-        b_uu += b_u.to(tl.float32) * b_u.to(tl.float32)
-    if NORM:
-        b_n = 1.0 / tl.sqrt(tl.sum(b_uu, 0) / D + norm_eps)
-        tl.debug_barrier()  # the row written above, read back by other threads
+    if ONE_PASS:
+        m_d = o_d < D
+        b_x = tl.load(p_x + o_d[None, :], mask=m_d[None, :], other=0.0)
+        b_u = tl.sum(b_pre[:, None] * b_x.to(tl.float32), 0).to(collapsed.dtype.element_ty)
+        if NORM:
+            b_w = tl.load(norm_w + o_d, mask=m_d, other=0.0)
+            b_uf = b_u.to(tl.float32)
+            b_n = 1.0 / tl.sqrt(tl.sum(b_uf * b_uf, 0) / D + norm_eps)
+            b_y = (b_uf * b_n).to(collapsed.dtype.element_ty).to(tl.float32)
+            tl.store(normed + i_t * D + o_d, (b_y * b_w.to(tl.float32)).to(
+                normed.dtype.element_ty), mask=m_d)
+        else:
+            tl.store(collapsed + i_t * D + o_d, b_u, mask=m_d)
+    else:
+        b_uu = tl.zeros([BD], dtype=tl.float32)
         for d0 in range(0, D, BD):
             m_d = d0 + o_d < D
-            b_u = tl.load(collapsed + i_t * D + d0 + o_d, mask=m_d, other=0.0).to(tl.float32)
-            b_y = (b_u * b_n).to(collapsed.dtype.element_ty).to(tl.float32)
-            b_y = b_y * tl.load(norm_w + d0 + o_d, mask=m_d, other=0.0).to(tl.float32)
-            tl.store(normed + i_t * D + d0 + o_d, b_y.to(normed.dtype.element_ty), mask=m_d)
+            b_x = tl.load(p_x + d0 + o_d[None, :], mask=m_d[None, :], other=0.0)
+            b_u = tl.sum(b_pre[:, None] * b_x.to(tl.float32), 0).to(collapsed.dtype.element_ty)
+            tl.store(collapsed + i_t * D + d0 + o_d, b_u, mask=m_d)
+            b_uu += b_u.to(tl.float32) * b_u.to(tl.float32)
+        if NORM:
+            b_n = 1.0 / tl.sqrt(tl.sum(b_uu, 0) / D + norm_eps)
+            tl.debug_barrier()  # the row written above, read back by other threads
+            for d0 in range(0, D, BD):
+                m_d = d0 + o_d < D
+                b_u = tl.load(collapsed + i_t * D + d0 + o_d, mask=m_d, other=0.0)
+                b_y = (b_u.to(tl.float32) * b_n).to(collapsed.dtype.element_ty).to(tl.float32)
+                b_y = b_y * tl.load(norm_w + d0 + o_d, mask=m_d, other=0.0).to(tl.float32)
+                tl.store(normed + i_t * D + d0 + o_d, b_y.to(normed.dtype.element_ty), mask=m_d)
 
 
 def hc_pre(
@@ -146,15 +169,15 @@ def hc_pre(
     if n_tok:
         mix_part = torch.empty((n_tok, split, bm), dtype=torch.float32, device=dev)
         ss_part = torch.empty((n_tok, split), dtype=torch.float32, device=dev)
-        mixed = torch.empty((n_tok, bm), dtype=torch.float32, device=dev)
         hc_mix_kernel[(split, triton.cdiv(n_tok, bt))](
             streams, fn.float().contiguous(), mix_part, ss_part, n_tok, nd, split, M=m, BM=bm,
             BC=MIX_COLUMNS, BT=bt)
-        hc_pre_kernel[(n_tok,)](streams, mix_part, ss_part, mixed, base.float().contiguous(),
+        bd = min(next_pow2(d), PRE_COLUMNS)
+        hc_pre_kernel[(n_tok,)](streams, mix_part, ss_part, base.float().contiguous(),
                                 scale.float().contiguous(), norm_weight if norm else collapsed,
                                 post, comb, collapsed, out, rms_eps, hc_eps, float(norm_eps),
                                 sinkhorn_iters, d, split, N=n, BM=bm, BS=next_pow2(split),
-                                BD=min(next_pow2(d), 4096), NORM=norm, num_warps=16)
+                                BD=bd, NORM=norm, ONE_PASS=d <= bd, num_warps=16)
     return post, comb, out
 
 
