@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU validation run of the kernels issue, on one bare GPU machine from the repo root:
-#   bash scripts/gpu_check.sh tests|kernels|slice|experts|kv|rank0|serving|adaptive [COMMIT]
+#   bash scripts/gpu_check.sh tests|kernels|slice|experts|int4|kv|rank0|serving|adaptive [COMMIT]
 # tests:   every `gpu`-marked test (junit XML + log; the first run compiles every kernel and lets
 #          fla autotune: ~10 minutes in one process, spread over GPU_TEST_WORKERS (4) processes
 #          when pytest-xdist is carried)
@@ -10,6 +10,9 @@
 # experts: the 4-bit routed experts: their gpu tests (EXL3 bit-exact vs exllamav3's fixture),
 #          benchmarks/moe_4bit.py (vs bf16, 288 experts and EP2) and benchmarks/rank0.py (the
 #          full-depth rank-0 emulation, EXL3 then int4 experts)
+# int4:    the int4 decode GEMV's question: benchmarks/int4_access.py (the bandwidth of its
+#          access pattern alone, row-major vs tile-contiguous), then moe_4bit.py with bf16,
+#          row-major int4 and tiled int4 (int4t) at 1, 8 and 64 tokens
 # kv:      the quantised latent cache: its gpu tests, then benchmarks/slice.py decode at 32K
 #          (batch 1 and 64) and 4K prefill with bf16, fp8 and nvfp4 rows
 # rank0:   benchmarks/rank0.py with int4 experts over the three cache formats (GPUs of
@@ -24,6 +27,9 @@ commit=${2:-unknown}
 out=${OUT:-gpu_out}
 mkdir -p "$out"
 . scripts/gpu_env.sh
+# h100, h200, ...: result file names say which card measured them
+dev=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1 | grep -oiE '[a-z][0-9]{3}' \
+  | head -n 1 | tr '[:upper:]' '[:lower:]')
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
 case $stage in
@@ -48,14 +54,19 @@ case $stage in
   experts)
     python -m pytest -m gpu -q -p no:cacheprovider tests/kernels/test_gpu_exl3.py \
       tests/kernels/test_gpu_int4.py tests/kernels/test_exl3_golden.py 2>&1 | tail -n 15
-    python benchmarks/moe_4bit.py --commit "$commit" --json "$out/moe_4bit_h200_$commit.json" \
+    python benchmarks/moe_4bit.py --commit "$commit" --json "$out/moe_4bit_${dev}_$commit.json" \
       --repeats 5 2>&1 | tail -n 20
     for fmt in exl3 int4; do
       python benchmarks/rank0.py --experts $fmt --commit "$commit" \
-        --json "$out/rank0_h200_${fmt}_$commit.json" 2>&1 | grep "^{'phase'" | cut -c1-300
+        --json "$out/rank0_${dev}_${fmt}_$commit.json" 2>&1 | grep "^{'phase'" | cut -c1-300
     done
     python benchmarks/moe_4bit.py --ep2 --commit "$commit" --repeats 5 \
-      --json "$out/moe_4bit_ep2_h200_$commit.json" 2>&1 | tail -n 12 ;;
+      --json "$out/moe_4bit_ep2_${dev}_$commit.json" 2>&1 | tail -n 12 ;;
+  int4)
+    python benchmarks/int4_access.py --commit "$commit" \
+      --json "$out/int4_access_${dev}_$commit.json" 2>&1 | tail -n 20
+    python benchmarks/moe_4bit.py --formats bf16,int4,int4t --tokens 1,8,64 --repeats 5 \
+      --commit "$commit" --json "$out/moe_4bit_${dev}_$commit.json" 2>&1 | tail -n 12 ;;
   kv)
     python -m pytest -m gpu -q -p no:cacheprovider tests/kernels/test_gpu_latent_quant.py \
       tests/kernels/test_gpu_sparse_mla_decode.py 2>&1 | tail -n 3
@@ -64,11 +75,12 @@ case $stage in
       2>&1 | grep "'phase'" | cut -c1-240 ;;
   rank0)
     mem=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -n 1)
-    layers=(); [ "$mem" -lt 100000 ] && layers=(--layers 24)
+    layers=(); name=rank0_${dev}_int4_$commit
+    [ "$mem" -lt 100000 ] && layers=(--layers 24) && name=rank0_l24_${dev}_int4_$commit
     python benchmarks/rank0.py --experts int4 "${layers[@]}" --kv-cache-dtype bf16,fp8,nvfp4 \
       --decode "${RANK0_DECODE:-1x8192,16x8192,64x8192,1x131072}" ${RANK0_PROFILE:+--profile} \
       --prefill "${RANK0_PREFILL:-}" \
-      --commit "$commit" --json "$out/rank0_int4_$commit.json" 2>&1 | grep "^{'phase'" \
+      --commit "$commit" --json "$out/$name.json" 2>&1 | grep "^{'phase'" \
       | cut -c1-300 ;;
   serving)
     python benchmarks/vision.py --commit "$commit" --json "$out/vision_$commit.json" 2>&1 \
