@@ -49,6 +49,9 @@ __all__ = ["launch", "moe_decode_pairs", "rows_per_block", "tile_words", "words_
 # entry with T <= its bound is taken, none: the tl.dot variant. Chosen on cost per weight (see
 # the module docstring), to be tuned on the GPU.
 DECODE_GEMV = ((16, 1), (64, 2), (128, 4))
+# past this many tokens the tl.dot variant runs whatever DECODE_GEMV says: an int, so that
+# benchmarks/moe_4bit.py --sweep can set the crossover (e.g. GEMV_MAX_TOKENS=16,128 at 64)
+GEMV_MAX_TOKENS = 128
 # per program: output columns of w13 (x2 rows: gate and up) and of w2 (halved at 2 rows per
 # block, quartered at 4: registers), words of 8 codes per K step (at most; inside one group),
 # warps
@@ -323,9 +326,10 @@ def pairs_reduce_kernel(partial, ids, wts, out, D, e_off, E, K: tl.constexpr,
 
 def rows_per_block(n_tok: int, g13: int, g2: int) -> int:
     """BM of the dot-free variant for T tokens (each expert has at most T rows), 0 for the
-    tl.dot variant: the first entry of DECODE_GEMV with T <= its bound. Groups must be
-    multiples of 8 input columns (a code word never straddles two groups)."""
-    if g13 % 8 or g2 % 8:
+    tl.dot variant: the first entry of DECODE_GEMV with T <= its bound (and T <=
+    GEMV_MAX_TOKENS). Groups must be multiples of 8 input columns (a code word never straddles
+    two groups)."""
+    if g13 % 8 or g2 % 8 or n_tok > GEMV_MAX_TOKENS:
         return 0
     return next((bm for max_tok, bm in DECODE_GEMV if n_tok <= max_tok), 0)
 

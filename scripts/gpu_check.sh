@@ -12,7 +12,8 @@
 #          full-depth rank-0 emulation, EXL3 then int4 experts)
 # int4:    the int4 decode GEMV's question: benchmarks/int4_access.py (the bandwidth of its
 #          access pattern alone, row-major vs tile-contiguous), then moe_4bit.py with bf16,
-#          row-major int4 and tiled int4 (int4t) at 1, 8 and 64 tokens
+#          row-major int4 and tiled int4 (int4t) at 1, 8 and 64 tokens, and int4's dot-free
+#          against its tl.dot variant at 32 and 64 tokens (GEMV_MAX_TOKENS 128 vs 16)
 # kv:      the quantised latent cache: its gpu tests, then benchmarks/slice.py decode at 32K
 #          (batch 1 and 64) and 4K prefill with bf16, fp8 and nvfp4 rows
 # rank0:   benchmarks/rank0.py with int4 experts over the three cache formats (GPUs of
@@ -66,7 +67,12 @@ case $stage in
     python benchmarks/int4_access.py --commit "$commit" \
       --json "$out/int4_access_${dev}_$commit.json" 2>&1 | tail -n 20
     python benchmarks/moe_4bit.py --formats bf16,int4,int4t --tokens 1,8,64 --repeats 5 \
-      --commit "$commit" --json "$out/moe_4bit_${dev}_$commit.json" 2>&1 | tail -n 12 ;;
+      --commit "$commit" --json "$out/moe_4bit_${dev}_$commit.json" 2>&1 | tail -n 12
+    python benchmarks/moe_4bit.py --formats int4 --tokens 32,64 --repeats 5 --int4-sweep \
+      --sweep-tokens 32,64 --sweep GEMV_MAX_TOKENS=16,128 --sweep GEMV_BN13=64 \
+      --sweep GEMV_BN2=128 --sweep GEMV_WARPS=4 --sweep GEMV_PROGRAMS_PER_SM=4 \
+      --sweep GEMV_AHEAD=1 --commit "$commit" \
+      --json "$out/moe_4bit_crossover_${dev}_$commit.json" 2>&1 | tail -n 12 ;;
   kv)
     python -m pytest -m gpu -q -p no:cacheprovider tests/kernels/test_gpu_latent_quant.py \
       tests/kernels/test_gpu_sparse_mla_decode.py 2>&1 | tail -n 3

@@ -128,13 +128,16 @@ def test_decode_variants(monkeypatch, variant, d, inter, group_size, t, k, n_loc
 
 
 def test_decode_variant_choice(monkeypatch):
-    """The dot-free rows per block from T; none for groups that are no multiple of 8 words; K
-    splits are powers of two dividing the steps."""
+    """The dot-free rows per block from T (none past GEMV_MAX_TOKENS); none for groups that are
+    no multiple of 8 words; K splits are powers of two dividing the steps."""
     from glm53.kernels import int4_gemv
 
     assert [int4_gemv.rows_per_block(t, 128, 128) for t in (1, 16, 17, 64, 65, 128, 129)] == \
         [1, 1, 2, 2, 4, 4, 0]
     assert int4_gemv.rows_per_block(1, 12, 128) == 0
+    monkeypatch.setattr(int4_gemv, "GEMV_MAX_TOKENS", 16)  # the sweep's crossover
+    assert [int4_gemv.rows_per_block(t, 128, 128) for t in (16, 17, 64)] == [1, 0, 0]
+    monkeypatch.undo()
     cpu = torch.device("cpu")
     assert int4_gemv._w2_split(16, 256, cpu) == 2  # T = 1: 8 experts x 32 column tiles
     # w13 columns: halved while under half of 4 programs x 132 SMs
