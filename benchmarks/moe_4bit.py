@@ -20,7 +20,8 @@ With --profile, each (format, tokens) row also gets the device time per kernel o
 call (torch.profiler); --int4-sweep times int4 at each token count under every setting of
 INT4_SWEEP (the dot-free variant's tiles, warps, K splits and the unsorted-pairs bound), the
 defaults row included, so kernels/int4_gemv.py's constants are chosen on measurements;
---sweep NAME=V1,V2 (repeatable) replaces NAME's values in it, e.g. to sweep a few only.
+--sweep NAME=V1,V2 (repeatable) replaces NAME's values in it, e.g. to sweep a few only, or adds
+an int constant of kernels/int4.py (the tl.dot variant's DOT_BM_MAX, DOT_TILE).
 
     python benchmarks/moe_4bit.py [--ep2] [--json benchmarks/results/moe_4bit_h200_<commit>.json]
     TRITON_INTERPRET=1 python benchmarks/moe_4bit.py --smoke   # CPU: tiny shapes, no timing
@@ -126,15 +127,22 @@ INT4_SWEEP = {"GEMV_BN13": [32, 64, 128], "GEMV_BN2": [64, 128, 256], "GEMV_WARP
               "GEMV_PROGRAMS_PER_SM": [4, 8], "GEMV_AHEAD": [1, 2]}
 
 
+def constant_owner(name: str):
+    """The kernels module (int4_gemv, else int4) holding the constant NAME, an int or None
+    (GEMV_W2_SPLIT: chosen by the kernel), or None."""
+    return next((m for m in (int4_gemv, int4) if hasattr(m, name)
+                 and (getattr(m, name) is None or isinstance(getattr(m, name), int))), None)
+
+
 def sweep_grid(overrides: list[str]) -> dict[str, list[int]]:
     """INT4_SWEEP with each `NAME=V1,V2` of `overrides` replacing (or adding) NAME's values;
-    NAME must be an int4_gemv constant."""
+    NAME must be an int constant of int4_gemv or int4 (e.g. int4.DOT_BM_MAX)."""
     grid = dict(INT4_SWEEP)
     for item in overrides:
         name, _, values = item.partition("=")
-        if not hasattr(int4_gemv, name) or not values:
-            raise SystemExit(f"--sweep {item!r}: expected NAME=V1,V2 with NAME a constant of "
-                             f"glm53.kernels.int4_gemv")
+        if constant_owner(name) is None or not values:
+            raise SystemExit(f"--sweep {item!r}: expected NAME=V1,V2 with NAME an int constant "
+                             f"of glm53.kernels.int4_gemv or glm53.kernels.int4")
         grid[name] = [int(v) for v in values.split(",")]
     return grid
 
@@ -145,19 +153,20 @@ def int4_sweep(op, routes, replays: int, repeats: int, grid: dict[str, list[int]
     import itertools
 
     names = list(grid)
-    saved = {n: getattr(int4_gemv, n) for n in names}
+    owners = {n: constant_owner(n) for n in names}
+    saved = {n: getattr(owners[n], n) for n in names}
     rows = []
     try:
         for values in itertools.product(*grid.values()):
             setting = dict(zip(names, values, strict=True))
             for n, v in setting.items():
-                setattr(int4_gemv, n, v)
+                setattr(owners[n], n, v)
             calls = [lambda r=r: op(*r, 0) for r in routes]
             ms = statistics.median(graph_call_ms(calls, replays, repeats))
             rows.append(dict(setting=setting, ms=ms))
     finally:
         for n, v in saved.items():
-            setattr(int4_gemv, n, v)
+            setattr(owners[n], n, v)
     return sorted(rows, key=lambda r: r["ms"])
 
 

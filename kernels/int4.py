@@ -20,11 +20,13 @@ expert has at most T rows), table `int4_gemv.DECODE_GEMV`:
   it runs on the unsorted pairs instead: no sort, searchsorted or align launch, and no atomics
   (w2 stores per-pair rows that a reduce launch sums into the output in x's dtype), so exactly
   three launches, deterministic.
-- tl.dot, T > 128: blocks of BM = 16 rows; unpacks the even and odd input columns (low and
-  high nibbles), applies the group scale/zero in fp32 and multiplies with tl.dot (fp16
-  operands on CUDA, fp32 accumulation). Measured on an H200 (benchmarks/moe_4bit.py, 288
-  experts): 13-27% of the 4.3 TB/s at 1-64 tokens, 0.8x bf16 at 512: latency-bound (the
-  dequantised tile goes through shared memory into tl.dot every K step, unpipelined).
+- tl.dot, T > 128: blocks of BM = 16 to 64 rows (`dot_rows_per_block`: every block
+  dequantises its expert's weights again, so an expert's rows should fill few blocks); unpacks
+  the even and odd input columns (low and high nibbles), applies the group scale/zero in fp32
+  and multiplies with tl.dot (fp16 operands on CUDA, fp32 accumulation). Measured with blocks
+  of 16 on an H200 (benchmarks/moe_4bit.py, 288 experts): 13-27% of the 4.3 TB/s at 1-64
+  tokens, 0.8x bf16 at 512: latency-bound (the dequantised tile goes through shared memory
+  into tl.dot every K step, unpipelined).
 
 Prefill (dequantise + grouped GEMM): the experts hit are dequantised in chunks into a bf16
 scratch (fp32 on CPU) of at most SCRATCH_BYTES (1.5 GiB: 32 experts of 4096 x (4096 + 2048)),
@@ -58,18 +60,28 @@ import triton.language as tl
 from . import int4_gemv
 from .moe import swiglu
 from .ref.int4 import _check_group
-from .utils import INTERPRET, next_pow2
+from .utils import INTERPRET, is_sm120, next_pow2
 
 __all__ = ["dequantize_int4", "moe_int4"]
 
 DECODE, PREFILL = "decode", "prefill"
 PREFILL_MIN_ROWS_PER_EXPERT = 256
 SCRATCH_BYTES = 3 << 29  # 1.5 GiB of dequantised experts on the prefill path
-BM = 16  # rows per block of the fused path (tl.dot's minimum)
+# rows per block of the tl.dot variant: the next power of two of the pairs per local expert
+# hit, from 16 (tl.dot's minimum) to DOT_BM_MAX. Every block dequantises its expert's weights
+# again: with blocks of 16 at ~57 rows per expert (a 2048-token chunk at EP2) each weight was
+# dequantised ~4 times, and w13_swiglu + w2 took 164 of the chunk's 251 ms
+# (rank0_l24_h100_int4_a4b1ae6.json). An int: benchmarks/moe_4bit.py --sweep sets it.
+DOT_BM_MIN, DOT_BM_MAX = 16, 64
 # fused path, per program: output columns (the wider tile from 512 pairs on), input columns
-# per K step, warps. Measured on an H200 over BN 16-128, BK 128-512, 4 or 8 warps: time fell
-# with BN at every size (BN 128 best from T*k = 512, 64 below), BK 128 best, 4 warps best.
+# per K step, warps. Measured on an H200 with blocks of 16 rows over BN 16-128, BK 128-512, 4
+# or 8 warps: time fell with BN at every size (BN 128 best from T*k = 512, 64 below), BK 128
+# best, 4 warps best. Blocks of more rows keep BM x BN <= DOT_TILE accumulators a tensor (w13
+# holds two: gate and up): at 64 rows BN 64, whose sm_90 w13 loop takes 7.2 instructions a
+# weight (247 registers, no spills), against 9.5 at BN 32 (143 registers): not yet timed.
+# SM120 (mma.sync: operands in registers) spills at 64 x 64 and takes 64 x 32.
 DECODE_BN, DECODE_BN_WIDE, DECODE_BK, DECODE_WARPS = 64, 128, 128, 4
+DOT_TILE, DOT_TILE_SM120 = 64 * 64, 64 * 32
 # the interpreter computes on bit patterns: fp32 operands there (see utils.py)
 DOT_DTYPE = tl.float32 if INTERPRET else tl.float16
 
@@ -164,6 +176,20 @@ def int4_tile(q_e, s_e, z_e, rows, m_n, j, m_j, k0h, KH, NG, GH: tl.constexpr,
 
 
 @triton.jit
+def even_odd(p_rows, m_rows, c0, C, BKH: tl.constexpr, DT: tl.constexpr):
+    """Columns c0 .. c0 + 2 BKH of the rows p_rows [BM] (pointers; m_rows: which are real) as
+    (even columns, odd columns), each [BM, BKH] in DT: one contiguous load a row, split in
+    registers (two stride-2 loads take an instruction per element: at 64 rows a block the
+    sm_90 loop of w13 fell from 912 to 607 instructions, w2's from 506 to 362; at 16 rows,
+    where this made w13 spill, the kernels keep the stride-2 loads)."""
+    o_c = c0 + tl.arange(0, 2 * BKH)
+    b = tl.load(p_rows[:, None] + o_c[None, :], mask=m_rows[:, None] & (o_c < C)[None, :],
+                other=0.0)
+    even, odd = tl.split(tl.reshape(b, [b.shape[0], BKH, 2]))
+    return even.to(DT), odd.to(DT)
+
+
+@triton.jit
 def w13_swiglu_kernel(x, q, scale, zero, blocks, sorted_tok, act, stride_x, INTER, KH, NG,
                       limit, GH: tl.constexpr, GROUPS: tl.constexpr, BM: tl.constexpr,
                       BN: tl.constexpr, BKH: tl.constexpr, DT: tl.constexpr):
@@ -188,10 +214,13 @@ def w13_swiglu_kernel(x, q, scale, zero, blocks, sorted_tok, act, stride_x, INTE
     for k0h in range(0, KH, BKH):
         j = k0h + tl.arange(0, BKH)
         m_j = j < KH
-        p_x = x + tok[:, None] * stride_x + 2 * j[None, :]
-        m_x = m_m[:, None] & m_j[None, :]
-        x_even = tl.load(p_x, mask=m_x, other=0.0).to(DT)
-        x_odd = tl.load(p_x + 1, mask=m_x, other=0.0).to(DT)
+        if BM >= 32:
+            x_even, x_odd = even_odd(x + tok * stride_x, m_m, 2 * k0h, 2 * KH, BKH, DT)
+        else:
+            p_x = x + tok[:, None] * stride_x + 2 * j[None, :]
+            m_x = m_m[:, None] & m_j[None, :]
+            x_even = tl.load(p_x, mask=m_x, other=0.0).to(DT)
+            x_odd = tl.load(p_x + 1, mask=m_x, other=0.0).to(DT)
         w_even, w_odd = int4_tile(q_e, s_e, z_e, o_n, m_n, j, m_j, k0h, KH, NG, GH, GROUPS,
                                   DT)
         acc_g = tl.dot(x_odd, w_odd, tl.dot(x_even, w_even, acc_g))
@@ -227,10 +256,13 @@ def w2_kernel(act, q, scale, zero, blocks, sorted_tok, sorted_w, out, D, INTER, 
     for k0h in range(0, KH, BKH):
         j = k0h + tl.arange(0, BKH)
         m_j = j < KH
-        p_a = act + o_m[:, None] * INTER + 2 * j[None, :]
-        m_a = m_m[:, None] & m_j[None, :]
-        a_even = tl.load(p_a, mask=m_a, other=0.0).to(DT)
-        a_odd = tl.load(p_a + 1, mask=m_a, other=0.0).to(DT)
+        if BM >= 32:
+            a_even, a_odd = even_odd(act + o_m * INTER, m_m, 2 * k0h, INTER, BKH, DT)
+        else:
+            p_a = act + o_m[:, None] * INTER + 2 * j[None, :]
+            m_a = m_m[:, None] & m_j[None, :]
+            a_even = tl.load(p_a, mask=m_a, other=0.0).to(DT)
+            a_odd = tl.load(p_a + 1, mask=m_a, other=0.0).to(DT)
         w_even, w_odd = int4_tile(q_e, s_e, z_e, o_n, m_n, j, m_j, k0h, KH, NG, GH, GROUPS,
                                   DT)
         acc = tl.dot(a_odd, w_odd, tl.dot(a_even, w_even, acc))
@@ -281,15 +313,22 @@ def _k_blocking(group_size: int) -> tuple[int, int]:
     return 16, 0
 
 
+def dot_rows_per_block(n_pairs: int, n_hit: int) -> int:
+    """BM of the tl.dot variant for n_pairs pairs over n_hit local experts that can hold rows
+    (pairs of other EP ranks' experts count too: an overestimate, where larger blocks only pad
+    tl.dot's rows): the next power of two of the pairs per expert, DOT_BM_MIN to DOT_BM_MAX."""
+    return max(DOT_BM_MIN, min(DOT_BM_MAX, next_pow2(-(-n_pairs // max(1, n_hit)))))
+
+
 def _moe_decode(x, w13, w2, g13, g2, tok, wts, offs, limit, out) -> None:
     n_pairs, n_local = tok.numel(), offs.numel()
     (q13, s13, z13), (q2, s2, z2) = w13, w2
     d, inter = out.shape[1], q13.shape[1] // 2
     aligned = int4_gemv.words_aligned(w13, w2)
     bm = int4_gemv.rows_per_block(x.shape[0], g13, g2) if aligned else 0
-    bm_blk = bm or BM
-    # sum over experts of ceil(rows / BM) <= (pairs + (BM - 1) * experts hit) / BM
     n_hit = min(n_local, n_pairs)
+    bm_blk = bm or dot_rows_per_block(n_pairs, n_hit)
+    # sum over experts of ceil(rows / BM) <= (pairs + (BM - 1) * experts hit) / BM
     n_blk = max(1, (n_pairs + (bm_blk - 1) * n_hit) // bm_blk)
     blocks = torch.empty((n_blk, 3), dtype=torch.int32, device=x.device)
     bb = min(64, next_pow2(n_blk))
@@ -301,17 +340,18 @@ def _moe_decode(x, w13, w2, g13, g2, tok, wts, offs, limit, out) -> None:
         return
     act = torch.empty((n_pairs, inter), dtype=torch.float32, device=x.device)
     bkh, groups = _k_blocking(g13)
-    bn_max = DECODE_BN if n_pairs < 512 else DECODE_BN_WIDE
+    tile = DOT_TILE_SM120 if is_sm120(x.device) else DOT_TILE
+    bn_max = min(DECODE_BN if n_pairs < 512 else DECODE_BN_WIDE, tile // bm_blk)
     bn = max(16, min(bn_max, next_pow2(inter)))
     w13_swiglu_kernel[(n_blk, triton.cdiv(inter, bn))](
         x, q13, s13, z13, blocks, tok32, act, x.stride(0), inter, d // 2, s13.shape[-1],
-        float(limit), GH=g13 // 2, GROUPS=groups, BM=BM, BN=bn, BKH=bkh, DT=DOT_DTYPE,
+        float(limit), GH=g13 // 2, GROUPS=groups, BM=bm_blk, BN=bn, BKH=bkh, DT=DOT_DTYPE,
         num_warps=DECODE_WARPS)
     bkh, groups = _k_blocking(g2)
     bn = max(16, min(bn_max, next_pow2(d)))
     w2_kernel[(n_blk, triton.cdiv(d, bn))](
         act, q2, s2, z2, blocks, tok32, wts, out, d, inter, inter // 2, s2.shape[-1],
-        GH=g2 // 2, GROUPS=groups, BM=BM, BN=bn, BKH=bkh, DT=DOT_DTYPE,
+        GH=g2 // 2, GROUPS=groups, BM=bm_blk, BN=bn, BKH=bkh, DT=DOT_DTYPE,
         num_warps=DECODE_WARPS)
 
 

@@ -341,7 +341,9 @@ def _cases(arch: int) -> dict[str, Callable[[], object]]:
         "exl3 moe prefill 8 tokens": exl3_call(8, False, e=2),
         "exl3 moe decode 8 tokens, K3": exl3_call(8, True, bits=3),
         "exl3 codebook (test hook)": lambda: exl3._codebook(z(4096, dtype=torch.int32), 1),
-        "int4 moe decode 200 tokens (tl.dot)": int4_call(200, "decode"),
+        "int4 moe decode 200 tokens (tl.dot)": with_constants(
+            int4, int4_call(200, "decode"), DOT_BM_MAX=16),
+        "int4 moe decode 2048 tokens (tl.dot, 64 rows a block)": int4_call(2048, "decode"),
         "int4 moe decode 1 token": int4_call(1, "decode"),
         "int4 moe decode 64 tokens": int4_call(64, "decode"),
         "int4 moe prefill 8 tokens": int4_call(8, "prefill", e=2),
