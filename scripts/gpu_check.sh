@@ -13,7 +13,8 @@
 # int4:    the int4 decode GEMV's question: benchmarks/int4_access.py (the bandwidth of its
 #          access pattern alone, row-major vs tile-contiguous), then moe_4bit.py with bf16,
 #          row-major int4 and tiled int4 (int4t) at 1, 8 and 64 tokens, and int4's dot-free
-#          against its tl.dot variant at 32 and 64 tokens (GEMV_MAX_TOKENS 128 vs 16)
+#          against its tl.dot variant at 32 and 64 tokens (GEMV_MAX_TOKENS 128 vs 16), and the
+#          tl.dot variant's blocks (DOT_BM_MAX 16-64, DOT_TILE) at 512 and 2048 tokens
 # kv:      the quantised latent cache: its gpu tests, then benchmarks/slice.py decode at 32K
 #          (batch 1 and 64) and 4K prefill with bf16, fp8 and nvfp4 rows
 # rank0:   benchmarks/rank0.py with int4 experts over the three cache formats (GPUs of
@@ -72,7 +73,12 @@ case $stage in
       --sweep-tokens 32,64 --sweep GEMV_MAX_TOKENS=16,128 --sweep GEMV_BN13=64 \
       --sweep GEMV_BN2=128 --sweep GEMV_WARPS=4 --sweep GEMV_PROGRAMS_PER_SM=4 \
       --sweep GEMV_AHEAD=1 --commit "$commit" \
-      --json "$out/moe_4bit_crossover_${dev}_$commit.json" 2>&1 | tail -n 12 ;;
+      --json "$out/moe_4bit_crossover_${dev}_$commit.json" 2>&1 | tail -n 12
+    python benchmarks/moe_4bit.py --formats bf16,int4 --tokens 512,2048 --repeats 5 \
+      --int4-sweep --sweep-tokens 512,2048 --sweep DOT_BM_MAX=16,32,64 \
+      --sweep DOT_TILE=2048,4096 --sweep GEMV_BN13=64 --sweep GEMV_BN2=128 \
+      --sweep GEMV_WARPS=4 --sweep GEMV_PROGRAMS_PER_SM=4 --sweep GEMV_AHEAD=1 \
+      --commit "$commit" --json "$out/moe_4bit_dot_${dev}_$commit.json" 2>&1 | tail -n 12 ;;
   kv)
     python -m pytest -m gpu -q -p no:cacheprovider tests/kernels/test_gpu_latent_quant.py \
       tests/kernels/test_gpu_sparse_mla_decode.py 2>&1 | tail -n 3
