@@ -73,6 +73,9 @@ SCRATCH_BYTES = 3 << 29  # 1.5 GiB of dequantised experts on the prefill path
 # dequantised ~4 times, and w13_swiglu + w2 took 164 of the chunk's 251 ms
 # (rank0_l24_h100_int4_a4b1ae6.json). An int: benchmarks/moe_4bit.py --sweep sets it.
 DOT_BM_MIN, DOT_BM_MAX = 16, 64
+# blocks of at least this many rows dequantise by `int4_tile`'s NIBBLE trick (see there: fewer
+# issue slots, more registers, which at 16 rows cost an SM a program); an int to --sweep
+DOT_NIBBLE_MIN_ROWS = 32
 # fused path, per program: output columns (the wider tile from 512 pairs on), input columns
 # per K step, warps. Measured on an H200 with blocks of 16 rows over BN 16-128, BK 128-512, 4
 # or 8 warps: time fell with BN at every size (BN 128 best from T*k = 512, 64 below), BK 128
@@ -149,29 +152,45 @@ def align_kernel(offs, blocks, E, NB, BM: tl.constexpr, BE: tl.constexpr, BB: tl
 
 
 @triton.jit
-def int4_tile(q_e, s_e, z_e, rows, m_n, j, m_j, k0h, KH, NG, GH: tl.constexpr,
-              GROUPS: tl.constexpr, DT: tl.constexpr):
+def int4_tile(q_e, s_e, z_e, rows, m_n, j, m_j, k0h, KH, NG, one, GH: tl.constexpr,
+              GROUPS: tl.constexpr, DT: tl.constexpr, NIBBLE: tl.constexpr):
     """Weight rows `rows` [BN] at byte columns j [BKH] of one expert, dequantised and
     transposed for tl.dot: (even input columns, odd input columns), each [BKH, BN] in DT.
     GROUPS >= 1: the step [2 k0h, 2 k0h + 2 BKH) covers GROUPS whole groups (1: or lies inside
-    one), so each row loads GROUPS scales; 0: a scale gathered per element."""
+    one), so each row loads GROUPS scales; 0: a scale gathered per element. NIBBLE: each code
+    becomes the fp32 1 + code / 16 by a shift and an and-or (`int4_gemv.nibble_f32`'s trick)
+    instead of an int-to-float conversion (16 a clock an SM on sm_90, an eighth of the FMA
+    rate), and code * s + z = (1 + code / 16) * 16 s + (z - 16 s): one FMA with the same
+    single rounding wherever z - 16 s is exact in fp32 (fp16 scale and zero: unless their
+    exponents lie 13 apart). sm_90, w13's loop at 64 rows a block: 927 -> 936 instructions
+    but 1,909 -> 1,150 issue slots (a conversion counted 8, an IMAD 2); at 16 rows it also
+    took registers 168 -> 201 (2 programs an SM, not 3): see DOT_NIBBLE_MIN_ROWS."""
     m = m_j[:, None] & m_n[None, :]
     b = tl.load(q_e + rows[None, :] * KH + j[:, None], mask=m, other=0)
+    if NIBBLE:
+        b = b.to(tl.int32)
+        lo = (((b << 19) & 0x780000) | one).to(tl.float32, bitcast=True)
+        hi = (((b << 15) & 0x780000) | one).to(tl.float32, bitcast=True)
+    else:
+        lo = (b & 15).to(tl.float32)
+        hi = (b >> 4).to(tl.float32)
     if GROUPS == 0:
         p_g = rows[None, :] * NG + (j // GH)[:, None]
         s = tl.load(s_e + p_g, mask=m, other=0.0).to(tl.float32)
         z = tl.load(z_e + p_g, mask=m, other=0.0).to(tl.float32)
-        w_even = (b & 15).to(tl.float32) * s + z
-        w_odd = (b >> 4).to(tl.float32) * s + z
     else:
         o_g = k0h // GH + tl.arange(0, GROUPS)
         p_g = rows[None, :] * NG + o_g[:, None]
         m_g = (o_g < NG)[:, None] & m_n[None, :]
         s = tl.load(s_e + p_g, mask=m_g, other=0.0).to(tl.float32)[:, None, :]
         z = tl.load(z_e + p_g, mask=m_g, other=0.0).to(tl.float32)[:, None, :]
-        b3 = tl.reshape(b, [GROUPS, b.shape[0] // GROUPS, b.shape[1]])
-        w_even = tl.reshape((b3 & 15).to(tl.float32) * s + z, b.shape)
-        w_odd = tl.reshape((b3 >> 4).to(tl.float32) * s + z, b.shape)
+        shape3: tl.constexpr = [GROUPS, b.shape[0] // GROUPS, b.shape[1]]
+        lo, hi = tl.reshape(lo, shape3), tl.reshape(hi, shape3)
+    if NIBBLE:
+        s = s * 16.0
+        z = z - s
+    w_even = tl.reshape(lo * s + z, b.shape)
+    w_odd = tl.reshape(hi * s + z, b.shape)
     return w_even.to(DT), w_odd.to(DT)
 
 
@@ -191,8 +210,9 @@ def even_odd(p_rows, m_rows, c0, C, BKH: tl.constexpr, DT: tl.constexpr):
 
 @triton.jit
 def w13_swiglu_kernel(x, q, scale, zero, blocks, sorted_tok, act, stride_x, INTER, KH, NG,
-                      limit, GH: tl.constexpr, GROUPS: tl.constexpr, BM: tl.constexpr,
-                      BN: tl.constexpr, BKH: tl.constexpr, DT: tl.constexpr):
+                      limit, one, GH: tl.constexpr, GROUPS: tl.constexpr, BM: tl.constexpr,
+                      BN: tl.constexpr, BKH: tl.constexpr, DT: tl.constexpr,
+                      NIBBLE: tl.constexpr):
     """act[r, n] = swiglu(gate, up)[r, n] for the sorted rows r of block program_id(0), output
     columns n of block program_id(1). x: [T, D]; q: [E, 2I, D/2]; act: [T*k, I] fp32."""
     i_b, i_n = tl.program_id(0), tl.program_id(1)
@@ -221,11 +241,11 @@ def w13_swiglu_kernel(x, q, scale, zero, blocks, sorted_tok, act, stride_x, INTE
             m_x = m_m[:, None] & m_j[None, :]
             x_even = tl.load(p_x, mask=m_x, other=0.0).to(DT)
             x_odd = tl.load(p_x + 1, mask=m_x, other=0.0).to(DT)
-        w_even, w_odd = int4_tile(q_e, s_e, z_e, o_n, m_n, j, m_j, k0h, KH, NG, GH, GROUPS,
-                                  DT)
+        w_even, w_odd = int4_tile(q_e, s_e, z_e, o_n, m_n, j, m_j, k0h, KH, NG, one, GH,
+                                  GROUPS, DT, NIBBLE)
         acc_g = tl.dot(x_odd, w_odd, tl.dot(x_even, w_even, acc_g))
-        w_even, w_odd = int4_tile(q_e, s_e, z_e, INTER + o_n, m_n, j, m_j, k0h, KH, NG, GH,
-                                  GROUPS, DT)
+        w_even, w_odd = int4_tile(q_e, s_e, z_e, INTER + o_n, m_n, j, m_j, k0h, KH, NG, one,
+                                  GH, GROUPS, DT, NIBBLE)
         acc_u = tl.dot(x_odd, w_odd, tl.dot(x_even, w_even, acc_u))
     b_g = tl.minimum(acc_g, limit)
     b_u = tl.minimum(tl.maximum(acc_u, -limit), limit)
@@ -234,9 +254,9 @@ def w13_swiglu_kernel(x, q, scale, zero, blocks, sorted_tok, act, stride_x, INTE
 
 
 @triton.jit
-def w2_kernel(act, q, scale, zero, blocks, sorted_tok, sorted_w, out, D, INTER, KH, NG,
+def w2_kernel(act, q, scale, zero, blocks, sorted_tok, sorted_w, out, D, INTER, KH, NG, one,
               GH: tl.constexpr, GROUPS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-              BKH: tl.constexpr, DT: tl.constexpr):
+              BKH: tl.constexpr, DT: tl.constexpr, NIBBLE: tl.constexpr):
     """out[tok(r), n] += w(r) * (act[r] @ W2[e].T)[n] for the rows r of block program_id(0).
     act: [T*k, I] fp32 (sorted rows); q: [E, D, I/2]; out: [T, D] fp32."""
     i_b, i_n = tl.program_id(0), tl.program_id(1)
@@ -263,8 +283,8 @@ def w2_kernel(act, q, scale, zero, blocks, sorted_tok, sorted_w, out, D, INTER, 
             m_a = m_m[:, None] & m_j[None, :]
             a_even = tl.load(p_a, mask=m_a, other=0.0).to(DT)
             a_odd = tl.load(p_a + 1, mask=m_a, other=0.0).to(DT)
-        w_even, w_odd = int4_tile(q_e, s_e, z_e, o_n, m_n, j, m_j, k0h, KH, NG, GH, GROUPS,
-                                  DT)
+        w_even, w_odd = int4_tile(q_e, s_e, z_e, o_n, m_n, j, m_j, k0h, KH, NG, one, GH,
+                                  GROUPS, DT, NIBBLE)
         acc = tl.dot(a_odd, w_odd, tl.dot(a_even, w_even, acc))
     tok = tl.load(sorted_tok + o_m, mask=m_m, other=0).to(tl.int64)
     wt = tl.load(sorted_w + o_m, mask=m_m, other=0.0)
@@ -339,20 +359,21 @@ def _moe_decode(x, w13, w2, g13, g2, tok, wts, offs, limit, out) -> None:
         int4_gemv.launch(x, w13, w2, g13, g2, bm, blocks, tok32, wts, n_blk, n_hit, limit, out)
         return
     act = torch.empty((n_pairs, inter), dtype=torch.float32, device=x.device)
+    nibble = bm_blk >= DOT_NIBBLE_MIN_ROWS
     bkh, groups = _k_blocking(g13)
     tile = DOT_TILE_SM120 if is_sm120(x.device) else DOT_TILE
     bn_max = min(DECODE_BN if n_pairs < 512 else DECODE_BN_WIDE, tile // bm_blk)
     bn = max(16, min(bn_max, next_pow2(inter)))
     w13_swiglu_kernel[(n_blk, triton.cdiv(inter, bn))](
         x, q13, s13, z13, blocks, tok32, act, x.stride(0), inter, d // 2, s13.shape[-1],
-        float(limit), GH=g13 // 2, GROUPS=groups, BM=bm_blk, BN=bn, BKH=bkh, DT=DOT_DTYPE,
-        num_warps=DECODE_WARPS)
+        float(limit), int4_gemv.ONE_F32_BITS, GH=g13 // 2, GROUPS=groups, BM=bm_blk, BN=bn,
+        BKH=bkh, DT=DOT_DTYPE, NIBBLE=nibble, num_warps=DECODE_WARPS)
     bkh, groups = _k_blocking(g2)
     bn = max(16, min(bn_max, next_pow2(d)))
     w2_kernel[(n_blk, triton.cdiv(d, bn))](
         act, q2, s2, z2, blocks, tok32, wts, out, d, inter, inter // 2, s2.shape[-1],
-        GH=g2 // 2, GROUPS=groups, BM=bm_blk, BN=bn, BKH=bkh, DT=DOT_DTYPE,
-        num_warps=DECODE_WARPS)
+        int4_gemv.ONE_F32_BITS, GH=g2 // 2, GROUPS=groups, BM=bm_blk, BN=bn, BKH=bkh,
+        DT=DOT_DTYPE, NIBBLE=nibble, num_warps=DECODE_WARPS)
 
 
 def _moe_prefill(x, w13, w2, g13, g2, tok, wts, offs, limit, out) -> None:

@@ -14,7 +14,8 @@
 #          access pattern alone, row-major vs tile-contiguous), then moe_4bit.py with bf16,
 #          row-major int4 and tiled int4 (int4t) at 1, 8 and 64 tokens, and int4's dot-free
 #          against its tl.dot variant at 32 and 64 tokens (GEMV_MAX_TOKENS 128 vs 16), and the
-#          tl.dot variant's blocks (DOT_BM_MAX 16-64, DOT_TILE) at 512 and 2048 tokens
+#          tl.dot variant's blocks (DOT_BM_MAX 16 or 64, DOT_TILE) and dequantisation (nibble
+#          trick from 16 rows a block or never) at 512 and 2048 tokens
 # kv:      the quantised latent cache: its gpu tests, then benchmarks/slice.py decode at 32K
 #          (batch 1 and 64) and 4K prefill with bf16, fp8 and nvfp4 rows
 # rank0:   benchmarks/rank0.py with int4 experts over the three cache formats (GPUs of
@@ -75,8 +76,8 @@ case $stage in
       --sweep GEMV_AHEAD=1 --commit "$commit" \
       --json "$out/moe_4bit_crossover_${dev}_$commit.json" 2>&1 | tail -n 12
     python benchmarks/moe_4bit.py --formats bf16,int4 --tokens 512,2048 --repeats 5 \
-      --int4-sweep --sweep-tokens 512,2048 --sweep DOT_BM_MAX=16,32,64 \
-      --sweep DOT_TILE=2048,4096 --sweep GEMV_BN13=64 --sweep GEMV_BN2=128 \
+      --int4-sweep --sweep-tokens 512,2048 --sweep DOT_BM_MAX=16,64 --sweep DOT_TILE=2048,4096 \
+      --sweep DOT_NIBBLE_MIN_ROWS=16,128 --sweep GEMV_BN13=64 --sweep GEMV_BN2=128 \
       --sweep GEMV_WARPS=4 --sweep GEMV_PROGRAMS_PER_SM=4 --sweep GEMV_AHEAD=1 \
       --commit "$commit" --json "$out/moe_4bit_dot_${dev}_$commit.json" 2>&1 | tail -n 12 ;;
   kv)

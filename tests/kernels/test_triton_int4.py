@@ -149,18 +149,21 @@ def test_decode_variant_choice(monkeypatch):
     assert int4_gemv._w2_split(12, 1, cpu) == 4 and int4_gemv._w2_split(16, 1, cpu) == 8
 
 
+@pytest.mark.parametrize("nibble_min_rows", [16, 128])
 @pytest.mark.parametrize("bm_max", [16, 32, 64])
-def test_dot_variant_rows_per_block(monkeypatch, bm_max):
+def test_dot_variant_rows_per_block(monkeypatch, bm_max, nibble_min_rows):
     """The tl.dot variant's blocks: 40 tokens x top-3 over 3 local experts (of 6): ~20 rows a
     local expert and 40 pairs per expert hit, so blocks of 64 (one a local expert, one loading
     its rows as one contiguous tile split into even and odd columns), of 32 (two, some with
-    one row) or of 16 (the stride-2 loads); group 32 gives whole-group K steps at D = 64."""
+    one row) or of 16 (the stride-2 loads); group 32 gives whole-group K steps at D = 64.
+    Codes dequantised by the nibble trick (from 16 rows a block) or converted (never)."""
     from glm53.kernels import int4, int4_gemv
 
     assert [int4.dot_rows_per_block(p, h) for p, h in ((1600, 288), (1600, 8), (40, 3))] == \
         [16, 64, 16]  # 5.6 rows an expert, 200 (capped), 13.3
     monkeypatch.setattr(int4_gemv, "DECODE_GEMV", ())
     monkeypatch.setattr(int4, "DOT_BM_MAX", bm_max)
+    monkeypatch.setattr(int4, "DOT_NIBBLE_MIN_ROWS", nibble_min_rows)
     assert int4.dot_rows_per_block(120, 3) == bm_max
     x, packed, wts, ids = _case(64, 32, 32, 40, 3, 3, seed=77)
     want = ref_int4.moe_int4(x, *packed, wts, ids, 7.0, 1, 32)
@@ -169,11 +172,13 @@ def test_dot_variant_rows_per_block(monkeypatch, bm_max):
     assert rel_err(out, want) < TOL
 
 
-@pytest.mark.parametrize("variant", ["gemv1", "gemv4"])
-def test_decode_group_not_multiple_of_8(monkeypatch, variant):
-    """Group 12: the dot-free variant is skipped (tl.dot with per-element scales)."""
+@pytest.mark.parametrize("variant,nibble_min_rows", [("gemv1", 16), ("gemv4", 32)])
+def test_decode_group_not_multiple_of_8(monkeypatch, variant, nibble_min_rows):
+    """Group 12: the dot-free variant is skipped (tl.dot with per-element scales, the codes by
+    the nibble trick or converted)."""
     from glm53.kernels import int4, int4_gemv
 
+    monkeypatch.setattr(int4, "DOT_NIBBLE_MIN_ROWS", nibble_min_rows)
     monkeypatch.setattr(int4_gemv, "DECODE_GEMV", GEMV[variant][0])
     monkeypatch.setattr(int4_gemv, "GEMV_AHEAD", GEMV[variant][1])
     x, packed, wts, ids = _case(48, 24, 12, 5, 2, 3, seed=5)
