@@ -8,6 +8,10 @@ block input sum_i pre_i X_i and, given the block's input norm, its RMSNorm (one 
 site, and no fp32 copy of the streams).
 `hc_post`: the expansion X'[j] = post[j] y + sum_i comb[i, j] X[i] in one pass over the streams
 (the reference needs a broadcast multiply, a batched matmul and an add).
+`hc_post_pre`: one site's `hc_post` and the next site's `hc_pre` (each block's output feeds the
+next site) in the launches of `hc_pre` alone, below MIX_DOT_MIN_TOKENS tokens: the expansion's
+programs also take their part of the next projection from the rows they have just written
+(rounded as stored), so the new streams are not read back and one launch a site pair goes.
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ import triton.language as tl
 
 from .utils import next_pow2
 
-__all__ = ["hc_post", "hc_pre"]
+__all__ = ["hc_post", "hc_post_pre", "hc_pre"]
 
 
 # flattened stream columns (of n * D) per program of the mixing pass: one decode token's
@@ -159,6 +163,22 @@ def hc_pre(
         MIX_TOKENS_LARGE if n_tok >= MIX_LARGE_FROM else MIX_TOKENS)
     # tl.dot's operands are at least 16 wide
     bm, split = next_pow2(m) if bt == 1 else max(16, next_pow2(m)), triton.cdiv(nd, MIX_COLUMNS)
+    mix_part = torch.empty((n_tok, split, bm), dtype=torch.float32, device=streams.device)
+    ss_part = torch.empty((n_tok, split), dtype=torch.float32, device=streams.device)
+    if n_tok:
+        hc_mix_kernel[(split, triton.cdiv(n_tok, bt))](
+            streams, fn.float().contiguous(), mix_part, ss_part, n_tok, nd, split, M=m, BM=bm,
+            BC=MIX_COLUMNS, BT=bt)
+    return _gates(streams, mix_part, ss_part, base, scale, rms_eps, hc_eps, sinkhorn_iters,
+                  norm_weight, norm_eps)
+
+
+def _gates(streams, mix_part, ss_part, base, scale, rms_eps, hc_eps, sinkhorn_iters,
+           norm_weight, norm_eps) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`hc_pre_kernel` over the mixing pass's parts [T, split, BM] and [T, split]: (post,
+    comb, collapsed), as `hc_pre` returns them."""
+    n_tok, n, d = streams.shape
+    split, bm = mix_part.shape[1:]
     dev = streams.device
     post = torch.empty((n_tok, n), dtype=torch.float32, device=dev)
     comb = torch.empty((n_tok, n, n), dtype=torch.float32, device=dev)
@@ -167,11 +187,6 @@ def hc_pre(
     out = collapsed if not norm else torch.empty(
         (n_tok, d), dtype=torch.promote_types(streams.dtype, norm_weight.dtype), device=dev)
     if n_tok:
-        mix_part = torch.empty((n_tok, split, bm), dtype=torch.float32, device=dev)
-        ss_part = torch.empty((n_tok, split), dtype=torch.float32, device=dev)
-        hc_mix_kernel[(split, triton.cdiv(n_tok, bt))](
-            streams, fn.float().contiguous(), mix_part, ss_part, n_tok, nd, split, M=m, BM=bm,
-            BC=MIX_COLUMNS, BT=bt)
         bd = min(next_pow2(d), PRE_COLUMNS)
         hc_pre_kernel[(n_tok,)](streams, mix_part, ss_part, base.float().contiguous(),
                                 scale.float().contiguous(), norm_weight if norm else collapsed,
@@ -217,3 +232,75 @@ def hc_post(
         hc_post_kernel[(n_tok, triton.cdiv(d, bd))](streams, block_out, post, comb, out, d,
                                                     N=n, BD=bd)
     return out
+
+
+@triton.jit
+def hc_post_mix_kernel(streams, block_out, post, comb, out, fn, mix_part, ss_part, D, ND, SPLIT,
+                       N: tl.constexpr, M: tl.constexpr, BM: tl.constexpr, BD: tl.constexpr):
+    """Program (i_d, i_t): `hc_post_kernel` on columns i_d*BD.. of token i_t's N output
+    streams, and, from the rows as stored (rounded to out's dtype), their part of the next
+    site's projection fn @ x' ([M]) and of sum x'^2 over the N BD flattened columns j D + d
+    (`hc_mix_kernel`'s parts, one a program: SPLIT = D / BD of them)."""
+    i_d, i_t = tl.program_id(0), tl.program_id(1).to(tl.int64)
+    o_d = i_d * BD + tl.arange(0, BD)
+    m_d = o_d < D
+    o_m = tl.arange(0, BM)
+    m_w = (o_m < M)[:, None] & m_d[None, :]
+    p_x = streams + i_t * N * D + o_d
+    b_y = tl.load(block_out + i_t * D + o_d, mask=m_d, other=0.0).to(tl.float32)
+    p_c = comb + i_t * N * N
+    b_mix = tl.zeros([BM], dtype=tl.float32)
+    b_ss = tl.zeros([BD], dtype=tl.float32)
+    for j in tl.static_range(N):
+        b_o = tl.load(post + i_t * N + j) * b_y
+        for i in tl.static_range(N):
+            b_x = tl.load(p_x + i * D, mask=m_d, other=0.0).to(tl.float32)
+            b_o += tl.load(p_c + i * N + j) * b_x
+        b_o = b_o.to(out.dtype.element_ty)
+        tl.store(out + i_t * N * D + j * D + o_d, b_o, mask=m_d)
+        b_w = tl.load(fn + o_m[:, None] * ND + (j * D + o_d)[None, :], mask=m_w, other=0.0)
+        b_o = b_o.to(tl.float32)
+        b_mix += tl.sum(b_w * b_o[None, :], 1)
+        b_ss += b_o * b_o
+    tl.store(mix_part + (i_t * SPLIT + i_d) * BM + o_m, b_mix)
+    tl.store(ss_part + i_t * SPLIT + i_d, tl.sum(b_ss, 0))
+
+
+def hc_post_pre(
+    streams: torch.Tensor,
+    block_out: torch.Tensor,
+    post: torch.Tensor,
+    comb: torch.Tensor,
+    fn: torch.Tensor,
+    base: torch.Tensor,
+    scale: torch.Tensor,
+    rms_eps: float,
+    hc_eps: float,
+    sinkhorn_iters: int,
+    norm_weight: torch.Tensor | None = None,
+    norm_eps: float = 0.0,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`hc_post` then the next site's `hc_pre` on its output (arguments as theirs). Returns
+    (streams [T, n, D] in streams' dtype, post, comb, collapsed). Below MIX_DOT_MIN_TOKENS
+    tokens two launches (`hc_post_mix_kernel`, then `hc_pre_kernel`); from there on the
+    mixing pass reads many tokens a program by tl.dot, and the three launches of the two ops
+    run."""
+    n_tok, n, d = streams.shape
+    if n_tok >= MIX_DOT_MIN_TOKENS:
+        streams = hc_post(streams, block_out, post, comb)
+        return (streams, *hc_pre(streams, fn, base, scale, rms_eps, hc_eps, sinkhorn_iters,
+                                 norm_weight, norm_eps))
+    assert n == next_pow2(n)
+    streams, block_out = streams.contiguous(), block_out.contiguous()
+    post, comb = post.float().contiguous(), comb.float().contiguous()
+    out = torch.empty_like(streams)
+    m, bd = (2 + n) * n, max(1, MIX_COLUMNS // n)
+    bm, split = next_pow2(m), triton.cdiv(d, bd)
+    mix_part = torch.empty((n_tok, split, bm), dtype=torch.float32, device=streams.device)
+    ss_part = torch.empty((n_tok, split), dtype=torch.float32, device=streams.device)
+    if n_tok:
+        hc_post_mix_kernel[(split, n_tok)](streams, block_out, post, comb, out,
+                                           fn.float().contiguous(), mix_part, ss_part, d, n * d,
+                                           split, N=n, M=m, BM=bm, BD=bd)
+    return (out, *_gates(out, mix_part, ss_part, base, scale, rms_eps, hc_eps, sinkhorn_iters,
+                         norm_weight, norm_eps))

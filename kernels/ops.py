@@ -40,7 +40,7 @@ from .ref.latent_quant import (  # noqa: F401
     row_bytes,
     store_latent,
 )
-from .ref.mhc import hc_post, hc_pre
+from .ref.mhc import hc_post, hc_post_pre, hc_pre
 from .ref.moe import fused_moe, route_topk, swiglu
 from .ref.norm import rms_norm
 from .ref.rejection import rejection_sample
@@ -62,6 +62,7 @@ __all__ = [
     "fused_moe",
     "gated_rms_norm",
     "hc_post",
+    "hc_post_pre",
     "hc_pre",
     "indexer_topk",
     "indexer_update",

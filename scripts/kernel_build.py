@@ -357,6 +357,10 @@ def _cases(arch: int) -> dict[str, Callable[[], object]]:
                                               20, z(4096), 1e-5),
         "mhc post": lambda: mhc.hc_post(streams, z(16, 4096), z(16, 4, dtype=f32),
                                         z(16, 4, 4, dtype=f32)),
+        "mhc post and next pre 1 token": lambda: mhc.hc_post_pre(
+            streams[:1], z(1, 4096), z(1, 4, dtype=f32), z(1, 4, 4, dtype=f32),
+            z(24, 4 * 4096, dtype=f32), z(24, dtype=f32), z(3, dtype=f32), 1e-5, 1e-6, 20,
+            z(4096), 1e-5),
     }
     if arch != 90:
         for case in (*HOPPER_SWEEPS, *HOPPER_ONLY):

@@ -30,3 +30,12 @@ class HyperConnection(nn.Module):
         block's input `norm`, which the op applies in the same pass)."""
         return ops.hc_pre(streams, self.fn, self.base, self.scale, self.rms_eps, self.hc_eps,
                           self.iters, norm.weight, norm.eps)
+
+    def after(self, streams: torch.Tensor, block_out: torch.Tensor, post: torch.Tensor,
+              comb: torch.Tensor, norm: RMSNorm
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The previous site's expansion of its block output [T, D] (with that site's post
+        [T, n] and comb [T, n, n]) into streams [T, n, D], then this site: (the new streams,
+        post, comb, block input), in one op (`ops.hc_post_pre`: fewer launches)."""
+        return ops.hc_post_pre(streams, block_out, post, comb, self.fn, self.base, self.scale,
+                               self.rms_eps, self.hc_eps, self.iters, norm.weight, norm.eps)

@@ -24,6 +24,14 @@ from ..layers.norm import RMSNorm
 from ..parallel import ParallelState
 from .vision import VisionTower
 
+# a block output not yet expanded into the streams: (y [T, D], post [T, n], comb [T, n, n])
+Pending = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+
+
+def expand(streams: torch.Tensor, pending: Pending) -> torch.Tensor:
+    """The streams [T, n, D] with a pending block output expanded into them."""
+    return ops.hc_post(streams, *pending)
+
 
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_id: int, ps: ParallelState) -> None:
@@ -37,15 +45,20 @@ class DecoderLayer(nn.Module):
         self.attn_hc = HyperConnection(cfg)
         self.ffn_hc = HyperConnection(cfg)
 
-    def forward(self, streams: torch.Tensor, batch: ForwardBatch,
-                state: KDAState | DSAState) -> torch.Tensor:
-        """streams: [T, n, D] -> [T, n, D]."""
-        post, comb, x = self.attn_hc(streams, self.input_layernorm)
+    def forward(self, streams: torch.Tensor, batch: ForwardBatch, state: KDAState | DSAState,
+                pending: Pending | None = None) -> tuple[torch.Tensor, Pending]:
+        """streams: [T, n, D], and `pending`: the previous layer's FFN output not yet expanded
+        into them. Returns this layer's (streams, pending): each site's expansion runs fused
+        with the next site's projection (`HyperConnection.after`), the last one's in the
+        model (`expand`)."""
+        if pending is None:
+            post, comb, x = self.attn_hc(streams, self.input_layernorm)
+        else:
+            streams, post, comb, x = self.attn_hc.after(streams, *pending, self.input_layernorm)
         y = self.self_attn(x, batch, state)
-        streams = ops.hc_post(streams, y, post, comb)
-        post, comb, x = self.ffn_hc(streams, self.post_attention_layernorm)
-        y = self.mlp(x)
-        return ops.hc_post(streams, y, post, comb)
+        streams, post, comb, x = self.ffn_hc.after(streams, y, post, comb,
+                                                   self.post_attention_layernorm)
+        return streams, (self.mlp(x), post, comb)
 
 
 class MTPLayer(nn.Module):
@@ -129,12 +142,12 @@ class Glm5NextForCausalLM(nn.Module):
             rows, embeds = image_embeds
             x = x.index_copy(0, rows, embeds.to(x.dtype))
         streams = x.unsqueeze(1).expand(-1, self.config.hc_mult, -1).contiguous()
-        taps = {}
+        taps, pending = {}, None
         for i, (layer, state) in enumerate(zip(self.layers, caches.layers, strict=True)):
-            streams = layer(streams, batch, state)
-            if i in tap_layers:
-                taps[i] = streams.mean(dim=1)
-        hidden = self.norm(streams.mean(dim=1))
+            streams, pending = layer(streams, batch, state, pending)
+            if i in tap_layers:  # the next layer expands it again, fused
+                taps[i] = expand(streams, pending).mean(dim=1)
+        hidden = self.norm(expand(streams, pending).mean(dim=1))
         if not tap_layers:
             return hidden
         return hidden, torch.cat([taps[i] for i in tap_layers], dim=-1)

@@ -1,7 +1,9 @@
 """Reference mHC (manifold-constrained hyper-connections) for the 4 residual streams.
 
 `hc_pre` computes one site's coefficients (pre / post / Sinkhorn-normalised comb) and the collapsed
-block input; `hc_post` expands a block output back into the streams. Coefficients are per token.
+block input; `hc_post` expands a block output back into the streams; `hc_post_pre` is the two
+back to back (one site's expansion feeding the next site), one pass on the GPU. Coefficients are
+per token.
 """
 
 from __future__ import annotations
@@ -62,3 +64,24 @@ def hc_post(
     return post.to(dtype).unsqueeze(-1) * block_out.unsqueeze(-2) + torch.matmul(
         comb.to(dtype).transpose(-1, -2), streams
     )
+
+
+def hc_post_pre(
+    streams: torch.Tensor,
+    block_out: torch.Tensor,
+    post: torch.Tensor,
+    comb: torch.Tensor,
+    fn: torch.Tensor,
+    base: torch.Tensor,
+    scale: torch.Tensor,
+    rms_eps: float,
+    hc_eps: float,
+    sinkhorn_iters: int,
+    norm_weight: torch.Tensor | None = None,
+    norm_eps: float = 0.0,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`hc_post` of one site, then `hc_pre` of the next on its output (arguments as theirs).
+    Returns (streams [T, n, D], post [T, n], comb [T, n, n], collapsed [T, D])."""
+    streams = hc_post(streams, block_out, post, comb)
+    return (streams, *hc_pre(streams, fn, base, scale, rms_eps, hc_eps, sinkhorn_iters,
+                             norm_weight, norm_eps))

@@ -45,10 +45,32 @@ def _run(model, backend):
         ops.use("auto")
 
 
+class _Count:
+    """Stands in for a Triton kernel: counts its launches, then runs it."""
+
+    def __init__(self, kernel):
+        self.kernel, self.launches = kernel, 0
+
+    def __getitem__(self, grid):
+        self.launches += 1
+        return self.kernel[grid]
+
+
 @pytest.mark.slow
-def test_tiny_model_triton_equals_reference(tiny):
+def test_tiny_model_triton_equals_reference(tiny, monkeypatch):
+    """Also counts the mHC launches: the 23-token prefill runs each of the 8 sites' mixing
+    pass and expansion apart; a 2-token decode step mixes only at the first site, every other
+    expansion feeding the next site's projection (`hc_post_pre`), the last one alone."""
+    from glm53.kernels import mhc
+
+    counts = {name: _Count(getattr(mhc, name))
+              for name in ("hc_mix_kernel", "hc_post_kernel", "hc_post_mix_kernel")}
     with torch.inference_mode():
         want = _run(tiny, "ref")
+        for name, count in counts.items():
+            monkeypatch.setattr(mhc, name, count)
         got = _run(tiny, "triton")
     for a, b in zip(got, want, strict=True):
         assert rel_err(a, b) < 1e-4
+    assert {n: c.launches for n, c in counts.items()} == {
+        "hc_mix_kernel": 8 + 2 * 1, "hc_post_kernel": 8 + 2 * 1, "hc_post_mix_kernel": 2 * 7}

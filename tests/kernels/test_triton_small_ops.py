@@ -88,6 +88,30 @@ def test_hc_pre_matches_ref(monkeypatch, t, n, d, normed, columns):
         assert torch.allclose(unweighted.square().mean(-1), m / (m + norm[1]), rtol=1e-4)
 
 
+@pytest.mark.parametrize("t", [1, 6, 20])
+@pytest.mark.parametrize("n,d,normed", [(4, 40, True), (2, 1100, False), (2, 1100, True)])
+def test_hc_post_pre_matches_ref(t, n, d, normed):
+    """One site's expansion feeding the next site: fused below 16 tokens (n = 4: 32 columns of
+    D a program, so D = 40 is two programs, the second short; n = 2: 64, 18 programs), the two
+    ops back to back from 16 on; comb not symmetric; the next site's norm fused or not."""
+    from glm53.kernels import mhc
+
+    g = torch.Generator().manual_seed(25)
+    streams, y = torch.randn(t, n, d, generator=g), torch.randn(t, d, generator=g)
+    post, comb = torch.rand(t, n, generator=g) * 2, torch.rand(t, n, n, generator=g)
+    fn = torch.randn((2 + n) * n, n * d, generator=g) * 0.1
+    base, scale = torch.randn((2 + n) * n, generator=g), torch.rand(3, generator=g) + 0.5
+    norm = (torch.rand(d, generator=g) + 0.5, 1e-5) if normed else (None, 0.0)
+    args = (streams, y, post, comb, fn, base, scale)
+    refs = ref_mhc.hc_post_pre(*args, 1e-6, 1e-6, 20, *norm)
+    outs = mhc.hc_post_pre(*(a.to(DEVICE) for a in args), 1e-6, 1e-6, 20,
+                           None if norm[0] is None else norm[0].to(DEVICE), norm[1])
+    assert len(outs) == 4
+    for out, want in zip(outs, refs, strict=True):
+        assert out.shape == want.shape and out.dtype == want.dtype
+        assert rel_err(out, want) < 1e-5
+
+
 @pytest.mark.parametrize("n,d", [(4, 40), (2, 1100), (1, 7)])
 def test_hc_post_matches_ref(n, d):
     """D spans several column blocks (1100 > 512) or is tiny; comb is not symmetric."""
