@@ -47,7 +47,8 @@ def experts_288():
     return random_int4_experts(288, 2048, torch.Generator(device=DEV).manual_seed(0))
 
 
-@pytest.mark.parametrize("tokens", [1, 8, 64, 512])
+# 2048: ~57 rows an expert, the tl.dot variant's blocks of 64 rows (wgmma on sm_90, nibble trick)
+@pytest.mark.parametrize("tokens", [1, 8, 64, 512, 2048])
 def test_moe_int4_288_experts(experts_288, tokens):
     from glm53.kernels import int4
 

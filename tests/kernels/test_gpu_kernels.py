@@ -160,7 +160,17 @@ def test_small_ops():
     post, comb, _ = ref_mhc.hc_pre(streams, fn, base, scale, 1e-5, 1e-6, 20)
     y = torch.randn(16, 4096, generator=gen).to(DEV, torch.bfloat16)
     assert rel_err(mhc.hc_post(streams, y, post, comb),
-               ref_mhc.hc_post(streams.float(), y.float(), post, comb)) < BF16_TOL
+                   ref_mhc.hc_post(streams.float(), y.float(), post, comb)) < BF16_TOL
+    # an expansion feeding the next site: fused at 1 and 8 tokens, the two ops at 16; the
+    # reference expands in fp32 and rounds the streams once, as the kernels do
+    for tokens in (1, 8, 16):
+        args = (streams[:tokens], y[:tokens], post[:tokens], comb[:tokens], fn, base, scale)
+        new = ref_mhc.hc_post(streams[:tokens].float(), y[:tokens].float(), post[:tokens],
+                              comb[:tokens]).to(torch.bfloat16)
+        want = (new, *ref_mhc.hc_pre(new, fn, base, scale, 1e-5, 1e-6, 20, w, 1e-5))
+        got = mhc.hc_post_pre(*args, 1e-5, 1e-6, 20, w, 1e-5)
+        for a, b in zip(got, want, strict=True):
+            assert rel_err(a, b) < BF16_TOL, tokens
 
 
 @pytest.mark.parametrize("tokens", [1, 64, 4096])
