@@ -41,7 +41,7 @@ from .ref.latent_quant import (  # noqa: F401
     store_latent,
 )
 from .ref.mhc import hc_post, hc_post_pre, hc_pre
-from .ref.moe import fused_moe, route_topk, swiglu
+from .ref.moe import fused_moe, route_topk, router_logits, swiglu
 from .ref.norm import rms_norm
 from .ref.rejection import rejection_sample
 from .ref.sampling import apply_penalties, process_logits, random_uniform, sample
@@ -81,6 +81,7 @@ __all__ = [
     "rejection_sample",
     "rms_norm",
     "route_topk",
+    "router_logits",
     "sample",
     "sparse_mla_attention",
     "store_latent",

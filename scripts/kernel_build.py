@@ -349,6 +349,7 @@ def _cases(arch: int) -> dict[str, Callable[[], object]]:
         "int4 moe prefill 8 tokens": int4_call(8, "prefill", e=2),
         "router 64 tokens": lambda: moe.route_topk(z(64, 288, dtype=f32), z(288, dtype=f32), 8,
                                                    True, 2.5),
+        "router logits 4 tokens": lambda: moe.router_logits(z(4, 4096), z(288, 4096, dtype=f32)),
         "rms norm": lambda: norm.rms_norm(z(64, 4096), z(4096), 1e-5),
         "mhc pre": lambda: mhc.hc_pre(streams, z(24, 4 * 4096, dtype=f32), z(24, dtype=f32),
                                       z(3, dtype=f32), 1e-5, 1e-6, 20, z(4096), 1e-5),

@@ -9,7 +9,6 @@ identically. Partial sums of the routed and shared parts meet in one all-reduce.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from glm53.kernels import ops
@@ -63,7 +62,7 @@ class Router(nn.Module):
         self.uniform_routing = False
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        logits = F.linear(x.float(), self.weight.float())
+        logits = ops.router_logits(x, self.weight)
         if self.uniform_routing:
             logits = torch.rand_like(logits)
         return ops.route_topk(logits, self.e_score_correction_bias, self.top_k,

@@ -1,9 +1,15 @@
-"""Reference MoE ops: sigmoid noaux_tc routing and the routed experts (clamped SwiGLU)."""
+"""Reference MoE ops: the fp32 router GEMM, sigmoid noaux_tc routing and the routed experts
+(clamped SwiGLU)."""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+
+def router_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """The router GEMM in fp32: x [T, D] (any float dtype) times weight [E, D] -> [T, E] fp32."""
+    return F.linear(x.float(), weight.float())
 
 
 def route_topk(

@@ -173,6 +173,18 @@ def test_small_ops():
             assert rel_err(a, b) < BF16_TOL, tokens
 
 
+@pytest.mark.parametrize("tokens", [1, 4, 5])
+def test_router_logits(tokens):
+    """The real router GEMM (288 x 4096 fp32) from bf16 x: the kernel up to 4 tokens, cuBLAS
+    on 5."""
+    from glm53.kernels import moe
+
+    gen = torch.Generator(device=DEV).manual_seed(tokens)
+    x = torch.randn(tokens, 4096, generator=gen, device=DEV).to(torch.bfloat16)
+    w = torch.randn(288, 4096, generator=gen, device=DEV) * 0.02
+    assert rel_err(moe.router_logits(x, w), ref_moe.router_logits(x, w)) < 1e-5
+
+
 @pytest.mark.parametrize("tokens", [1, 64, 4096])
 def test_route_topk(tokens):
     """The real router: 288 experts, top-8, renormalised, scaling 2.5; same expert sets."""

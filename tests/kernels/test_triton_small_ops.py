@@ -127,6 +127,21 @@ def test_hc_post_matches_ref(n, d):
     assert rel_err(out, ref_mhc.hc_post(streams, y, post, comb)) < 1e-6
 
 
+@pytest.mark.parametrize("t", [1, 3, 4, 6])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_router_logits_matches_ref(t, dtype):
+    """37 experts, D = 100 (not a power of 2), rows of x strided (a view of a wider tensor);
+    up to 4 tokens the kernel, 6 the fallback; fp32 logits either way."""
+    from glm53.kernels import moe
+
+    g = torch.Generator().manual_seed(26)
+    x = torch.randn(t, 2 * 100, generator=g).to(dtype)[:, :100]
+    w = torch.randn(37, 100, generator=g)
+    out = moe.router_logits(x.to(DEVICE), w.to(DEVICE))
+    assert out.dtype == torch.float32 and out.shape == (t, 37)
+    assert rel_err(out, ref_moe.router_logits(x, w)) < 1e-6
+
+
 @pytest.mark.parametrize("renormalize", [True, False])
 def test_route_topk_matches_ref(renormalize):
     """288-style routing on an awkward expert count (37, not a power of 2), strided logits,
