@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU validation run of the kernels issue, on one bare GPU machine from the repo root:
-#   bash scripts/gpu_check.sh tests|kernels|slice|experts|int4|kv|rank0|serving|adaptive [COMMIT]
+#   bash scripts/gpu_check.sh tests|kernels|slice|experts|int4|int4dot|kv|rank0|serving|adaptive [COMMIT]
 # tests:   every `gpu`-marked test (junit XML + log; the first run compiles every kernel and lets
 #          fla autotune: ~10 minutes in one process, spread over GPU_TEST_WORKERS (4) processes
 #          when pytest-xdist is carried)
@@ -13,9 +13,9 @@
 # int4:    the int4 decode GEMV's question: benchmarks/int4_access.py (the bandwidth of its
 #          access pattern alone, row-major vs tile-contiguous), then moe_4bit.py with bf16,
 #          row-major int4 and tiled int4 (int4t) at 1, 8 and 64 tokens, and int4's dot-free
-#          against its tl.dot variant at 32 and 64 tokens (GEMV_MAX_TOKENS 128 vs 16), and the
-#          tl.dot variant's blocks (DOT_BM_MAX 16 or 64, DOT_TILE) and dequantisation (nibble
-#          trick from 16 rows a block or never) at 512 and 2048 tokens
+#          against its tl.dot variant at 32 and 64 tokens (GEMV_MAX_TOKENS 128 vs 16)
+# int4dot: the tl.dot variant's blocks (DOT_BM_MAX 16 or 64, DOT_TILE) and dequantisation
+#          (nibble trick from 16 rows a block or never) at 512 and 2048 tokens, against bf16
 # kv:      the quantised latent cache: its gpu tests, then benchmarks/slice.py decode at 32K
 #          (batch 1 and 64) and 4K prefill with bf16, fp8 and nvfp4 rows
 # rank0:   benchmarks/rank0.py with int4 experts over the three cache formats (GPUs of
@@ -74,7 +74,8 @@ case $stage in
       --sweep-tokens 32,64 --sweep GEMV_MAX_TOKENS=16,128 --sweep GEMV_BN13=64 \
       --sweep GEMV_BN2=128 --sweep GEMV_WARPS=4 --sweep GEMV_PROGRAMS_PER_SM=4 \
       --sweep GEMV_AHEAD=1 --commit "$commit" \
-      --json "$out/moe_4bit_crossover_${dev}_$commit.json" 2>&1 | tail -n 12
+      --json "$out/moe_4bit_crossover_${dev}_$commit.json" 2>&1 | tail -n 12 ;;
+  int4dot)
     python benchmarks/moe_4bit.py --formats bf16,int4 --tokens 512,2048 --repeats 5 \
       --int4-sweep --sweep-tokens 512,2048 --sweep DOT_BM_MAX=16,64 --sweep DOT_TILE=2048,4096 \
       --sweep DOT_NIBBLE_MIN_ROWS=16,128 --sweep GEMV_BN13=64 --sweep GEMV_BN2=128 \
