@@ -80,8 +80,9 @@ DOT_NIBBLE_MIN_ROWS = 32
 # per K step, warps. Measured on an H200 with blocks of 16 rows over BN 16-128, BK 128-512, 4
 # or 8 warps: time fell with BN at every size (BN 128 best from T*k = 512, 64 below), BK 128
 # best, 4 warps best. Blocks of more rows keep BM x BN <= DOT_TILE accumulators a tensor (w13
-# holds two: gate and up): at 64 rows BN 64, whose sm_90 w13 loop takes 7.2 instructions a
-# weight (247 registers, no spills), against 9.5 at BN 32 (143 registers): not yet timed.
+# holds two: gate and up): at 64 rows BN 64 (sm_90, before the nibble trick: w13's loop 7.2
+# instructions a weight at 247 registers, no spills, against 9.5 at BN 32 and 143 registers;
+# with it 7.3 at 255): not yet timed.
 # SM120 (mma.sync: operands in registers) spills at 64 x 64 and takes 64 x 32.
 DECODE_BN, DECODE_BN_WIDE, DECODE_BK, DECODE_WARPS = 64, 128, 128, 4
 DOT_TILE, DOT_TILE_SM120 = 64 * 64, 64 * 32
