@@ -111,7 +111,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--bandwidth", type=float, default=None,
-                    help="peak B/s for the % column (default: 3.35e12 on an H100, 4.8e12 else)")
+                    help="peak B/s for the %% column (default: 3.35e12 on an H100, 4.8e12 else)")
     ap.add_argument("--json")
     ap.add_argument("--commit", help="the commit measured (the device copy has no .git)")
     args = ap.parse_args()
