@@ -196,16 +196,24 @@ def int4_tile(q_e, s_e, z_e, rows, m_n, j, m_j, k0h, KH, NG, one, GH: tl.constex
 
 
 @triton.jit
-def even_odd(p_rows, m_rows, c0, C, BKH: tl.constexpr, DT: tl.constexpr):
-    """Columns c0 .. c0 + 2 BKH of the rows p_rows [BM] (pointers; m_rows: which are real) as
-    (even columns, odd columns), each [BM, BKH] in DT: one contiguous load a row, split in
-    registers (two stride-2 loads take an instruction per element: at 64 rows a block the
-    sm_90 loop of w13 fell from 912 to 607 instructions, w2's from 506 to 362; at 16 rows,
-    where this made w13 spill, the kernels keep the stride-2 loads)."""
-    o_c = c0 + tl.arange(0, 2 * BKH)
-    b = tl.load(p_rows[:, None] + o_c[None, :], mask=m_rows[:, None] & (o_c < C)[None, :],
-                other=0.0)
-    even, odd = tl.split(tl.reshape(b, [b.shape[0], BKH, 2]))
+def even_odd(p_rows, m_rows, c0, C, BKH: tl.constexpr, DT: tl.constexpr,
+             ONE_LOAD: tl.constexpr):
+    """Columns c0 .. c0 + 2 BKH (of C) of the rows p_rows [BM] (pointers; m_rows: which are
+    real) as (even columns, odd columns), each [BM, BKH] in DT. ONE_LOAD: one contiguous load
+    a row, split in registers; else two stride-2 loads, an instruction per element. At 64
+    rows a block one load took the sm_90 loop of w13 from 912 to 607 instructions, w2's from
+    506 to 362; at 16 rows it made w13 spill, so blocks of 16 take the stride-2 loads."""
+    if ONE_LOAD:
+        o_c = c0 + tl.arange(0, 2 * BKH)
+        b = tl.load(p_rows[:, None] + o_c[None, :],
+                    mask=m_rows[:, None] & (o_c < C)[None, :], other=0.0)
+        even, odd = tl.split(tl.reshape(b, [b.shape[0], BKH, 2]))
+    else:
+        o_c = c0 + 2 * tl.arange(0, BKH)
+        p = p_rows[:, None] + o_c[None, :]
+        m = m_rows[:, None] & (o_c < C)[None, :]
+        even = tl.load(p, mask=m, other=0.0)
+        odd = tl.load(p + 1, mask=m, other=0.0)
     return even.to(DT), odd.to(DT)
 
 
@@ -235,13 +243,7 @@ def w13_swiglu_kernel(x, q, scale, zero, blocks, sorted_tok, act, stride_x, INTE
     for k0h in range(0, KH, BKH):
         j = k0h + tl.arange(0, BKH)
         m_j = j < KH
-        if BM >= 32:
-            x_even, x_odd = even_odd(x + tok * stride_x, m_m, 2 * k0h, 2 * KH, BKH, DT)
-        else:
-            p_x = x + tok[:, None] * stride_x + 2 * j[None, :]
-            m_x = m_m[:, None] & m_j[None, :]
-            x_even = tl.load(p_x, mask=m_x, other=0.0).to(DT)
-            x_odd = tl.load(p_x + 1, mask=m_x, other=0.0).to(DT)
+        x_even, x_odd = even_odd(x + tok * stride_x, m_m, 2 * k0h, 2 * KH, BKH, DT, BM >= 32)
         w_even, w_odd = int4_tile(q_e, s_e, z_e, o_n, m_n, j, m_j, k0h, KH, NG, one, GH,
                                   GROUPS, DT, NIBBLE)
         acc_g = tl.dot(x_odd, w_odd, tl.dot(x_even, w_even, acc_g))
@@ -277,13 +279,7 @@ def w2_kernel(act, q, scale, zero, blocks, sorted_tok, sorted_w, out, D, INTER, 
     for k0h in range(0, KH, BKH):
         j = k0h + tl.arange(0, BKH)
         m_j = j < KH
-        if BM >= 32:
-            a_even, a_odd = even_odd(act + o_m * INTER, m_m, 2 * k0h, INTER, BKH, DT)
-        else:
-            p_a = act + o_m[:, None] * INTER + 2 * j[None, :]
-            m_a = m_m[:, None] & m_j[None, :]
-            a_even = tl.load(p_a, mask=m_a, other=0.0).to(DT)
-            a_odd = tl.load(p_a + 1, mask=m_a, other=0.0).to(DT)
+        a_even, a_odd = even_odd(act + o_m * INTER, m_m, 2 * k0h, INTER, BKH, DT, BM >= 32)
         w_even, w_odd = int4_tile(q_e, s_e, z_e, o_n, m_n, j, m_j, k0h, KH, NG, one, GH,
                                   GROUPS, DT, NIBBLE)
         acc = tl.dot(a_odd, w_odd, tl.dot(a_even, w_even, acc))

@@ -23,6 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .ref import moe as ref_moe
 from .utils import next_pow2
 
 __all__ = ["fused_moe", "route_topk", "router_logits", "swiglu"]
@@ -50,7 +51,7 @@ def router_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     logits [T, E] fp32."""
     n_tok, d = x.shape
     if n_tok > ROUTER_GEMV_MAX_TOKENS or x.stride(1) != 1:
-        return torch.nn.functional.linear(x.float(), weight.float())
+        return ref_moe.router_logits(x, weight)
     weight = weight.float().contiguous()
     out = torch.empty((n_tok, weight.shape[0]), dtype=torch.float32, device=x.device)
     if n_tok:

@@ -135,9 +135,9 @@ def test_decode_variant_choice(monkeypatch):
     assert [int4_gemv.rows_per_block(t, 128, 128) for t in (1, 16, 17, 64, 65, 128, 129)] == \
         [1, 1, 2, 2, 4, 4, 0]
     assert int4_gemv.rows_per_block(1, 12, 128) == 0
-    monkeypatch.setattr(int4_gemv, "GEMV_MAX_TOKENS", 16)  # the sweep's crossover
-    assert [int4_gemv.rows_per_block(t, 128, 128) for t in (16, 17, 64)] == [1, 0, 0]
-    monkeypatch.undo()
+    with monkeypatch.context() as patch:
+        patch.setattr(int4_gemv, "GEMV_MAX_TOKENS", 16)  # the sweep's crossover
+        assert [int4_gemv.rows_per_block(t, 128, 128) for t in (16, 17, 64)] == [1, 0, 0]
     cpu = torch.device("cpu")
     assert int4_gemv._w2_split(16, 256, cpu) == 2  # T = 1: 8 experts x 32 column tiles
     # w13 columns: halved while under half of 4 programs x 132 SMs
