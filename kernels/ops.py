@@ -27,6 +27,7 @@ from .ref.kda import (
     kda_gated_attention,
 )
 from .ref.kda_mixer import kda_mixer
+from .ref.linear import linear
 
 # E4M3_MAX, check_outer_scale, row_bytes, fp8_row_bytes, fp8_row_parts: the byte layouts of
 # quantised KV-cache rows, for the code that sizes caches, checks scale banks and reads fp8 rows
@@ -70,6 +71,7 @@ __all__ = [
     "kda_commit",
     "kda_gate",
     "kda_gated_attention",
+    "linear",
     "kda_mixer",
     "merge_attention_states",
     "moe_exl3",
@@ -93,8 +95,8 @@ __all__ = [
 # --- backend switch ---------------------------------------------------------------------------
 
 # kernel modules: kernels/<name>.py holds the Triton twins of kernels/ref/<name>.py
-KERNEL_MODULES = ("exl3", "int4", "kda", "kda_mixer", "latent_quant", "mhc", "moe", "norm",
-                  "sparse_mla")
+KERNEL_MODULES = ("exl3", "int4", "kda", "kda_mixer", "latent_quant", "linear", "mhc", "moe",
+                  "norm", "sparse_mla")
 BACKENDS = ("auto", "triton", "ref")
 _backend = "auto"
 _triton: dict[str, Callable] | None = None

@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from glm53.kernels import ops
 from ..parallel import ParallelState, split
 
 
@@ -32,9 +33,7 @@ class Linear(nn.Module):
 
     def forward(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """x: [..., in] -> [..., out]; `out` (x 2-D): the GEMM writes there, no new tensor."""
-        if out is None:
-            return F.linear(x.to(self.weight.dtype), self.weight)
-        return torch.mm(x.to(self.weight.dtype), self.weight.t(), out=out)
+        return ops.linear(x, self.weight, out)
 
 
 class ColumnParallelLinear(Linear):

@@ -1,0 +1,114 @@
+"""Dense projections of a few tokens as one GEMV launch (the Triton twin of `ref/linear.py`).
+
+At decode the dense weights (in_proj, o_proj, the dense FFNs, q/kv projections, the LM head:
+8.6 GB of a rank-0 step's ~11) are read for 1-8 token rows. cuBLAS picks split-K kernels for
+the narrow ones, a second (reduce) launch each: 72 of a 24-layer batch-1 step's 280 GEMM
+launches on an H100 (rank0_l24_h100_int4_a4b1ae6.json). Here one program owns BN output rows
+over the whole K: it streams [BN, BK] weight tiles with the next tile loaded before this one's
+products, keeps the products per K lane in fp32 registers ([BT, BN, BK]) and reduces them once
+after the loop, so every sum runs in one program in a fixed order (no atomics, no scratch, no
+second launch). BN shrinks (16, 8, 4, 2) until the grid has GEMV_PROGRAMS_PER_SM programs per
+SM, because a program keeps only ~2 tiles in flight and the bandwidth needs many in flight.
+
+Past GEMV_MAX_TOKENS rows (and for x whose rows are not contiguous, or K not a multiple of 8)
+the reference (cuBLAS) runs: each program then rereads its tile per token block, and tensor
+cores win. The constants are read at call time (benchmarks/dense_gemv.py sweeps them).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from .ref import linear as ref_linear
+from .utils import INTERPRET, next_pow2
+
+__all__ = ["linear"]
+
+# token rows up to which the GEMV runs (register cost grows with them: BT x BN x BK / threads)
+GEMV_MAX_TOKENS = 4
+# K elements per step (a row's step is BK * 2 contiguous bytes) and warps per program
+GEMV_BK, GEMV_WARPS = 256, 4
+# output rows per program at one token (divided by the token rows at more), and the programs
+# per SM the grid is shrunk-BN towards
+GEMV_BN_MAX, GEMV_PROGRAMS_PER_SM = 16, 4
+# fp32 products a program keeps per K lane (BT x BN x BK): 32 registers a thread at 4 warps
+GEMV_ACC = 4096
+
+
+@triton.jit
+def linear_gemv_kernel(x, w, out, T, N, K, stride_x, stride_o, BT: tl.constexpr,
+                       BN: tl.constexpr, BK: tl.constexpr, EVEN_K: tl.constexpr):
+    """Program i_n: out[t, i_n*BN : +BN] = x[t] . w[rows] for the T <= BT token rows."""
+    i_n = tl.program_id(0)
+    o_n = i_n * BN + tl.arange(0, BN)
+    m_n = o_n < N
+    o_t = tl.arange(0, BT)
+    m_t = o_t < T
+    o_k = tl.arange(0, BK)
+    p_w = w + o_n.to(tl.int64)[:, None] * K + o_k[None, :]
+    p_x = x + o_t[:, None] * stride_x + o_k[None, :]
+    m_w = m_n[:, None]
+    m_x = m_t[:, None]
+    if not EVEN_K:
+        m_w = m_w & (o_k[None, :] < K)
+        m_x = m_x & (o_k[None, :] < K)
+    b_w = tl.load(p_w, mask=m_w, other=0.0)
+    b_x = tl.load(p_x, mask=m_x, other=0.0)
+    acc = tl.zeros([BT, BN, BK], dtype=tl.float32)
+    for k in range(BK, K, BK):
+        # the next step's tiles before this step's products
+        m_wn = m_n[:, None]
+        m_xn = m_t[:, None]
+        if not EVEN_K:
+            m_wn = m_wn & (o_k[None, :] + k < K)
+            m_xn = m_xn & (o_k[None, :] + k < K)
+        n_w = tl.load(p_w + k, mask=m_wn, other=0.0)
+        n_x = tl.load(p_x + k, mask=m_xn, other=0.0)
+        acc += b_x.to(tl.float32)[:, None, :] * b_w.to(tl.float32)[None, :, :]
+        b_w, b_x = n_w, n_x
+    acc += b_x.to(tl.float32)[:, None, :] * b_w.to(tl.float32)[None, :, :]
+    y = tl.sum(acc, 2)
+    tl.store(out + o_t[:, None] * stride_o + o_n[None, :], y.to(out.dtype.element_ty),
+             mask=m_t[:, None] & m_n[None, :])
+
+
+@functools.cache
+def _num_sms(device: torch.device) -> int:
+    """SMs of `device`, asked once (every decode step sizes its grids from it)."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 132  # an H100 / H200
+
+
+def gemv_tile(t: int, n: int, k: int, device: torch.device) -> tuple[int, int, int]:
+    """(BT, BN, BK) for t token rows of an [n, k] weight. BN: GEMV_BN_MAX / BT, halved (down to
+    2) while the grid has fewer than GEMV_PROGRAMS_PER_SM programs per SM; BK: GEMV_BK within
+    the GEMV_ACC products."""
+    bt = next_pow2(t)
+    bn = max(2, GEMV_BN_MAX // bt)
+    while bn > 2 and triton.cdiv(n, bn) < GEMV_PROGRAMS_PER_SM * _num_sms(device):
+        bn //= 2
+    return bt, bn, max(16, min(GEMV_BK, next_pow2(k), GEMV_ACC // (bt * bn)))
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor,
+           out: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., K] times weight [N, K] -> [..., N] in weight's dtype (`out`: x 2-D, [T, N],
+    rows contiguous: written there). Up to GEMV_MAX_TOKENS rows one GEMV launch, else cuBLAS."""
+    n, k = weight.shape
+    x2 = x.reshape(-1, k)
+    t = x2.shape[0]
+    if (t > GEMV_MAX_TOKENS or t == 0 or k % 8 or x2.stride(-1) != 1
+            or not weight.is_contiguous() or (out is not None and out.stride(-1) != 1)):
+        return ref_linear.linear(x, weight, out)
+    x2 = x2.to(weight.dtype)
+    y = out if out is not None else torch.empty(t, n, dtype=weight.dtype, device=x.device)
+    bt, bn, bk = gemv_tile(t, n, k, x.device)
+    linear_gemv_kernel[(triton.cdiv(n, bn),)](
+        x2, weight, y, t, n, k, x2.stride(0), y.stride(0), BT=bt, BN=bn, BK=bk,
+        EVEN_K=k % bk == 0, num_warps=1 if INTERPRET else GEMV_WARPS)
+    return y if out is not None else y.view(*x.shape[:-1], n)
