@@ -40,9 +40,11 @@ GEMV_ACC = 4096
 
 
 @triton.jit
-def linear_gemv_kernel(x, w, out, T, N, K, stride_x, stride_o, BT: tl.constexpr,
-                       BN: tl.constexpr, BK: tl.constexpr, EVEN_K: tl.constexpr):
-    """Program i_n: out[t, i_n*BN : +BN] = x[t] . w[rows] for the T <= BT token rows."""
+def linear_gemv_kernel(x, w, out, add, T, N, K, stride_x, stride_o, stride_a, BT: tl.constexpr,
+                       BN: tl.constexpr, BK: tl.constexpr, EVEN_K: tl.constexpr,
+                       ADD: tl.constexpr):
+    """Program i_n: out[t, i_n*BN : +BN] = x[t] . w[rows] (+ add[t, rows] if ADD) for the
+    T <= BT token rows."""
     i_n = tl.program_id(0)
     o_n = i_n * BN + tl.arange(0, BN)
     m_n = o_n < N
@@ -72,8 +74,10 @@ def linear_gemv_kernel(x, w, out, T, N, K, stride_x, stride_o, BT: tl.constexpr,
         b_w, b_x = n_w, n_x
     acc += b_x.to(tl.float32)[:, None, :] * b_w.to(tl.float32)[None, :, :]
     y = tl.sum(acc, 2)
-    tl.store(out + o_t[:, None] * stride_o + o_n[None, :], y.to(out.dtype.element_ty),
-             mask=m_t[:, None] & m_n[None, :])
+    m_y = m_t[:, None] & m_n[None, :]
+    if ADD:
+        y += tl.load(add + o_t[:, None] * stride_a + o_n[None, :], mask=m_y).to(tl.float32)
+    tl.store(out + o_t[:, None] * stride_o + o_n[None, :], y.to(out.dtype.element_ty), mask=m_y)
 
 
 @functools.cache
@@ -95,20 +99,24 @@ def gemv_tile(t: int, n: int, k: int, device: torch.device) -> tuple[int, int, i
     return bt, bn, max(16, min(GEMV_BK, next_pow2(k), GEMV_ACC // (bt * bn)))
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor,
-           out: torch.Tensor | None = None) -> torch.Tensor:
-    """x [..., K] times weight [N, K] -> [..., N] in weight's dtype (`out`: x 2-D, [T, N],
-    rows contiguous: written there). Up to GEMV_MAX_TOKENS rows one GEMV launch, else cuBLAS."""
+def linear(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = None,
+           add: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., K] times weight [N, K] -> [..., N] in weight's dtype, plus `add` ([..., N],
+    summed in fp32 before the one rounding) if given; `out` (x 2-D, [T, N], rows contiguous):
+    written there. Up to GEMV_MAX_TOKENS rows one GEMV launch, else cuBLAS (and an add)."""
     n, k = weight.shape
     x2 = x.reshape(-1, k)
     t = x2.shape[0]
+    add2 = None if add is None else add.reshape(-1, n)
     if (t > GEMV_MAX_TOKENS or t == 0 or k % 8 or x2.stride(-1) != 1
-            or not weight.is_contiguous() or (out is not None and out.stride(-1) != 1)):
-        return ref_linear.linear(x, weight, out)
+            or not weight.is_contiguous() or (out is not None and out.stride(-1) != 1)
+            or (add2 is not None and add2.stride(-1) != 1)):
+        return ref_linear.linear(x, weight, out, add)
     x2 = x2.to(weight.dtype)
     y = out if out is not None else torch.empty(t, n, dtype=weight.dtype, device=x.device)
     bt, bn, bk = gemv_tile(t, n, k, x.device)
     linear_gemv_kernel[(triton.cdiv(n, bn),)](
-        x2, weight, y, t, n, k, x2.stride(0), y.stride(0), BT=bt, BN=bn, BK=bk,
-        EVEN_K=k % bk == 0, num_warps=1 if INTERPRET else GEMV_WARPS)
+        x2, weight, y, y if add2 is None else add2, t, n, k, x2.stride(0), y.stride(0),
+        0 if add2 is None else add2.stride(0), BT=bt, BN=bn, BK=bk, EVEN_K=k % bk == 0,
+        ADD=add2 is not None, num_warps=1 if INTERPRET else GEMV_WARPS)
     return y if out is not None else y.view(*x.shape[:-1], n)

@@ -31,9 +31,11 @@ class Linear(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype))
 
-    def forward(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        """x: [..., in] -> [..., out]; `out` (x 2-D): the GEMM writes there, no new tensor."""
-        return ops.linear(x, self.weight, out)
+    def forward(self, x: torch.Tensor, out: torch.Tensor | None = None,
+                add: torch.Tensor | None = None) -> torch.Tensor:
+        """x: [..., in] -> [..., out], plus `add` ([..., out]) if given; `out` (x 2-D): the
+        GEMM writes there, no new tensor."""
+        return ops.linear(x, self.weight, out, add)
 
 
 class ColumnParallelLinear(Linear):

@@ -31,9 +31,10 @@ class MLP(nn.Module):
         self.limit = swiglu_limit
         self.partial = ps.tp_size > 1
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, add: torch.Tensor | None = None) -> torch.Tensor:
+        """x [T, hidden] -> [T, hidden], plus `add` if given (summed by the down projection)."""
         gate, up = self.gate_up_proj.split(self.gate_up_proj(x))
-        return self.down_proj(ops.swiglu(gate, up, self.limit))
+        return self.down_proj(ops.swiglu(gate, up, self.limit), add=add)
 
 
 class DenseFFN(MLP):
@@ -85,11 +86,11 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.gate(x)
         routed = self.experts(x, weights, ids)
-        shared = self.shared_experts(x)
-        if self.experts.partial and self.shared_experts.partial:
-            return self.ps.all_reduce(routed + shared)
-        if self.experts.partial:
-            return self.ps.all_reduce(routed) + shared
-        if self.shared_experts.partial:
-            return routed + self.ps.all_reduce(shared)
-        return routed + shared
+        if self.shared_experts.partial and not self.experts.partial:
+            return routed + self.ps.all_reduce(self.shared_experts(x))
+        if self.experts.partial and not self.shared_experts.partial:
+            routed = self.ps.all_reduce(routed)
+        # the shared expert's down projection adds the routed sum (no separate add launch);
+        # both partial: one all-reduce of the two
+        out = self.shared_experts(x, add=routed)
+        return self.ps.all_reduce(out) if self.shared_experts.partial else out

@@ -6,11 +6,12 @@ import torch
 import torch.nn.functional as F
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor,
-           out: torch.Tensor | None = None) -> torch.Tensor:
-    """x [..., K] (cast to weight's dtype) times weight [N, K] -> [..., N] in weight's dtype;
-    `out` (x 2-D, [T, N]): the product is written there and returned."""
+def linear(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = None,
+           add: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., K] (cast to weight's dtype) times weight [N, K] -> [..., N] in weight's dtype,
+    plus `add` ([..., N]) if given; `out` (x 2-D, [T, N]): the result is written there."""
     x = x.to(weight.dtype)
-    if out is None:
-        return F.linear(x, weight)
-    return torch.mm(x, weight.t(), out=out)
+    y = F.linear(x, weight) if out is None else torch.mm(x, weight.t(), out=out)
+    if add is not None:
+        y += add
+    return y

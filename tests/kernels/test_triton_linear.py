@@ -32,6 +32,20 @@ def test_linear_gemv_matches_ref(t, n, k):
     assert rel_err(out, ref_linear.linear(x, w)) < 1e-6
 
 
+def test_linear_gemv_adds_in_the_epilogue():
+    """`add` (e.g. the routed experts' sum into the shared expert's down projection), with
+    strided rows, on 3 token rows."""
+    from glm53.kernels import linear
+
+    g = torch.Generator().manual_seed(34)
+    x, w = torch.randn(3, 200, generator=g), torch.randn(50, 200, generator=g)
+    add = torch.randn(3, 100, generator=g)[:, :50] * 10
+    out = linear.linear(x.to(DEVICE), w.to(DEVICE), add=add.to(DEVICE))
+    want = ref_linear.linear(x, w, add=add)
+    assert rel_err(want, x @ w.t() + add) < 1e-6
+    assert rel_err(out, want) < 1e-6
+
+
 def test_linear_gemv_bf16_writes_out_and_keeps_leading_dims():
     from glm53.kernels import linear
 
