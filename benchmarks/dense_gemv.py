@@ -9,7 +9,7 @@ weight (>= 256 MB) that L2 holds none of them, captured in one CUDA graph per ro
 constants (module attributes of glm53.kernels.linear). `--smoke` runs the tiny shapes'
 correctness only (CPU under TRITON_INTERPRET=1).
 
-  python benchmarks/dense_gemv.py --tokens 1,2,4,8 --json benchmarks/results/dense_gemv_<dev>_<commit>.json
+  python benchmarks/dense_gemv.py --tokens 1,2,4,8 --json dense_gemv_<dev>_<commit>.json
 """
 
 from __future__ import annotations

@@ -27,7 +27,6 @@ from .ref.kda import (
     kda_gated_attention,
 )
 from .ref.kda_mixer import kda_mixer
-from .ref.linear import linear
 
 # E4M3_MAX, check_outer_scale, row_bytes, fp8_row_bytes, fp8_row_parts: the byte layouts of
 # quantised KV-cache rows, for the code that sizes caches, checks scale banks and reads fp8 rows
@@ -41,6 +40,7 @@ from .ref.latent_quant import (  # noqa: F401
     row_bytes,
     store_latent,
 )
+from .ref.linear import linear
 from .ref.mhc import hc_post, hc_post_pre, hc_pre
 from .ref.moe import fused_moe, route_topk, router_logits, swiglu
 from .ref.norm import rms_norm

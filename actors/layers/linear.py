@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from glm53.kernels import ops
+
 from ..parallel import ParallelState, split
 
 
