@@ -23,31 +23,41 @@ import torch
 import triton
 import triton.language as tl
 
+from . import moe
 from .ref import linear as ref_linear
 from .utils import INTERPRET, next_pow2
 
-__all__ = ["linear"]
+__all__ = ["linear", "linear_swiglu"]
 
 # token rows up to which the GEMV runs (register cost grows with them: BT x BN x BK / threads)
 GEMV_MAX_TOKENS = 4
-# K elements per step (a row's step is BK * 2 contiguous bytes) and warps per program
-GEMV_BK, GEMV_WARPS = 256, 4
+# most K elements per step (a row's step is BK * 2 contiguous bytes) and warps per program
+GEMV_BK, GEMV_WARPS = 2048, 4
 # output rows per program at one token (divided by the token rows at more), and the programs
 # per SM the grid is shrunk-BN towards
 GEMV_BN_MAX, GEMV_PROGRAMS_PER_SM = 16, 4
-# fp32 products a program keeps per K lane (BT x BN x BK): 32 registers a thread at 4 warps
+# fp32 products a program keeps per K lane (BT x BN x BK): 32 registers a thread at 4 warps;
+# BK takes what BT x BN leaves, so every tile streams the same bytes a step
 GEMV_ACC = 4096
 
 
 @triton.jit
-def linear_gemv_kernel(x, w, out, add, T, N, K, stride_x, stride_o, stride_a, BT: tl.constexpr,
-                       BN: tl.constexpr, BK: tl.constexpr, EVEN_K: tl.constexpr,
-                       ADD: tl.constexpr):
+def linear_gemv_kernel(x, w, out, add, T, N, K, stride_x, stride_o, stride_a, limit,
+                       BT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                       EVEN_K: tl.constexpr, ADD: tl.constexpr, SWIGLU: tl.constexpr):
     """Program i_n: out[t, i_n*BN : +BN] = x[t] . w[rows] (+ add[t, rows] if ADD) for the
-    T <= BT token rows."""
+    T <= BT token rows. SWIGLU: w is [gate; up] (N rows, N/2 each) and the program takes BN/2
+    gate rows interleaved with their up rows (2j: gate j, 2j+1: up j), writing
+    out[t, i_n*BN/2 : +BN/2] = silu(min(gate, limit)) * clamp(up, +-limit) from the fp32 sums."""
     i_n = tl.program_id(0)
-    o_n = i_n * BN + tl.arange(0, BN)
-    m_n = o_n < N
+    if SWIGLU:
+        o_j = tl.arange(0, BN)
+        o_c = i_n * (BN // 2) + o_j // 2
+        m_n = o_c < N // 2
+        o_n = o_c + (o_j % 2) * (N // 2)
+    else:
+        o_n = i_n * BN + tl.arange(0, BN)
+        m_n = o_n < N
     o_t = tl.arange(0, BT)
     m_t = o_t < T
     o_k = tl.arange(0, BK)
@@ -74,6 +84,12 @@ def linear_gemv_kernel(x, w, out, add, T, N, K, stride_x, stride_o, stride_a, BT
         b_w, b_x = n_w, n_x
     acc += b_x.to(tl.float32)[:, None, :] * b_w.to(tl.float32)[None, :, :]
     y = tl.sum(acc, 2)
+    if SWIGLU:
+        gate, up = tl.split(tl.reshape(y, [BT, BN // 2, 2]))
+        gate = tl.minimum(gate, limit)
+        y = gate * tl.sigmoid(gate) * tl.minimum(tl.maximum(up, -limit), limit)
+        o_n = i_n * (BN // 2) + tl.arange(0, BN // 2)
+        m_n = o_n < N // 2
     m_y = m_t[:, None] & m_n[None, :]
     if ADD:
         y += tl.load(add + o_t[:, None] * stride_a + o_n[None, :], mask=m_y).to(tl.float32)
@@ -90,13 +106,31 @@ def _num_sms(device: torch.device) -> int:
 
 def gemv_tile(t: int, n: int, k: int, device: torch.device) -> tuple[int, int, int]:
     """(BT, BN, BK) for t token rows of an [n, k] weight. BN: GEMV_BN_MAX / BT, halved (down to
-    2) while the grid has fewer than GEMV_PROGRAMS_PER_SM programs per SM; BK: GEMV_BK within
-    the GEMV_ACC products."""
+    2) while the grid has fewer than GEMV_PROGRAMS_PER_SM programs per SM; BK: the GEMV_ACC
+    products over BT x BN, at most GEMV_BK and K's power of two."""
     bt = next_pow2(t)
     bn = max(2, GEMV_BN_MAX // bt)
     while bn > 2 and triton.cdiv(n, bn) < GEMV_PROGRAMS_PER_SM * _num_sms(device):
         bn //= 2
     return bt, bn, max(16, min(GEMV_BK, next_pow2(k), GEMV_ACC // (bt * bn)))
+
+
+def _gemv_fits(x2: torch.Tensor, weight: torch.Tensor, *rows_of: torch.Tensor | None) -> bool:
+    """Whether the GEMV takes x2 [T, K] times weight: few rows, K in whole 16-byte words,
+    contiguous rows everywhere (x2 and the `rows_of` tensors given)."""
+    return (0 < x2.shape[0] <= GEMV_MAX_TOKENS and weight.shape[1] % 8 == 0
+            and weight.is_contiguous() and x2.stride(-1) == 1
+            and all(r is None or r.stride(-1) == 1 for r in rows_of))
+
+
+def _launch(x2, weight, y, add2, limit, swiglu):
+    t, (n, k) = x2.shape[0], weight.shape
+    bt, bn, bk = gemv_tile(t, n, k, x2.device)
+    linear_gemv_kernel[(triton.cdiv(n, bn),)](
+        x2, weight, y, y if add2 is None else add2, t, n, k, x2.stride(0), y.stride(0),
+        0 if add2 is None else add2.stride(0), float(limit), BT=bt, BN=bn, BK=bk,
+        EVEN_K=k % bk == 0, ADD=add2 is not None, SWIGLU=swiglu,
+        num_warps=1 if INTERPRET else GEMV_WARPS)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = None,
@@ -106,17 +140,24 @@ def linear(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = Non
     written there. Up to GEMV_MAX_TOKENS rows one GEMV launch, else cuBLAS (and an add)."""
     n, k = weight.shape
     x2 = x.reshape(-1, k)
-    t = x2.shape[0]
     add2 = None if add is None else add.reshape(-1, n)
-    if (t > GEMV_MAX_TOKENS or t == 0 or k % 8 or x2.stride(-1) != 1
-            or not weight.is_contiguous() or (out is not None and out.stride(-1) != 1)
-            or (add2 is not None and add2.stride(-1) != 1)):
+    if not _gemv_fits(x2, weight, out, add2):
         return ref_linear.linear(x, weight, out, add)
     x2 = x2.to(weight.dtype)
-    y = out if out is not None else torch.empty(t, n, dtype=weight.dtype, device=x.device)
-    bt, bn, bk = gemv_tile(t, n, k, x.device)
-    linear_gemv_kernel[(triton.cdiv(n, bn),)](
-        x2, weight, y, y if add2 is None else add2, t, n, k, x2.stride(0), y.stride(0),
-        0 if add2 is None else add2.stride(0), BT=bt, BN=bn, BK=bk, EVEN_K=k % bk == 0,
-        ADD=add2 is not None, num_warps=1 if INTERPRET else GEMV_WARPS)
+    y = out if out is not None else torch.empty(x2.shape[0], n, dtype=weight.dtype,
+                                                device=x.device)
+    _launch(x2, weight, y, add2, 0.0, False)
     return y if out is not None else y.view(*x.shape[:-1], n)
+
+
+def linear_swiglu(x: torch.Tensor, weight: torch.Tensor, limit: float) -> torch.Tensor:
+    """swiglu of x [..., K] times weight [2I, K] = [gate; up] -> [..., I] in weight's dtype,
+    from the fp32 sums (one launch, no [T, 2I] intermediate); past the GEMV's rows cuBLAS and
+    `moe.swiglu` (two launches)."""
+    n, k = weight.shape
+    x2 = x.reshape(-1, k)
+    if not _gemv_fits(x2, weight):
+        return moe.swiglu(*ref_linear.linear(x, weight).chunk(2, dim=-1), limit)
+    y = torch.empty(x2.shape[0], n // 2, dtype=weight.dtype, device=x.device)
+    _launch(x2.to(weight.dtype), weight, y, None, limit, True)
+    return y.view(*x.shape[:-1], n // 2)

@@ -40,7 +40,7 @@ from .ref.latent_quant import (  # noqa: F401
     row_bytes,
     store_latent,
 )
-from .ref.linear import linear
+from .ref.linear import linear, linear_swiglu
 from .ref.mhc import hc_post, hc_post_pre, hc_pre
 from .ref.moe import fused_moe, route_topk, router_logits, swiglu
 from .ref.norm import rms_norm
@@ -72,6 +72,7 @@ __all__ = [
     "kda_gate",
     "kda_gated_attention",
     "linear",
+    "linear_swiglu",
     "kda_mixer",
     "merge_attention_states",
     "moe_exl3",

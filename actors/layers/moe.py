@@ -33,8 +33,10 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor, add: torch.Tensor | None = None) -> torch.Tensor:
         """x [T, hidden] -> [T, hidden], plus `add` if given (summed by the down projection)."""
-        gate, up = self.gate_up_proj.split(self.gate_up_proj(x))
-        return self.down_proj(ops.swiglu(gate, up, self.limit), add=add)
+        # gate_up_proj's weight is [gate; up] (equal parts): the projection and the swiglu
+        # in one op
+        return self.down_proj(ops.linear_swiglu(x, self.gate_up_proj.weight, self.limit),
+                              add=add)
 
 
 class DenseFFN(MLP):

@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from .moe import swiglu
+
 
 def linear(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = None,
            add: torch.Tensor | None = None) -> torch.Tensor:
@@ -15,3 +17,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = Non
     if add is not None:
         y += add
     return y
+
+
+def linear_swiglu(x: torch.Tensor, weight: torch.Tensor, limit: float) -> torch.Tensor:
+    """swiglu(gate, up, limit) of x [..., K] times weight [2I, K] = [gate; up] -> [..., I]."""
+    gate, up = linear(x, weight).chunk(2, dim=-1)
+    return swiglu(gate, up, limit)

@@ -199,6 +199,24 @@ def test_linear_gemv(tokens, n, k):
     assert rel_err(linear.linear(x, w), ref_linear.linear(x, w)) < BF16_TOL
 
 
+@pytest.mark.parametrize("tokens", [1, 4])
+def test_linear_swiglu_and_add(tokens):
+    """The shared expert at rank 0's shapes: gate_up (2 x 1024 rows of 4096) with its swiglu,
+    then down (4096 x 1024) adding the routed sum."""
+    from glm53.kernels import linear
+    from glm53.kernels.ref import linear as ref_linear
+
+    gen = torch.Generator(device=DEV).manual_seed(tokens)
+    x = torch.randn(tokens, 4096, generator=gen, device=DEV).to(torch.bfloat16)
+    w13 = (torch.randn(2048, 4096, generator=gen, device=DEV) * 0.05).to(torch.bfloat16)
+    w2 = (torch.randn(4096, 1024, generator=gen, device=DEV) * 0.05).to(torch.bfloat16)
+    routed = torch.randn(tokens, 4096, generator=gen, device=DEV).to(torch.bfloat16)
+    h = linear.linear_swiglu(x, w13, 10.0)
+    assert rel_err(h, ref_linear.linear_swiglu(x, w13, 10.0)) < BF16_TOL
+    assert rel_err(linear.linear(h, w2, add=routed), ref_linear.linear(h, w2, add=routed)) \
+        < BF16_TOL
+
+
 @pytest.mark.parametrize("tokens", [1, 64, 4096])
 def test_route_topk(tokens):
     """The real router: 288 experts, top-8, renormalised, scaling 2.5; same expert sets."""
