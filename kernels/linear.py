@@ -143,7 +143,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = Non
     add2 = None if add is None else add.reshape(-1, n)
     if not _gemv_fits(x2, weight, out, add2):
         return ref_linear.linear(x, weight, out, add)
-    x2 = x2.to(weight.dtype)
+    if weight.dtype != torch.float32:
+        # the reference rounds x to the weight's dtype first; to fp32 (the router-like
+        # fp32 head weights) the kernel's own load widens it exactly: no cast launch
+        x2 = x2.to(weight.dtype)
     y = out if out is not None else torch.empty(x2.shape[0], n, dtype=weight.dtype,
                                                 device=x.device)
     _launch(x2, weight, y, add2, 0.0, False)

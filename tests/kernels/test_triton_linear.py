@@ -78,6 +78,19 @@ def test_linear_swiglu_matches_ref(t, inter, k):
     assert rel_err(out, want) < 1e-6
 
 
+def test_linear_gemv_widens_bf16_rows_against_fp32_weights():
+    """bf16 x times fp32 weights (the indexer's head weights) equals the reference, which
+    casts x to fp32 first: the widening is exact either way."""
+    from glm53.kernels import linear
+
+    g = torch.Generator().manual_seed(36)
+    x = torch.randn(2, 96, generator=g).to(torch.bfloat16)
+    w = torch.randn(32, 96, generator=g)
+    out = linear.linear(x.to(DEVICE), w.to(DEVICE))
+    assert out.dtype == torch.float32
+    assert rel_err(out, ref_linear.linear(x, w)) < 1e-6
+
+
 def test_linear_past_the_gemv_rows_or_strided_runs_the_reference(monkeypatch):
     """More token rows than GEMV_MAX_TOKENS, or rows that are not contiguous: cuBLAS (the
     kernel is never launched)."""
