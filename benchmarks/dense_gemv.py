@@ -29,22 +29,37 @@ from rank0 import PLAN, emulation_config
 from glm53.actors.layers.linear import Linear
 from glm53.actors.loader import build_model
 from glm53.actors.parallel import ParallelState
-from glm53.kernels import linear
+from glm53.kernels import linear, moe
 from glm53.kernels.ref import linear as ref_linear
 
 BW = 4.3e12  # B/s: the H200 copy bandwidth of benchmarks/kernels.py, as moe_4bit.py
 L2_FREE_BYTES = 256 << 20
 TOL = 1e-2  # bf16 output vs cuBLAS, relative (both sum in fp32, in other orders)
+SWIGLU_LIMIT = 10.0
 
 
-def rank0_shapes() -> dict[tuple[int, int], int]:
-    """(N, K) of every dense projection weight of rank 0 -> how many a step reads."""
+def rank0_shapes() -> dict[tuple[int, int, bool], int]:
+    """(N, K, swiglu) of every dense projection weight of rank 0 -> how many a step reads;
+    swiglu: an MLP's gate_up projection, which the model runs with its swiglu
+    (`ops.linear_swiglu`). kv_b_proj is left out: decode reads it by the attention's
+    absorbed einsums, not as a projection."""
     ps = ParallelState(PLAN, rank=0, emulated=True)
     model = build_model(emulation_config("int4"), with_mtp=True, dtype=torch.bfloat16,
                         device="meta", ps=ps)
-    counts = collections.Counter(tuple(m.weight.shape) for m in model.modules()
-                                 if isinstance(m, Linear))
+    counts = collections.Counter((*m.weight.shape, name.endswith("gate_up_proj"))
+                                 for name, m in model.named_modules() if isinstance(m, Linear)
+                                 and not name.endswith("kv_b_proj"))
     return dict(sorted(counts.items(), key=lambda kv: -kv[0][0] * kv[0][1] * kv[1]))
+
+
+def ops_for(swiglu: bool) -> dict:
+    """name -> op(x, w, out) of the two paths: cuBLAS (with `moe.swiglu` after it for a
+    gate_up projection, as the model's fallback runs) and the GEMV."""
+    if swiglu:
+        return {"cublas": lambda x, w, o: moe.swiglu(*ref_linear.linear(x, w).chunk(2, -1),
+                                                     SWIGLU_LIMIT),
+                "gemv": lambda x, w, o: linear.linear_swiglu(x, w, SWIGLU_LIMIT)}
+    return {"cublas": ref_linear.linear, "gemv": lambda x, w, o: linear.linear(x, w, o)}
 
 
 def time_shape(n, k, t, copies, ops, replays, repeats, gen) -> dict[str, float]:
@@ -64,7 +79,7 @@ def check(shapes, tokens, dev) -> float:
     """Largest relative error of the GEMV against the reference over shapes x tokens."""
     gen = torch.Generator(device=dev).manual_seed(0)
     worst = 0.0
-    for (n, k), t in itertools.product(shapes, tokens):
+    for (n, k, *_), t in itertools.product(shapes, tokens):
         dtype = torch.bfloat16 if dev == "cuda" else torch.float32
         w = torch.randn(n, k, device=dev, generator=gen).to(dtype)
         x = torch.randn(t, k, device=dev, generator=gen).to(dtype)
@@ -102,26 +117,27 @@ def main() -> None:
     shapes = rank0_shapes()
     err = check(list(shapes)[:3], tokens, "cuda")
     gen = torch.Generator(device="cuda").manual_seed(1)
-    # the GEMV's own rows past GEMV_MAX_TOKENS too: how far it would go
-    gemv = lambda x, w, o: linear.linear(x, w, o)  # noqa: E731
-    ops = {"cublas": ref_linear.linear, "gemv": gemv}
     rows, step = [], collections.defaultdict(float)
     saved_max = linear.GEMV_MAX_TOKENS
+    # the GEMV's own rows past GEMV_MAX_TOKENS too: how far it would go
     linear.GEMV_MAX_TOKENS = max(tokens)
     try:
-        for (n, k), count in shapes.items():
+        for (n, k, swiglu), count in shapes.items():
             copies = max(2, min(64, L2_FREE_BYTES // (2 * n * k)))
             for t in tokens:
-                ms = time_shape(n, k, t, copies, ops, args.replays, args.repeats, gen)
+                ms = time_shape(n, k, t, copies, ops_for(swiglu), args.replays, args.repeats,
+                                gen)
                 nbytes = 2 * n * k + 2 * t * (n + k)
-                row = dict(n=n, k=k, count=count, tokens=t, copies=copies,
+                row = dict(n=n, k=k, swiglu=swiglu, count=count, tokens=t, copies=copies,
                            tile=linear.gemv_tile(t, n, k, torch.device("cuda")))
                 for name, v in ms.items():
                     row[f"{name}_ms"] = v
                     row[f"{name}_pct_bandwidth"] = 100 * nbytes / (v * 1e-3) / BW
                     step[(name, t)] += count * v
                 rows.append(row)
-                print(f"[{n:>6}, {k:>5}] x{count:<3} t={t}: cuBLAS {ms['cublas'] * 1e3:7.1f} us "
+                tag = "s" if swiglu else " "
+                print(f"[{n:>6}, {k:>5}]{tag} x{count:<3} t={t}: "
+                      f"cuBLAS {ms['cublas'] * 1e3:7.1f} us "
                       f"({row['cublas_pct_bandwidth']:4.0f}%)  GEMV {ms['gemv'] * 1e3:7.1f} us "
                       f"({row['gemv_pct_bandwidth']:4.0f}%)")
         sweep = []
@@ -132,9 +148,10 @@ def main() -> None:
                 for values in itertools.product(*grid.values()):
                     for nm, v in zip(names, values, strict=True):
                         setattr(linear, nm, v)
-                    total = sum(count * time_shape(n, k, 1, max(2, min(64, L2_FREE_BYTES // (
-                        2 * n * k))), {"gemv": gemv}, args.replays, args.repeats, gen)["gemv"]
-                        for (n, k), count in shapes.items())
+                    total = sum(count * time_shape(
+                        n, k, 1, max(2, min(64, L2_FREE_BYTES // (2 * n * k))),
+                        {"gemv": ops_for(swiglu)["gemv"]}, args.replays, args.repeats,
+                        gen)["gemv"] for (n, k, swiglu), count in shapes.items())
                     sweep.append(dict(setting=dict(zip(names, values, strict=True)),
                                       step_ms=total))
             finally:
