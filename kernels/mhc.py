@@ -31,8 +31,10 @@ __all__ = ["hc_post", "hc_post_pre", "hc_pre"]
 MIX_COLUMNS = 128
 # tokens per program of the mixing pass (tl.dot) from MIX_DOT_MIN_TOKENS on: each program's
 # slice of fn is read once per MIX_TOKENS tokens, not once per token (at an 8K-token prefill
-# chunk fn was read 8192 times a site from L2: 1.6 ms, rank0_l24_h100_int4_a4b1ae6.json)
-MIX_TOKENS, MIX_TOKENS_LARGE, MIX_LARGE_FROM, MIX_DOT_MIN_TOKENS = 16, 64, 512, 16
+# chunk fn was read 8192 times a site from L2: 1.6 ms, rank0_l24_h100_int4_a4b1ae6.json).
+# Not 64: that tile's fp32 dot spilled 5.7 KB a thread on sm_90 and took 2.5 ms a site at a
+# 2048-token chunk (rank0_l24_h100_int4_37be788.json: 120 of the chunk's 260 ms)
+MIX_TOKENS, MIX_DOT_MIN_TOKENS = 16, 16
 # columns a step of `hc_pre_kernel` (16 warps: 8 a thread): a release row (4096) is one step,
 # normalised from registers
 PRE_COLUMNS = 4096
@@ -159,8 +161,7 @@ def hc_pre(
     n_tok, n, d = streams.shape
     assert n == next_pow2(n) and streams.is_contiguous()
     m, nd = (2 + n) * n, n * d
-    bt = 1 if n_tok < MIX_DOT_MIN_TOKENS else (
-        MIX_TOKENS_LARGE if n_tok >= MIX_LARGE_FROM else MIX_TOKENS)
+    bt = 1 if n_tok < MIX_DOT_MIN_TOKENS else MIX_TOKENS
     # tl.dot's operands are at least 16 wide
     bm, split = next_pow2(m) if bt == 1 else max(16, next_pow2(m)), triton.cdiv(nd, MIX_COLUMNS)
     mix_part = torch.empty((n_tok, split, bm), dtype=torch.float32, device=streams.device)

@@ -174,6 +174,7 @@ def _cases(arch: int) -> dict[str, Callable[[], object]]:
     from glm53.kernels import (
         exl3,
         int4,
+        int4_gemv,
         kda,
         kda_mixer,
         latent_quant,
@@ -304,6 +305,19 @@ def _cases(arch: int) -> dict[str, Callable[[], object]]:
             z(e, d, inter // g, dtype=f16), z(e, d, inter // g, dtype=f16),
             z(tokens, 8, dtype=f32), ids, 10.0, 0, g, path=path)
 
+    def int4_tiled_call(tokens, e=8):
+        """The dot-free pairs path on codes in `int4_gemv.tile_words`' layout (moe_4bit.py's
+        int4t format)."""
+        d, inter, g, u8, f16 = 4096, 2048, 128, torch.uint8, torch.float16
+        ids = torch.arange(tokens * 8).view(tokens, 8) % e
+        w13 = (z(e, 2 * inter, d // 2, dtype=u8), z(e, 2 * inter, d // g, dtype=f16),
+               z(e, 2 * inter, d // g, dtype=f16))
+        w2 = (z(e, d, inter // 2, dtype=u8), z(e, d, inter // g, dtype=f16),
+              z(e, d, inter // g, dtype=f16))
+        return lambda: int4_gemv.moe_decode_pairs(z(tokens, d), w13, w2, g, g, ids,
+                                                  z(tokens, 8, dtype=f32), 0, 10.0, e,
+                                                  tiled=True)
+
     streams = z(16, 4, 4096)
     cases = {
         "kda decode 64x1": kda_call([1] * 64),
@@ -348,6 +362,7 @@ def _cases(arch: int) -> dict[str, Callable[[], object]]:
         "int4 moe decode 1 token": int4_call(1, "decode"),
         "int4 moe decode 64 tokens": int4_call(64, "decode"),
         "int4 moe prefill 8 tokens": int4_call(8, "prefill", e=2),
+        "int4 moe decode 1 token, tiled codes": int4_tiled_call(1),
         "router 64 tokens": lambda: moe.route_topk(z(64, 288, dtype=f32), z(288, dtype=f32), 8,
                                                    True, 2.5),
         "router logits 4 tokens": lambda: moe.router_logits(z(4, 4096), z(288, 4096, dtype=f32)),
@@ -360,6 +375,9 @@ def _cases(arch: int) -> dict[str, Callable[[], object]]:
         "rms norm": lambda: norm.rms_norm(z(64, 4096), z(4096), 1e-5),
         "mhc pre": lambda: mhc.hc_pre(streams, z(24, 4 * 4096, dtype=f32), z(24, dtype=f32),
                                       z(3, dtype=f32), 1e-5, 1e-6, 20, z(4096), 1e-5),
+        "mhc pre 600 tokens": lambda: mhc.hc_pre(z(600, 4, 4096), z(24, 4 * 4096, dtype=f32),
+                                                 z(24, dtype=f32), z(3, dtype=f32), 1e-5, 1e-6,
+                                                 20, z(4096), 1e-5),
         "mhc pre 1 token": lambda: mhc.hc_pre(streams[:1], z(24, 4 * 4096, dtype=f32),
                                               z(24, dtype=f32), z(3, dtype=f32), 1e-5, 1e-6,
                                               20, z(4096), 1e-5),

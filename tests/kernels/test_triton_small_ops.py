@@ -66,11 +66,10 @@ def test_hc_pre_matches_ref(monkeypatch, t, n, d, normed, columns):
     or many (2 x 1100 = 2200: 18 programs, summed over a padded tile); with the block's input
     RMSNorm fused or not; the row in registers (one pass) or 256 columns a step (five, the
     last short, the normed row read back). Tokens one a program (5) or MIX_TOKENS (16: 37 = 2
-    blocks and a short one) or MIX_TOKENS_LARGE (64, here from 64 tokens on: 70) a program by
-    tl.dot, whose M (2 + n) n = 8 at n = 2 is padded to 16."""
+    blocks and a short one, 70 = 4 and a short one) a program by tl.dot, whose M (2 + n) n =
+    8 at n = 2 is padded to 16."""
     from glm53.kernels import mhc
 
-    monkeypatch.setattr(mhc, "MIX_LARGE_FROM", 64)
     monkeypatch.setattr(mhc, "PRE_COLUMNS", columns)
     g = torch.Generator().manual_seed(23)
     streams = torch.randn(t, n, d, generator=g)
