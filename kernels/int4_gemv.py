@@ -171,12 +171,14 @@ def gemv_rows(p_w, p_s, p_z, p_x0, p_x1, p_x2, p_x3, w0, n_steps, one, GW: tl.co
 
 
 @triton.jit
-def word_rows(rows, KW, TILED: tl.constexpr):
-    """Word offsets of rows' first words in an expert's [N, KW] int32 codes: row-major, or
-    TILED (`tile_words`: [N / TILE_ROWS, KW / TILE_ROWS, TILE_ROWS, TILE_ROWS] tiles, so that a
-    K step of 16 words of 16 consecutive rows is one contiguous KiB)."""
-    if TILED:
-        return (rows // TILE_ROWS) * (KW * TILE_ROWS) + (rows % TILE_ROWS) * TILE_ROWS
+def word_rows(rows, KW, WS: tl.constexpr):
+    """Word offsets of rows' first words in an expert's [N, KW] int32 codes: row-major (WS 1),
+    or tiled (WS = TILE_ROWS, `tile_words`: [N / WS, KW / WS, WS, WS] tiles, so that a K step
+    of 16 words of 16 consecutive rows is one contiguous KiB). WS comes in as an argument: a
+    module global read inside a jit function must be a constexpr, which the interpreter
+    cannot then mix with tensors."""
+    if WS > 1:
+        return (rows // WS) * (KW * WS) + (rows % WS) * WS
     else:
         return rows * KW
 
@@ -220,7 +222,7 @@ def swiglu_store(h, act, r, ok, o_n, m_n, INTER, limit, BN: tl.constexpr):
 def w13_gemv_kernel(x, q, scale, zero, blocks, sorted_tok, act, stride_x, INTER, KW, NG, limit,
                     one, K, e_off, E, GW: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                     BKW: tl.constexpr, NS: tl.constexpr, PAIRS: tl.constexpr,
-                    AHEAD: tl.constexpr, TILED: tl.constexpr):
+                    AHEAD: tl.constexpr, WS: tl.constexpr):
     """`int4.w13_swiglu_kernel` for blocks of BM <= 4 rows, dot-free (`gemv_rows`): one program
     computes gate and up (rows interleaved in one [2 BN] tile) for BN output columns.
     q: int32 words [E, 2I, D/8]. PAIRS (BM = 1): unsorted, see `pair_block`."""
@@ -232,7 +234,7 @@ def w13_gemv_kernel(x, q, scale, zero, blocks, sorted_tok, act, stride_x, INTER,
     o_n = i_n * BN + tl.arange(0, BN)
     m_n = o_n < INTER
     rows = tl.minimum(i_n * BN + j // 2, INTER - 1) + (j % 2) * INTER  # gate, up, gate, ...
-    p_w = q + e * 2 * INTER * KW + word_rows(rows, KW, TILED)
+    p_w = q + e * 2 * INTER * KW + word_rows(rows, KW, WS)
     p_s = scale + e * 2 * INTER * NG + rows * NG
     p_z = zero + e * 2 * INTER * NG + rows * NG
     # rows past the block's end re-read its last row (results not stored)
@@ -241,7 +243,7 @@ def w13_gemv_kernel(x, q, scale, zero, blocks, sorted_tok, act, stride_x, INTER,
     p_x2 = x + row_token(sorted_tok, tl.minimum(r0 + 2, r1 - 1), K, PAIRS) * stride_x
     p_x3 = x + row_token(sorted_tok, tl.minimum(r0 + 3, r1 - 1), K, PAIRS) * stride_x
     h0, h1, h2, h3 = gemv_rows(p_w, p_s, p_z, p_x0, p_x1, p_x2, p_x3, 0, KW // BKW, one, GW, BM,
-                               2 * BN, BKW, NS, AHEAD, TILE_ROWS if TILED else 1)
+                               2 * BN, BKW, NS, AHEAD, WS)
     swiglu_store(h0, act, r0, r0 < r1, o_n, m_n, INTER, limit, BN)
     if BM > 1:
         swiglu_store(h1, act, r0 + 1, r0 + 1 < r1, o_n, m_n, INTER, limit, BN)
@@ -254,7 +256,7 @@ def w13_gemv_kernel(x, q, scale, zero, blocks, sorted_tok, act, stride_x, INTER,
 def w2_gemv_kernel(act, q, scale, zero, blocks, sorted_tok, sorted_w, out, D, INTER, KW, NG,
                    STEPS, one, K, e_off, E, GW: tl.constexpr, BM: tl.constexpr,
                    BN: tl.constexpr, BKW: tl.constexpr, NS: tl.constexpr, PAIRS: tl.constexpr,
-                   AHEAD: tl.constexpr, TILED: tl.constexpr):
+                   AHEAD: tl.constexpr, WS: tl.constexpr):
     """`int4.w2_kernel` for blocks of BM <= 4 rows, dot-free (`gemv_rows`), split along K: program
     (block, n, s) covers the STEPS * BKW words from s * STEPS * BKW and adds its part of
     weight * y into out [T, D] fp32 with atomics. q: int32 words [E, D, I/8]. PAIRS (BM = 1):
@@ -269,7 +271,7 @@ def w2_gemv_kernel(act, q, scale, zero, blocks, sorted_tok, sorted_w, out, D, IN
     m_n = o_n < D
     rows = tl.minimum(o_n, D - 1)
     w0 = i_k * STEPS * BKW
-    p_w = q + e * D * KW + word_rows(rows, KW, TILED) + (TILE_ROWS if TILED else 1) * w0
+    p_w = q + e * D * KW + word_rows(rows, KW, WS) + WS * w0
     p_s = scale + e * D * NG + rows * NG
     p_z = zero + e * D * NG + rows * NG
     ra = act + 8 * w0
@@ -277,7 +279,7 @@ def w2_gemv_kernel(act, q, scale, zero, blocks, sorted_tok, sorted_w, out, D, IN
                                ra + tl.minimum(r0 + 1, r1 - 1) * INTER,
                                ra + tl.minimum(r0 + 2, r1 - 1) * INTER,
                                ra + tl.minimum(r0 + 3, r1 - 1) * INTER, w0, STEPS, one, GW, BM, BN,
-                               BKW, NS, AHEAD, TILE_ROWS if TILED else 1)
+                               BKW, NS, AHEAD, WS)
     if PAIRS:
         row = r0.to(tl.int64) * tl.num_programs(2) + i_k
         tl.store(out + row * D + o_n, y0, mask=m_n)
@@ -396,7 +398,7 @@ def launch(x, w13, w2, g13, g2, bm, blocks, tok32, wts, n_blk, n_hit, limit, out
         x, q13.view(torch.int32), s13, z13, blocks, tok32, act, x.stride(0), inter, d // 8,
         s13.shape[-1], float(limit), ONE_F32_BITS, k, e_off, n_local, GW=gw13, BM=bm, BN=bn,
         BKW=bkw, NS=next_pow2(d // 8 // bkw), PAIRS=pairs is not None, AHEAD=GEMV_AHEAD,
-        TILED=tiled, num_warps=GEMV_WARPS)
+        WS=TILE_ROWS if tiled else 1, num_warps=GEMV_WARPS)
     bn = max(16, min(GEMV_BN2 >> bm // 2, next_pow2(d)))
     bkw = min(GEMV_BKW, gw2 & -gw2)
     steps = inter // 8 // bkw
@@ -409,7 +411,7 @@ def launch(x, w13, w2, g13, g2, bm, blocks, tok32, wts, n_blk, n_hit, limit, out
         act, q2.view(torch.int32), s2, z2, blocks, tok32, wts, dst, d, inter, inter // 8,
         s2.shape[-1], steps // split, ONE_F32_BITS, k, e_off, n_local, GW=gw2, BM=bm, BN=bn,
         BKW=bkw, NS=next_pow2(steps // split), PAIRS=pairs is not None, AHEAD=GEMV_AHEAD,
-        TILED=tiled, num_warps=GEMV_WARPS)
+        WS=TILE_ROWS if tiled else 1, num_warps=GEMV_WARPS)
     if pairs:
         br = next_pow2(k * split)
         bn = max(16, min(next_pow2(d), GEMV_REDUCE_TILE // br))
