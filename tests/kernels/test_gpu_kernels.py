@@ -187,11 +187,14 @@ def test_router_logits(tokens):
 
 @pytest.mark.parametrize("tokens", [1, 3, 4])
 @pytest.mark.parametrize("n,k", [(12320, 4096), (4096, 128), (32, 4096), (77440, 4096)])
-def test_linear_gemv(tokens, n, k):
+def test_linear_gemv(tokens, n, k, monkeypatch):
     """Rank 0's dense projections (KDA in_proj, f_b/g_b, the indexer's weights_proj, the LM
-    head) at 1-4 token rows: the GEMV against cuBLAS, bf16 out."""
+    head) at 1-4 token rows (the model takes it at one; dense_gemv.py times more): the GEMV
+    against cuBLAS, bf16 out."""
     from glm53.kernels import linear
     from glm53.kernels.ref import linear as ref_linear
+
+    monkeypatch.setattr(linear, "GEMV_MAX_TOKENS", 4)
 
     gen = torch.Generator(device=DEV).manual_seed(n + tokens)
     x = torch.randn(tokens, k, generator=gen, device=DEV).to(torch.bfloat16)
@@ -200,11 +203,13 @@ def test_linear_gemv(tokens, n, k):
 
 
 @pytest.mark.parametrize("tokens", [1, 4])
-def test_linear_swiglu_and_add(tokens):
+def test_linear_swiglu_and_add(tokens, monkeypatch):
     """The shared expert at rank 0's shapes: gate_up (2 x 1024 rows of 4096) with its swiglu,
     then down (4096 x 1024) adding the routed sum."""
     from glm53.kernels import linear
     from glm53.kernels.ref import linear as ref_linear
+
+    monkeypatch.setattr(linear, "GEMV_MAX_TOKENS", 4)
 
     gen = torch.Generator(device=DEV).manual_seed(tokens)
     x = torch.randn(tokens, 4096, generator=gen, device=DEV).to(torch.bfloat16)

@@ -18,6 +18,14 @@ from .triton_util import DEVICE, needs_triton, rel_err
 pytestmark = needs_triton
 
 
+@pytest.fixture(autouse=True)
+def gemv_rows_up_to_4(monkeypatch):
+    """The kernel's multi-row form (dense_gemv.py times it; the model takes it at one row)."""
+    from glm53.kernels import linear
+
+    monkeypatch.setattr(linear, "GEMV_MAX_TOKENS", 4)
+
+
 @pytest.mark.parametrize("t,n,k", [(1, 37, 72), (3, 70, 264), (4, 5, 40), (2, 129, 512)])
 def test_linear_gemv_matches_ref(t, n, k):
     """Awkward N (a partial last block), K not a multiple of the step (masked tail) or equal to
