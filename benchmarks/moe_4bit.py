@@ -122,7 +122,8 @@ def _int4_tiled(n_local, d, inter, rnd, dtype, n_experts):
 
 FORMATS = {"bf16": _bf16, "exl3": _exl3_format, "int4": _int4, "int4t": _int4_tiled}
 # kernels/int4_gemv.py constants swept by --int4-sweep: each entry is one setting (the product
-# of these lists, on top of the module's defaults)
+# of these lists, on top of the module's defaults); one token runs GEMV_WARPS_1 and
+# GEMV_AHEAD_1 instead of GEMV_WARPS and GEMV_AHEAD (--sweep them by name)
 INT4_SWEEP = {"GEMV_BN13": [32, 64, 128], "GEMV_BN2": [64, 128, 256], "GEMV_WARPS": [4, 8],
               "GEMV_PROGRAMS_PER_SM": [4, 8], "GEMV_AHEAD": [1, 2]}
 

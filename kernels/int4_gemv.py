@@ -12,7 +12,7 @@ padding. The next step's words and scales are loaded before this step's arithmet
 split along K (its rows are summed over pairs anyway) until ~GEMV_PROGRAMS_PER_SM programs per
 SM, and w13's columns per program are halved while its programs would fill under half of that:
 at T = 1, 8 experts give 512 w13 programs (BN 32: 64 rows x 4096 columns each) and 256 x 2 w2
-programs. sm_90 SASS per K step and thread at T = 1 (scripts/kernel_build.py's case): w13 64
+programs. sm_90 SASS per K step and thread at T = 1 and 4 warps (since, 8: GEMV_WARPS_1): w13 64
 weights for 314 instructions (64 registers), w2 128 for 508 (128 registers), no spills; with
 the zeros and sums of x inside the loop it was 385 and 603, and T = 1 took the same time
 (0.0726 vs 0.0718 ms on an H100: moe_4bit_h100_a4b1ae6.json, moe_4bit_int4_h100_9e0769f.json),
@@ -58,6 +58,11 @@ GEMV_MAX_TOKENS = 128
 GEMV_BN13, GEMV_BN2, GEMV_BKW, GEMV_WARPS = 64, 128, 16, 4
 # steps of words loaded ahead of the arithmetic (1 or 2; `gemv_rows`)
 GEMV_AHEAD = 1
+# warps and steps ahead of a one-token launch (the batch-1 decode step): EP rank 0's ~4 live
+# pairs (moe_4bit.py --ep2) took 0.0535 ms with 8 warps and 2 steps ahead against 0.0629 with
+# 4 and 1 on an H100 (8 warps alone 0.0592, 2 ahead alone 0.0642; moe_4bit_ep2_sweep_h100_
+# a75066b.json): with few programs, more bytes a program must be in flight
+GEMV_WARPS_1, GEMV_AHEAD_1 = 8, 2
 # w2's K split: None picks it (programs per SM of the blocks that can hold rows, K steps kept
 # per split); an int forces that many splits (at most, a power of two dividing the steps)
 GEMV_W2_SPLIT: int | None = None
@@ -375,14 +380,18 @@ def _w13_columns(inter: int, bm: int, blocks: int, device: torch.device) -> int:
 
 
 def launch(x, w13, w2, g13, g2, bm, blocks, tok32, wts, n_blk, n_hit, limit, out, *,
-           pairs=None, tiled: bool = False) -> None:
+           pairs=None, tiled: bool = False, warps: int | None = None,
+           ahead: int | None = None) -> None:
     """The dot-free variant's two launches over n_blk blocks of bm rows (n_hit: experts that
     can hold rows), w2 adding into out [T, D] fp32 (wts: fp32, in sorted order). pairs:
     (k, expert offset, local experts) when blocks are the flat top-k ids (one pair a block,
     bm = 1; act rows and wts in pair order, wts in any float dtype; tok32 unused): then w2
     fills a scratch and a third launch writes out [T, D] in any float dtype, with no need to
-    zero it first. tiled: the codes are in `tile_words`' layout."""
+    zero it first. tiled: the codes are in `tile_words`' layout. warps, ahead: the w13 and w2
+    launches' warps and steps ahead (default GEMV_WARPS, GEMV_AHEAD)."""
     (q13, s13, z13), (q2, s2, z2) = w13, w2
+    warps = GEMV_WARPS if warps is None else warps
+    ahead = GEMV_AHEAD if ahead is None else ahead
     d, inter = out.shape[1], q13.shape[1] // 2
     n_pairs = n_blk * bm if pairs else tok32.numel()
     act = torch.empty((n_pairs, inter), dtype=torch.float32, device=x.device)
@@ -397,8 +406,8 @@ def launch(x, w13, w2, g13, g2, bm, blocks, tok32, wts, n_blk, n_hit, limit, out
     w13_gemv_kernel[(n_blk, triton.cdiv(inter, bn))](
         x, q13.view(torch.int32), s13, z13, blocks, tok32, act, x.stride(0), inter, d // 8,
         s13.shape[-1], float(limit), ONE_F32_BITS, k, e_off, n_local, GW=gw13, BM=bm, BN=bn,
-        BKW=bkw, NS=next_pow2(d // 8 // bkw), PAIRS=pairs is not None, AHEAD=GEMV_AHEAD,
-        WS=TILE_ROWS if tiled else 1, num_warps=GEMV_WARPS)
+        BKW=bkw, NS=next_pow2(d // 8 // bkw), PAIRS=pairs is not None, AHEAD=ahead,
+        WS=TILE_ROWS if tiled else 1, num_warps=warps)
     bn = max(16, min(GEMV_BN2 >> bm // 2, next_pow2(d)))
     bkw = min(GEMV_BKW, gw2 & -gw2)
     steps = inter // 8 // bkw
@@ -410,8 +419,8 @@ def launch(x, w13, w2, g13, g2, bm, blocks, tok32, wts, n_blk, n_hit, limit, out
     w2_gemv_kernel[(n_blk, n_n, split)](
         act, q2.view(torch.int32), s2, z2, blocks, tok32, wts, dst, d, inter, inter // 8,
         s2.shape[-1], steps // split, ONE_F32_BITS, k, e_off, n_local, GW=gw2, BM=bm, BN=bn,
-        BKW=bkw, NS=next_pow2(steps // split), PAIRS=pairs is not None, AHEAD=GEMV_AHEAD,
-        WS=TILE_ROWS if tiled else 1, num_warps=GEMV_WARPS)
+        BKW=bkw, NS=next_pow2(steps // split), PAIRS=pairs is not None, AHEAD=ahead,
+        WS=TILE_ROWS if tiled else 1, num_warps=warps)
     if pairs:
         br = next_pow2(k * split)
         bn = max(16, min(next_pow2(d), GEMV_REDUCE_TILE // br))
@@ -428,15 +437,17 @@ def moe_decode_pairs(x, w13, w2, g13, g2, topk_ids, topk_weights, expert_offset,
     reduce, see the module docstring); returns [T, D] in x's dtype, deterministic. Under EP
     the pairs of other ranks' experts exit at once: the launch is sized for the pairs expected
     to be this rank's (E / num_experts of them), so that those fill the SMs (at EP2 and 1
-    token, w13's columns per program halve: ~4 live pairs, not 8). tiled: w13's and w2's codes
-    in `tile_words`' layout."""
+    token, w13's columns per program halve: ~4 live pairs, not 8); one token takes
+    GEMV_WARPS_1 and GEMV_AHEAD_1. tiled: w13's and w2's codes in `tile_words`' layout."""
     n_tok, k = topk_ids.shape
     ids = topk_ids.reshape(-1)
     out = torch.empty((n_tok, x.shape[1]), dtype=x.dtype, device=x.device)
     n_local = w13[0].shape[0]
     live = max(1, -(-n_tok * k * n_local // num_experts))
+    one = n_tok == 1
     launch(x, w13, w2, g13, g2, 1, ids, ids, topk_weights.reshape(-1), n_tok * k,
-           min(n_local, live), limit, out, pairs=(k, expert_offset, n_local), tiled=tiled)
+           min(n_local, live), limit, out, pairs=(k, expert_offset, n_local), tiled=tiled,
+           warps=GEMV_WARPS_1 if one else None, ahead=GEMV_AHEAD_1 if one else None)
     return out
 
 

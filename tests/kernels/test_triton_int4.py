@@ -322,3 +322,24 @@ def test_decode_pairs_tiled_codes(monkeypatch, t, split):
     assert rel_err(outs[1], want) < TOL
     with pytest.raises(ValueError, match="multiples of 16"):
         int4_gemv.tile_words(q13[:, :8])
+
+
+@pytest.mark.parametrize("t", [1, 3])
+def test_one_token_launch_takes_its_own_warps_and_lookahead(monkeypatch, t):
+    """One token (the batch-1 step: few live pairs, so more bytes in flight a program):
+    GEMV_WARPS_1 and GEMV_AHEAD_1; more tokens: GEMV_WARPS and GEMV_AHEAD. Same result."""
+    from glm53.kernels import int4_gemv
+
+    seen, launch = [], int4_gemv.launch
+    monkeypatch.setattr(int4_gemv, "launch",
+                        lambda *a, **kw: seen.append((kw["warps"], kw["ahead"])) or
+                        launch(*a, **kw))
+    x, (q13, s13, z13, q2, s2, z2), wts, ids = _case(64, 32, 32, t, 3, 5, seed=11 + t)
+    out = int4_gemv.moe_decode_pairs(
+        x.to(DEVICE), tuple(a.to(DEVICE) for a in (q13, s13, z13)),
+        tuple(a.to(DEVICE) for a in (q2, s2, z2)), 32, 32, ids.to(DEVICE), wts.to(DEVICE), 1,
+        7.0, 8)
+    want = ((int4_gemv.GEMV_WARPS_1, int4_gemv.GEMV_AHEAD_1) if t == 1 else (None, None))
+    assert seen == [want]
+    assert rel_err(out, ref_int4.moe_int4(x, q13, s13, z13, q2, s2, z2, wts, ids, 7.0, 1,
+                                          32)) < TOL
