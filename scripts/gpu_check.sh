@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU validation run of the kernels issue, on one bare GPU machine from the repo root:
-#   bash scripts/gpu_check.sh tests|kernels|slice|experts|int4|int4dot|kv|rank0|serving|adaptive [COMMIT]
+#   bash scripts/gpu_check.sh tests|kernels|slice|experts|int4|gemv|int4dot|kv|rank0|serving|adaptive [COMMIT]
 # tests:   every `gpu`-marked test (junit XML + log; the first run compiles every kernel and lets
 #          fla autotune: ~10 minutes in one process, spread over GPU_TEST_WORKERS (4) processes
 #          when pytest-xdist is carried)
@@ -13,7 +13,10 @@
 # int4:    the int4 decode GEMV's question: benchmarks/int4_access.py (the bandwidth of its
 #          access pattern alone, row-major vs tile-contiguous), then moe_4bit.py with bf16,
 #          row-major int4 and tiled int4 (int4t) at 1, 8 and 64 tokens, and int4's dot-free
-#          against its tl.dot variant at 32 and 64 tokens (GEMV_MAX_TOKENS 128 vs 16)
+#          against its tl.dot variant at 32 and 64 tokens (GEMV_MAX_TOKENS 128 vs 16), and
+#          the one-token launch's warps and steps ahead for 288 experts and for EP rank 0
+# gemv:    rank 0's dense projections, cuBLAS vs the Triton GEMV at 1, 2 and 4 rows
+#          (benchmarks/dense_gemv.py), then the GEMV's tile constants swept at one row
 # int4dot: the tl.dot variant's blocks (DOT_BM_MAX 16 or 64, DOT_TILE) and dequantisation
 #          (nibble trick from 16 rows a block or never) at 512 and 2048 tokens, against bf16
 # kv:      the quantised latent cache: its gpu tests, then benchmarks/slice.py decode at 32K
@@ -74,7 +77,18 @@ case $stage in
       --sweep-tokens 32,64 --sweep GEMV_MAX_TOKENS=16,128 --sweep GEMV_BN13=64 \
       --sweep GEMV_BN2=128 --sweep GEMV_WARPS=4 --sweep GEMV_PROGRAMS_PER_SM=4 \
       --sweep GEMV_AHEAD=1 --commit "$commit" \
-      --json "$out/moe_4bit_crossover_${dev}_$commit.json" 2>&1 | tail -n 12 ;;
+      --json "$out/moe_4bit_crossover_${dev}_$commit.json" 2>&1 | tail -n 12
+    for ep in "" --ep2; do
+      python benchmarks/moe_4bit.py $ep --formats int4 --tokens 1 --repeats 5 --int4-sweep \
+        --sweep-tokens 1 --sweep GEMV_WARPS_1=4,8 --sweep GEMV_AHEAD_1=1,2 --sweep GEMV_BN13=64 \
+        --sweep GEMV_BN2=128 --sweep GEMV_WARPS=4 --sweep GEMV_PROGRAMS_PER_SM=4 \
+        --sweep GEMV_AHEAD=1 --commit "$commit" \
+        --json "$out/moe_4bit_one_token${ep/--/_}_${dev}_$commit.json" 2>&1 | tail -n 6
+    done ;;
+  gemv)
+    python benchmarks/dense_gemv.py --tokens 1,2,4 --sweep GEMV_BN_MAX=8,16,32 \
+      --sweep GEMV_PROGRAMS_PER_SM=4,8 --sweep GEMV_ACC=4096,8192 --commit "$commit" \
+      --json "$out/dense_gemv_${dev}_$commit.json" 2>&1 | tail -n 60 ;;
   int4dot)
     python benchmarks/moe_4bit.py --formats bf16,int4 --tokens 512,2048 --repeats 5 \
       --int4-sweep --sweep-tokens 512,2048 --sweep DOT_BM_MAX=16,64 --sweep DOT_TILE=2048,4096 \
