@@ -11,8 +11,9 @@ second launch). BN shrinks (16, 8, 4, 2) until the grid has GEMV_PROGRAMS_PER_SM
 SM, because a program keeps only ~2 tiles in flight and the bandwidth needs many in flight.
 
 Past GEMV_MAX_TOKENS rows (and for x whose rows are not contiguous, or K not a multiple of 8)
-the reference (cuBLAS) runs: each program then rereads its tile per token block, and tensor
-cores win. The constants are read at call time (benchmarks/dense_gemv.py sweeps them).
+the reference (cuBLAS) runs: here every extra row costs an FMA a weight and registers (smaller
+tiles a step), which tensor cores absorb. The constants are read at call time
+(benchmarks/dense_gemv.py sweeps them).
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ __all__ = ["linear", "linear_swiglu"]
 
 # token rows up to which the GEMV runs. Rank 0's projections summed over a step on an H100
 # (dense_gemv_h100_37be788.json): 1 row 3.86 ms against cuBLAS's 4.19; 2 rows 4.24 vs 4.18,
-# 4 rows 5.30 vs 4.19 (the tile re-streams per row block; cuBLAS's tensor-core tiles don't)
+# 4 rows 5.30 vs 4.19 (FMAs and registers grow with the rows; cuBLAS's tensor cores don't care)
 GEMV_MAX_TOKENS = 1
 # most K elements per step (a row's step is BK * 2 contiguous bytes) and warps per program
 GEMV_BK, GEMV_WARPS = 2048, 4
