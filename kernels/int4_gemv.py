@@ -35,13 +35,11 @@ The constants are read at call time: tests and benchmarks/moe_4bit.py set them o
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
 
-from .utils import next_pow2
+from .utils import next_pow2, num_sms
 
 __all__ = ["launch", "moe_decode_pairs", "rows_per_block", "tile_words", "words_aligned"]
 
@@ -346,14 +344,6 @@ def words_aligned(w13, w2) -> bool:
     return w13[0].storage_offset() % 4 == 0 and w2[0].storage_offset() % 4 == 0
 
 
-@functools.cache
-def _num_sms(device: torch.device) -> int:
-    """SMs of `device`, asked once (the decode launches size their grids from it every step)."""
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return 132  # an H100 / H200
-
-
 def _w2_split(steps: int, programs: int, device: torch.device) -> int:
     """K splits of the dot-free w2 launch: GEMV_W2_SPLIT if set, else doubled while the
     programs of the blocks that can hold rows stay under GEMV_PROGRAMS_PER_SM per SM and each
@@ -362,7 +352,7 @@ def _w2_split(steps: int, programs: int, device: torch.device) -> int:
     while steps % (2 * split) == 0 and (
             split < GEMV_W2_SPLIT if GEMV_W2_SPLIT else
             steps // (2 * split) >= GEMV_MIN_STEPS
-            and 2 * split * programs <= GEMV_PROGRAMS_PER_SM * _num_sms(device)):
+            and 2 * split * programs <= GEMV_PROGRAMS_PER_SM * num_sms(device)):
         split *= 2
     return split
 
@@ -374,7 +364,7 @@ def _w13_columns(inter: int, bm: int, blocks: int, device: torch.device) -> int:
     vs BN 64 0.072 ms; at 8 and 16 tokens BN 64 is best)."""
     bn = max(8, min(GEMV_BN13 >> bm // 2, next_pow2(inter)))
     while bn > 16 and 2 * blocks * triton.cdiv(inter, bn) <= \
-            GEMV_PROGRAMS_PER_SM * _num_sms(device):
+            GEMV_PROGRAMS_PER_SM * num_sms(device):
         bn //= 2
     return bn
 

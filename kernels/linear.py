@@ -18,15 +18,13 @@ tiles a step), which tensor cores absorb. The constants are read at call time
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
 
 from . import moe
 from .ref import linear as ref_linear
-from .utils import INTERPRET, next_pow2
+from .utils import INTERPRET, next_pow2, num_sms
 
 __all__ = ["linear", "linear_swiglu"]
 
@@ -99,21 +97,13 @@ def linear_gemv_kernel(x, w, out, add, T, N, K, stride_x, stride_o, stride_a, li
     tl.store(out + o_t[:, None] * stride_o + o_n[None, :], y.to(out.dtype.element_ty), mask=m_y)
 
 
-@functools.cache
-def _num_sms(device: torch.device) -> int:
-    """SMs of `device`, asked once (every decode step sizes its grids from it)."""
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return 132  # an H100 / H200
-
-
 def gemv_tile(t: int, n: int, k: int, device: torch.device) -> tuple[int, int, int]:
     """(BT, BN, BK) for t token rows of an [n, k] weight. BN: GEMV_BN_MAX / BT, halved (down to
     2) while the grid has fewer than GEMV_PROGRAMS_PER_SM programs per SM; BK: the GEMV_ACC
     products over BT x BN, at most GEMV_BK and K's power of two."""
     bt = next_pow2(t)
     bn = max(2, GEMV_BN_MAX // bt)
-    while bn > 2 and triton.cdiv(n, bn) < GEMV_PROGRAMS_PER_SM * _num_sms(device):
+    while bn > 2 and triton.cdiv(n, bn) < GEMV_PROGRAMS_PER_SM * num_sms(device):
         bn //= 2
     return bt, bn, max(16, min(GEMV_BK, next_pow2(k), GEMV_ACC // (bt * bn)))
 
@@ -128,6 +118,10 @@ def _gemv_fits(x2: torch.Tensor, weight: torch.Tensor, *rows_of: torch.Tensor | 
 
 def _launch(x2, weight, y, add2, limit, swiglu):
     t, (n, k) = x2.shape[0], weight.shape
+    if weight.dtype != torch.float32:
+        # the reference rounds x to the weight's dtype first; to fp32 (the indexer's fp32
+        # head weights) the kernel's own load widens it exactly: no cast launch
+        x2 = x2.to(weight.dtype)
     bt, bn, bk = gemv_tile(t, n, k, x2.device)
     linear_gemv_kernel[(triton.cdiv(n, bn),)](
         x2, weight, y, y if add2 is None else add2, t, n, k, x2.stride(0), y.stride(0),
@@ -146,10 +140,6 @@ def linear(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = Non
     add2 = None if add is None else add.reshape(-1, n)
     if not _gemv_fits(x2, weight, out, add2):
         return ref_linear.linear(x, weight, out, add)
-    if weight.dtype != torch.float32:
-        # the reference rounds x to the weight's dtype first; to fp32 (the router-like
-        # fp32 head weights) the kernel's own load widens it exactly: no cast launch
-        x2 = x2.to(weight.dtype)
     y = out if out is not None else torch.empty(x2.shape[0], n, dtype=weight.dtype,
                                                 device=x.device)
     _launch(x2, weight, y, add2, 0.0, False)
@@ -165,5 +155,5 @@ def linear_swiglu(x: torch.Tensor, weight: torch.Tensor, limit: float) -> torch.
     if not _gemv_fits(x2, weight):
         return moe.swiglu(*ref_linear.linear(x, weight).chunk(2, dim=-1), limit)
     y = torch.empty(x2.shape[0], n // 2, dtype=weight.dtype, device=x.device)
-    _launch(x2.to(weight.dtype), weight, y, None, limit, True)
+    _launch(x2, weight, y, None, limit, True)
     return y.view(*x.shape[:-1], n // 2)

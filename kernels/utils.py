@@ -25,6 +25,15 @@ def device_capability(device: torch.device) -> tuple[int, int]:
     return torch.cuda.get_device_capability(device)
 
 
+@functools.cache
+def num_sms(device: torch.device) -> int:
+    """SMs of `device`, asked once (the decode launches size their grids from it every step);
+    an H100's / H200's 132 off CUDA (the interpreter's grids follow the GPU's)."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 132
+
+
 def is_sm120(device: torch.device) -> bool:
     """Whether kernels for `device` compile for consumer/workstation Blackwell (compute capability
     12.x: RTX PRO 6000, RTX 50xx): 99 KB of shared memory per block (Hopper 227 KB) and mma.sync,
