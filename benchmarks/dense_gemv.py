@@ -20,6 +20,7 @@ import itertools
 import json
 import statistics
 from datetime import UTC, datetime
+from unittest import mock
 
 import torch
 from bench_common import git_commit
@@ -62,8 +63,20 @@ def ops_for(swiglu: bool) -> dict:
     return {"cublas": ref_linear.linear, "gemv": lambda x, w, o: linear.linear(x, w, o)}
 
 
-def time_shape(n, k, t, copies, ops, replays, repeats, gen) -> dict[str, float]:
-    """ms per call of each op over `copies` weights of [n, k] and one x [t, k]."""
+def gemv_rows_up_to(tokens: int):
+    """The GEMV taking up to `tokens` rows (the model takes one; past it linear.linear would
+    run cuBLAS, and a comparison would measure cuBLAS against itself)."""
+    return mock.patch.object(linear, "GEMV_MAX_TOKENS", max(tokens, linear.GEMV_MAX_TOKENS))
+
+
+def l2_free_copies(n: int, k: int) -> int:
+    """Weight copies of [n, k] bf16 that together outgrow L2 (2 to 64)."""
+    return max(2, min(64, L2_FREE_BYTES // (2 * n * k)))
+
+
+def time_shape(n, k, t, ops, replays, repeats, gen) -> dict[str, float]:
+    """ms per call of each op over l2_free_copies(n, k) weights of [n, k] and one x [t, k]."""
+    copies = l2_free_copies(n, k)
     ws = [torch.randn(n, k, device="cuda", generator=gen).to(torch.bfloat16) * 0.02
           for _ in range(copies)]
     x = torch.randn(t, k, device="cuda", generator=gen).to(torch.bfloat16)
@@ -76,19 +89,39 @@ def time_shape(n, k, t, copies, ops, replays, repeats, gen) -> dict[str, float]:
 
 
 def check(shapes, tokens, dev) -> float:
-    """Largest relative error of the GEMV against the reference over shapes x tokens."""
+    """Largest relative error of the GEMV against the reference over shapes x tokens (the
+    GEMV taking every token count given)."""
     gen = torch.Generator(device=dev).manual_seed(0)
     worst = 0.0
-    for (n, k, *_), t in itertools.product(shapes, tokens):
-        dtype = torch.bfloat16 if dev == "cuda" else torch.float32
-        w = torch.randn(n, k, device=dev, generator=gen).to(dtype)
-        x = torch.randn(t, k, device=dev, generator=gen).to(dtype)
-        ref = ref_linear.linear(x, w).double()
-        err = float((linear.linear(x, w).double() - ref).norm() / ref.norm())
-        worst = max(worst, err)
-        if err > TOL:
-            raise SystemExit(f"GEMV [{n}, {k}] at {t} rows: relative error {err:.3g} > {TOL}")
+    with gemv_rows_up_to(max(tokens)):
+        for (n, k, *_), t in itertools.product(shapes, tokens):
+            worst = max(worst, _check_one(n, k, t, dev, gen))
     return worst
+
+
+def _check_one(n, k, t, dev, gen) -> float:
+    dtype = torch.bfloat16 if dev == "cuda" else torch.float32
+    w = torch.randn(n, k, device=dev, generator=gen).to(dtype)
+    x = torch.randn(t, k, device=dev, generator=gen).to(dtype)
+    ref = ref_linear.linear(x, w).double()
+    err = float((linear.linear(x, w).double() - ref).norm() / ref.norm())
+    if err > TOL:
+        raise SystemExit(f"GEMV [{n}, {k}] at {t} rows: relative error {err:.3g} > {TOL}")
+    return err
+
+
+def sweep_step(shapes, grid, replays, repeats, gen) -> list[dict]:
+    """The GEMV's step sum at one row under every setting of `grid` (constants of
+    glm53.kernels.linear, restored after), fastest first."""
+    names, sweep = list(grid), []
+    for values in itertools.product(*grid.values()):
+        setting = dict(zip(names, values, strict=True))
+        with mock.patch.multiple(linear, **setting):
+            total = sum(count * time_shape(n, k, 1, {"gemv": ops_for(swiglu)["gemv"]}, replays,
+                                           repeats, gen)["gemv"]
+                        for (n, k, swiglu), count in shapes.items())
+        sweep.append(dict(setting=setting, step_ms=total))
+    return sorted(sweep, key=lambda r: r["step_ms"])
 
 
 def main() -> None:
@@ -118,17 +151,13 @@ def main() -> None:
     err = check(list(shapes)[:3], tokens, "cuda")
     gen = torch.Generator(device="cuda").manual_seed(1)
     rows, step = [], collections.defaultdict(float)
-    saved_max = linear.GEMV_MAX_TOKENS
-    # the GEMV's own rows past GEMV_MAX_TOKENS too: how far it would go
-    linear.GEMV_MAX_TOKENS = max(tokens)
-    try:
+    with gemv_rows_up_to(max(tokens)):  # how far the GEMV would go
         for (n, k, swiglu), count in shapes.items():
-            copies = max(2, min(64, L2_FREE_BYTES // (2 * n * k)))
             for t in tokens:
-                ms = time_shape(n, k, t, copies, ops_for(swiglu), args.replays, args.repeats,
-                                gen)
+                ms = time_shape(n, k, t, ops_for(swiglu), args.replays, args.repeats, gen)
                 nbytes = 2 * n * k + 2 * t * (n + k)
-                row = dict(n=n, k=k, swiglu=swiglu, count=count, tokens=t, copies=copies,
+                row = dict(n=n, k=k, swiglu=swiglu, count=count, tokens=t,
+                           copies=l2_free_copies(n, k),
                            tile=linear.gemv_tile(t, n, k, torch.device("cuda")))
                 for name, v in ms.items():
                     row[f"{name}_ms"] = v
@@ -140,28 +169,9 @@ def main() -> None:
                       f"cuBLAS {ms['cublas'] * 1e3:7.1f} us "
                       f"({row['cublas_pct_bandwidth']:4.0f}%)  GEMV {ms['gemv'] * 1e3:7.1f} us "
                       f"({row['gemv_pct_bandwidth']:4.0f}%)")
-        sweep = []
-        if grid:
-            names = list(grid)
-            saved = {nm: getattr(linear, nm) for nm in names}
-            try:
-                for values in itertools.product(*grid.values()):
-                    for nm, v in zip(names, values, strict=True):
-                        setattr(linear, nm, v)
-                    total = sum(count * time_shape(
-                        n, k, 1, max(2, min(64, L2_FREE_BYTES // (2 * n * k))),
-                        {"gemv": ops_for(swiglu)["gemv"]}, args.replays, args.repeats,
-                        gen)["gemv"] for (n, k, swiglu), count in shapes.items())
-                    sweep.append(dict(setting=dict(zip(names, values, strict=True)),
-                                      step_ms=total))
-            finally:
-                for nm, v in saved.items():
-                    setattr(linear, nm, v)
-            sweep.sort(key=lambda r: r["step_ms"])
-            for r in sweep[:8]:
-                print(f"sweep 1 token: {r['step_ms']:.4f} ms {r['setting']}")
-    finally:
-        linear.GEMV_MAX_TOKENS = saved_max
+    sweep = sweep_step(shapes, grid, args.replays, args.repeats, gen) if grid else []
+    for r in sweep[:8]:
+        print(f"sweep 1 token: {r['step_ms']:.4f} ms {r['setting']}")
     step_ms = {f"{name}_{t}": v for (name, t), v in step.items()}
     print("dense projections per rank-0 step (ms):",
           {key: round(v, 4) for key, v in step_ms.items()})

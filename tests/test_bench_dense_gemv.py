@@ -38,3 +38,5 @@ def test_smoke_checks_the_gemv_against_cublas_reference(bench, monkeypatch, caps
     bench.main()
     err = float(capsys.readouterr().out.split("error")[-1])
     assert 0 < err < 1e-5
+    # past the model's one row too: the GEMV, not cuBLAS against itself (exactly 0 error)
+    assert bench.check([(37, 72)], [3], "cpu") > 0
