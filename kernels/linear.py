@@ -7,7 +7,7 @@ launches on an H100 (rank0_l24_h100_int4_a4b1ae6.json). Here one program owns BN
 over the whole K: it streams [BN, BK] weight tiles with the next tile loaded before this one's
 products, keeps the products per K lane in fp32 registers ([BT, BN, BK]) and reduces them once
 after the loop, so every sum runs in one program in a fixed order (no atomics, no scratch, no
-second launch). BN shrinks (16, 8, 4, 2) until the grid has GEMV_PROGRAMS_PER_SM programs per
+second launch). BN shrinks (8, 4, 2) until the grid has GEMV_PROGRAMS_PER_SM programs per
 SM, because a program keeps only ~2 tiles in flight and the bandwidth needs many in flight.
 
 Past GEMV_MAX_TOKENS rows (and for x whose rows are not contiguous, or K not a multiple of 8)
@@ -35,10 +35,13 @@ GEMV_MAX_TOKENS = 1
 # most K elements per step (a row's step is BK * 2 contiguous bytes) and warps per program
 GEMV_BK, GEMV_WARPS = 2048, 4
 # output rows per program at one token (divided by the token rows at more), and the programs
-# per SM the grid is shrunk-BN towards
-GEMV_BN_MAX, GEMV_PROGRAMS_PER_SM = 16, 4
+# per SM the grid is shrunk-BN towards. Rank 0's step sum at one row on an H100
+# (dense_gemv_h100_3eba9c4.json): BN 8 3.82 ms, 16 3.95, 32 3.94 (4 programs an SM; 8 an SM
+# 3.94-3.95 at any BN): 8 rows x 512 columns a step, 1 KiB runs a row
+GEMV_BN_MAX, GEMV_PROGRAMS_PER_SM = 8, 4
 # fp32 products a program keeps per K lane (BT x BN x BK): 32 registers a thread at 4 warps;
-# BK takes what BT x BN leaves, so every tile streams the same bytes a step
+# BK takes what BT x BN leaves, so every tile streams the same bytes a step (8192: 4.10-4.26
+# ms in the same sweep, registers)
 GEMV_ACC = 4096
 
 

@@ -86,8 +86,8 @@ case $stage in
         --json "$out/moe_4bit_one_token${ep/--/_}_${dev}_$commit.json" 2>&1 | tail -n 6
     done ;;
   gemv)
-    python benchmarks/dense_gemv.py --tokens 1,2,4 --sweep GEMV_BN_MAX=8,16,32 \
-      --sweep GEMV_PROGRAMS_PER_SM=4,8 --sweep GEMV_ACC=4096,8192 --commit "$commit" \
+    python benchmarks/dense_gemv.py --tokens 1,2 --sweep GEMV_BN_MAX=4,8,16 \
+      --sweep GEMV_ACC=2048,4096 --sweep GEMV_WARPS=4,8 --commit "$commit" \
       --json "$out/dense_gemv_${dev}_$commit.json" 2>&1 | tail -n 60 ;;
   int4dot)
     python benchmarks/moe_4bit.py --formats bf16,int4 --tokens 512,2048 --repeats 5 \

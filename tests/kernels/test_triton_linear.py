@@ -121,10 +121,10 @@ def test_gemv_tile_fills_the_sms_and_bounds_the_products():
     from glm53.kernels import linear
 
     dev = torch.device("cpu")  # 132 SMs assumed off CUDA
-    assert linear.gemv_tile(1, 12320, 4096, dev) == (1, 16, 256)  # 770 programs
+    assert linear.gemv_tile(1, 12320, 4096, dev) == (1, 8, 512)  # 1540 programs
     assert linear.gemv_tile(1, 4096, 4096, dev) == (1, 4, 1024)  # 1024 programs
     assert linear.gemv_tile(1, 2048, 4096, dev) == (1, 2, 2048)  # 1024 programs
-    assert linear.gemv_tile(3, 77440, 4096, dev) == (4, 4, 256)
+    assert linear.gemv_tile(3, 77440, 4096, dev) == (4, 2, 512)
     assert linear.gemv_tile(1, 37, 72, dev) == (1, 2, 128)
 
 
