@@ -19,7 +19,7 @@ import torch
 from bench_common import device_ms, git_commit, graph_ms
 from triton.testing import do_bench
 
-from glm53.kernels import kda, kda_chunk, kda_mixer, moe
+from glm53.kernels import kda, kda_chunk, kda_mixer, mhc, moe
 from glm53.kernels.ref import kda as ref_kda
 
 DEV = "cuda"
@@ -266,6 +266,64 @@ def bench_moe(rows, gen, quick):
                          ours_us=t * 1e3, bytes=nbytes, bw_pct=100 * nbytes / (t * 1e-3) / BW))
 
 
+def bench_mhc(rows, gen, quick):
+    """The mHC sites (release: 4 streams of 4096, 20 Sinkhorn iterations). Decode sizes (1, 16,
+    64 tokens) as graph replays: `hc_pre` (mixing pass + one program a token), `hc_post_pre`
+    (an expansion and the next site's projection, then the gates) and `hc_post`; at one token
+    `hc_pre` also with one Sinkhorn iteration and at mhc.PRE_WARPS 4 / 8 / 16, which split the
+    gate launch's latency into its parts. A 2048-token prefill chunk: `hc_pre` over
+    mhc.MIX_TOKENS x MIX_COLUMNS tiles of its mixing pass, against the reference's fp32
+    matmul of the streams (a cast and a cuBLAS GEMM) for scale."""
+    n, d, iters = 4, 4096, 20
+    m = (2 + n) * n
+    fn = torch.randn(m, n * d, device=DEV, generator=gen) * 0.01
+    base = torch.randn(m, device=DEV, generator=gen) * 0.1
+    scale = torch.rand(3, device=DEV, generator=gen)
+    norm_w = torch.rand(d, device=DEV, dtype=torch.bfloat16, generator=gen)
+    defaults = dict(PRE_WARPS=mhc.PRE_WARPS, MIX_TOKENS=mhc.MIX_TOKENS,
+                    MIX_COLUMNS=mhc.MIX_COLUMNS)
+
+    def pre_us(streams, it, graph, **consts):
+        for name, value in consts.items():
+            setattr(mhc, name, value)
+        try:
+            return 1e3 * _ms(lambda: mhc.hc_pre(streams, fn, base, scale, 1e-6, 1e-6, it,
+                                                norm_w, 1e-6), graph)
+        finally:
+            for name, value in defaults.items():
+                setattr(mhc, name, value)
+
+    for tokens in (1, 16, 64) if not quick else (1,):
+        streams = torch.randn(tokens, n, d, device=DEV, dtype=torch.bfloat16, generator=gen)
+        y = torch.randn(tokens, d, device=DEV, dtype=torch.bfloat16, generator=gen)
+        post, comb, _ = mhc.hc_pre(streams, fn, base, scale, 1e-6, 1e-6, iters, norm_w, 1e-6)
+        nbytes = streams.numel() * 2 + fn.numel() * 4
+        settings = [dict(it=iters)]
+        if tokens == 1:
+            settings += [dict(it=1)] + [dict(it=iters, PRE_WARPS=w) for w in (4, 8, 16)
+                                        if w != mhc.PRE_WARPS]
+        for c in settings:
+            it = c.pop("it")
+            t = pre_us(streams, it, True, **c)
+            rows.append(dict(kernel="hc_pre", tokens=tokens, sinkhorn_iters=it, **c,
+                             ours_us=t, bytes=nbytes, bw_pct=100 * nbytes / (t * 1e-6) / BW))
+        t = 1e3 * _ms(lambda: mhc.hc_post_pre(streams, y, post, comb, fn, base, scale, 1e-6,
+                                              1e-6, iters, norm_w, 1e-6), True)
+        rows.append(dict(kernel="hc_post_pre", tokens=tokens, ours_us=t))
+        t = 1e3 * _ms(lambda: mhc.hc_post(streams, y, post, comb), True)
+        rows.append(dict(kernel="hc_post", tokens=tokens, ours_us=t))
+    tokens = 2048
+    streams = torch.randn(tokens, n, d, device=DEV, dtype=torch.bfloat16, generator=gen)
+    for bt in (16, 32):
+        for bc in (64, 128, 256):
+            t = pre_us(streams, iters, False, MIX_TOKENS=bt, MIX_COLUMNS=bc)
+            rows.append(dict(kernel="hc_pre", tokens=tokens, mix_tokens=bt, mix_columns=bc,
+                             ours_us=t))
+    flat = streams.view(tokens, n * d)
+    t = 1e3 * _ms(lambda: flat.float() @ fn.t(), False)
+    rows.append(dict(kernel="hc_projection_fp32_matmul", tokens=tokens, ref_us=t))
+
+
 def bench_ref_kda_decode(rows, gen):
     """The reference recurrence at batch 1 (what the CPU path runs), for scale."""
     q, k, v, g, beta = _kda_inputs(1, 64, gen)
@@ -293,7 +351,7 @@ def main() -> None:
     prefill_heads = tuple(int(h) for h in args.prefill_heads.split(","))
     parts = {"kda_decode": bench_kda_decode, "kda_decode_fla": bench_kda_decode_fla,
              "kda_prefill": functools.partial(bench_kda_prefill, head_counts=prefill_heads),
-             "moe": bench_moe}
+             "moe": bench_moe, "mhc": bench_mhc}
     for name in args.parts.split(","):
         try:
             parts[name](rows, gen, args.quick)

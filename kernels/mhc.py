@@ -35,9 +35,11 @@ MIX_COLUMNS = 128
 # Not 64: that tile's fp32 dot spilled 5.7 KB a thread on sm_90 and took 2.5 ms a site at a
 # 2048-token chunk (rank0_l24_h100_int4_37be788.json: 120 of the chunk's 260 ms)
 MIX_TOKENS, MIX_DOT_MIN_TOKENS = 16, 16
-# columns a step of `hc_pre_kernel` (16 warps: 8 a thread): a release row (4096) is one step,
+# columns a step of `hc_pre_kernel` (at 16 warps 8 a thread): a release row (4096) is one step,
 # normalised from registers
 PRE_COLUMNS = 4096
+# warps of `hc_pre_kernel`'s one program a token (benchmarks/kernels.py --parts mhc sweeps it)
+PRE_WARPS = 16
 
 
 @triton.jit
@@ -81,7 +83,7 @@ def hc_pre_kernel(streams, mix_part, ss_part, base, scale, norm_w, post, comb, c
                   normed, rms_eps, hc_eps, norm_eps, iters, D, SPLIT, N: tl.constexpr,
                   BM: tl.constexpr, BS: tl.constexpr, BD: tl.constexpr, NORM: tl.constexpr,
                   ONE_PASS: tl.constexpr):
-    """Program i_t (16 warps: at decode one program is the whole site's latency): token i_t's
+    """Program i_t (PRE_WARPS: at decode one program is the whole site's latency): token i_t's
     gates and comb from the mixing pass's parts, the collapsed block input sum_i pre_i X_i and,
     with NORM, its RMSNorm (as `rms_norm`: the collapsed row rounded to the streams' dtype,
     normalised in fp32, rounded, scaled). The projection's entries are picked from registers
@@ -193,7 +195,7 @@ def _gates(streams, mix_part, ss_part, base, scale, rms_eps, hc_eps, sinkhorn_it
                                 scale.float().contiguous(), norm_weight if norm else collapsed,
                                 post, comb, collapsed, out, rms_eps, hc_eps, float(norm_eps),
                                 sinkhorn_iters, d, split, N=n, BM=bm, BS=next_pow2(split),
-                                BD=bd, NORM=norm, ONE_PASS=d <= bd, num_warps=16)
+                                BD=bd, NORM=norm, ONE_PASS=d <= bd, num_warps=PRE_WARPS)
     return post, comb, out
 
 
