@@ -65,6 +65,9 @@ GEMV_WARPS_1, GEMV_AHEAD_1 = 8, 2
 # per split); an int forces that many splits (at most, a power of two dividing the steps)
 GEMV_W2_SPLIT: int | None = None
 GEMV_PROGRAMS_PER_SM, GEMV_MIN_STEPS = 4, 4
+# w13's columns per program are halved no lower than this (`_w13_columns`): EP rank 0's ~4
+# live pairs at one token take 16 (128 programs an expert); 8 doubles the programs again
+GEMV_BN13_MIN = 16
 # up to this many tokens (and one row per block) the dot-free variant runs on the unsorted
 # (token, expert) pairs: no sort, searchsorted or align launch (`moe_decode_pairs`); on an
 # H200 (moe_4bit_h200_8fdaacd.json) 0.069 ms against 0.131 sorted at 1 token, 0.40 vs 0.72 at 8
@@ -359,11 +362,11 @@ def _w2_split(steps: int, programs: int, device: torch.device) -> int:
 
 def _w13_columns(inter: int, bm: int, blocks: int, device: torch.device) -> int:
     """Output columns per dot-free w13 program: GEMV_BN13 (halved at 2 rows per block,
-    quartered at 4), halved again down to 16 while the `blocks` that can hold rows would fill
-    under half of GEMV_PROGRAMS_PER_SM per SM (measured on an H200 at 1 token: BN 32 0.069 ms
-    vs BN 64 0.072 ms; at 8 and 16 tokens BN 64 is best)."""
+    quartered at 4), halved again down to GEMV_BN13_MIN while the `blocks` that can hold rows
+    would fill under half of GEMV_PROGRAMS_PER_SM per SM (measured on an H200 at 1 token: BN
+    32 0.069 ms vs BN 64 0.072 ms; at 8 and 16 tokens BN 64 is best)."""
     bn = max(8, min(GEMV_BN13 >> bm // 2, next_pow2(inter)))
-    while bn > 16 and 2 * blocks * triton.cdiv(inter, bn) <= \
+    while bn > GEMV_BN13_MIN and 2 * blocks * triton.cdiv(inter, bn) <= \
             GEMV_PROGRAMS_PER_SM * num_sms(device):
         bn //= 2
     return bn

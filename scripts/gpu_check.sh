@@ -81,6 +81,7 @@ case $stage in
     for ep in "" --ep2; do
       python benchmarks/moe_4bit.py $ep --formats int4 --tokens 1 --repeats 5 --int4-sweep \
         --sweep-tokens 1 --sweep GEMV_WARPS_1=4,8 --sweep GEMV_AHEAD_1=1,2 --sweep GEMV_BN13=64 \
+        --sweep GEMV_BN13_MIN=8,16 \
         --sweep GEMV_BN2=128 --sweep GEMV_WARPS=4 --sweep GEMV_PROGRAMS_PER_SM=4 \
         --sweep GEMV_AHEAD=1 --commit "$commit" \
         --json "$out/moe_4bit_one_token${ep/--/_}_${dev}_$commit.json" 2>&1 | tail -n 6

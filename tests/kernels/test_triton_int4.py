@@ -225,6 +225,23 @@ class _Launches:
         return run
 
 
+@pytest.mark.parametrize("bn13_min", [8, 16])
+def test_w13_columns_halve_to_their_floor(monkeypatch, bn13_min):
+    """With few live pairs w13's columns per program halve down to GEMV_BN13_MIN (8: 16 rows
+    of gate and up a program); the result is the reference's."""
+    from glm53.kernels import int4, int4_gemv
+
+    monkeypatch.setattr(int4_gemv, "GEMV_BN13_MIN", bn13_min)
+    w13 = _Launches(int4_gemv.w13_gemv_kernel)
+    monkeypatch.setattr(int4_gemv, "w13_gemv_kernel", w13)
+    x, packed, wts, ids = _case(64, 64, 32, 1, 4, 6, seed=5)
+    want = ref_int4.moe_int4(x, *packed, wts, ids, 7.0, 0, 32)
+    out = int4.moe_int4_on_path(*(a.to(DEVICE) for a in (x, *packed, wts, ids)), 7.0, 0, 32,
+                                path="decode")
+    assert [c["BN"] for c in w13.calls] == [bn13_min]
+    assert rel_err(out, want) < TOL
+
+
 def _pairs_case(t, x_dtype, w_dtype):
     """D 96 (3 reduce tiles of 32 columns at GEMV_REDUCE_TILE 512), I 128 (w2: 4 K steps of 4
     words, so up to 4 K splits), top-3 of 12 experts, this rank's being 2..5 (offset 2): token
