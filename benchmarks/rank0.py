@@ -148,7 +148,7 @@ def graph_replay_ms(model, caches, batch: int, context: int, tables,
         step()
     ms = _timed(graph.replay, reps_for(_timed(graph.replay, 1)))
     del graph
-    return ms, kernel_profile(step, top=40) if profile else None
+    return ms, kernel_profile(step, top=200) if profile else None
 
 
 def prefill_gflop_per_token(model, depth: int, chunk: int) -> float:

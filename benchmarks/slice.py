@@ -158,9 +158,10 @@ def engine_step_ms(model, caches: ModelCaches, cfg: ModelConfig, batch_size: int
     as wide as the model's context, as every graph had before graphs per context size),
     `case_width_graph_device_ms` (with tables as wide as the case's, as the bare replay's),
     `engine_step_device_ms` (all a step queues) and `engine_step_kernels` (its kernels by
-    device time). With `profile`, the host calls that
-    take the most CPU time in one step (torch.profiler). Runs on the model's device: CUDA
-    graphs on CUDA, their eager emulation elsewhere."""
+    device time). With `profile`, the host calls that take the most CPU time in one step
+    (torch.profiler) and every kernel of the engine's graph (`engine_graph_kernels`, to diff
+    with the bare step's). Runs on the model's device: CUDA graphs on CUDA, their eager
+    emulation elsewhere."""
     device = next(model.parameters()).device
     graphs = DecodeGraphs(model, caches, pad_slot=caches.layers[0].conv.shape[0] - 1,
                           max_blocks=cfg.max_position_embeddings // BLOCK,
@@ -252,6 +253,8 @@ def engine_step_ms(model, caches: ModelCaches, cfg: ModelConfig, batch_size: int
         host["case_width_graph_device_ms"] = graph_at_width(table.shape[1])
         host["engine_step_device_ms"] = device_ms(lambda: launch(None))
         host["engine_step_kernels"] = kernel_profile(lambda: launch(None), top=12)
+        if profile:  # every kernel of the engine's graph, against the bare graph's
+            host["engine_graph_kernels"] = kernel_profile(graph.replay, top=200)
     if profile:
         host["profile"] = host_profile(decode)
     return ms, host
@@ -311,6 +314,8 @@ def bench_ours(cfg: ModelConfig, decode_cases, prefill_lens, rows, graphs: bool,
                         step(b, ids)
                     row["graph_ms"] = _timed(graph.replay, 20)
                     row["graph_launch_host_ms"] = host_call_ms(graph.replay)
+                    if profile:  # the replay's kernels (`profile` is the eager call's)
+                        row["graph_kernels"] = kernel_profile(graph.replay, top=200)
                 except Exception as exc:
                     row["graph_error"] = repr(exc)[:300]
                 try:
