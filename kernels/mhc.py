@@ -200,6 +200,26 @@ def _gates(streams, mix_part, ss_part, base, scale, rms_eps, hc_eps, sinkhorn_it
 
 
 @triton.jit
+def expand_rows(p_x, b_y, p_post, p_comb, D, N: tl.constexpr, m_d):
+    """[N, BD] fp32: row j = post[j] y + sum_i comb[i, j] X[i] over the columns of p_x (the
+    pointers [BD] of stream 0's columns; stream i lies i D on) and b_y [BD] fp32, as a chain of
+    FMAs per element in i order (`hc_post_kernel`'s arithmetic). Every stream row is loaded
+    here, before the caller stores anything: a load placed after a store is not hoisted above
+    it (the pointers may alias), and an expansion per output stream with its loads between
+    the stores cost `hc_post_mix_kernel` a round trip per stream (sm_90: 600 instructions,
+    464 this way, all 28 loads ahead of the first store). At `hc_post_kernel`'s 512 columns
+    the [BD] rows go through shared memory into the [N, BD] layout, a barrier per stream:
+    that kernel keeps its per-stream form."""
+    o_j = tl.arange(0, N)
+    b_o = tl.load(p_post + o_j)[:, None] * b_y[None, :]
+    for i in tl.static_range(N):
+        b_x = tl.load(p_x + i * D, mask=m_d, other=0.0).to(tl.float32)
+        # comb[i, j]: how much of input stream i flows into output stream j
+        b_o += tl.load(p_comb + i * N + o_j)[:, None] * b_x[None, :]
+    return b_o
+
+
+@triton.jit
 def hc_post_kernel(streams, block_out, post, comb, out, D, N: tl.constexpr, BD: tl.constexpr):
     """Program (i_t, i_d): columns i_d*BD.. of token i_t's N output streams. Each stream row is
     its own [BD] vector and the gates are scalars, so every output is a chain of FMAs in the
@@ -243,30 +263,22 @@ def hc_post_mix_kernel(streams, block_out, post, comb, out, fn, mix_part, ss_par
     """Program (i_d, i_t): `hc_post_kernel` on columns i_d*BD.. of token i_t's N output
     streams, and, from the rows as stored (rounded to out's dtype), their part of the next
     site's projection fn @ x' ([M]) and of sum x'^2 over the N BD flattened columns j D + d
-    (`hc_mix_kernel`'s parts, one a program: SPLIT = D / BD of them)."""
+    (`hc_mix_kernel`'s parts, one a program: SPLIT = D / BD of them). fn's [BM, N, BD] slice
+    is loaded first, with the streams: every load before the first store."""
     i_d, i_t = tl.program_id(0), tl.program_id(1).to(tl.int64)
     o_d = i_d * BD + tl.arange(0, BD)
     m_d = o_d < D
-    o_m = tl.arange(0, BM)
-    m_w = (o_m < M)[:, None] & m_d[None, :]
-    p_x = streams + i_t * N * D + o_d
+    o_m, o_j = tl.arange(0, BM), tl.arange(0, N)
+    c_w = (o_j[:, None] * D + o_d[None, :])[None, :, :]
+    m_w = (o_m < M)[:, None, None] & m_d[None, None, :]
+    b_w = tl.load(fn + o_m[:, None, None] * ND + c_w, mask=m_w, other=0.0)
     b_y = tl.load(block_out + i_t * D + o_d, mask=m_d, other=0.0).to(tl.float32)
-    p_c = comb + i_t * N * N
-    b_mix = tl.zeros([BM], dtype=tl.float32)
-    b_ss = tl.zeros([BD], dtype=tl.float32)
-    for j in tl.static_range(N):
-        b_o = tl.load(post + i_t * N + j) * b_y
-        for i in tl.static_range(N):
-            b_x = tl.load(p_x + i * D, mask=m_d, other=0.0).to(tl.float32)
-            b_o += tl.load(p_c + i * N + j) * b_x
-        b_o = b_o.to(out.dtype.element_ty)
-        tl.store(out + i_t * N * D + j * D + o_d, b_o, mask=m_d)
-        b_w = tl.load(fn + o_m[:, None] * ND + (j * D + o_d)[None, :], mask=m_w, other=0.0)
-        b_o = b_o.to(tl.float32)
-        b_mix += tl.sum(b_w * b_o[None, :], 1)
-        b_ss += b_o * b_o
-    tl.store(mix_part + (i_t * SPLIT + i_d) * BM + o_m, b_mix)
-    tl.store(ss_part + i_t * SPLIT + i_d, tl.sum(b_ss, 0))
+    b_o = expand_rows(streams + i_t * N * D + o_d, b_y, post + i_t * N, comb + i_t * N * N, D,
+                      N, m_d).to(out.dtype.element_ty)
+    tl.store(out + i_t * N * D + o_j[:, None] * D + o_d[None, :], b_o, mask=m_d[None, :])
+    b_o = b_o.to(tl.float32)  # 0 past D: y and the streams load as 0 there
+    tl.store(mix_part + (i_t * SPLIT + i_d) * BM + o_m, tl.sum(tl.sum(b_w * b_o[None], 2), 1))
+    tl.store(ss_part + i_t * SPLIT + i_d, tl.sum(tl.sum(b_o * b_o, 1), 0))
 
 
 def hc_post_pre(
