@@ -89,21 +89,30 @@ def hc_pre_kernel(streams, mix_part, ss_part, base, scale, norm_w, post, comb, c
     normalised in fp32, rounded, scaled). The projection's entries are picked from registers
     (no store, barrier and load of the summed projection). ONE_PASS (D <= BD, a release row):
     the collapsed row stays in registers for its norm (and is not stored when normed); else BD
-    columns a step, the row read back for the norm. (Loading the streams at the kernel's start,
-    to overlap them with the Sinkhorn loop, made the sm_90 build spill 2.8 KB a thread.)"""
+    columns a step, the row read back for the norm."""
     i_t = tl.program_id(0).to(tl.int64)
     o_s, o_m, o_i, o_d = tl.arange(0, BS), tl.arange(0, BM), tl.arange(0, N), tl.arange(0, BD)
+    o_ij = o_i[:, None] * N + o_i[None, :]
     p_x = streams + i_t * N * D + o_i[:, None] * D
     m_s = o_s < SPLIT
-    b_ss = tl.sum(tl.load(ss_part + i_t * SPLIT + o_s, mask=m_s, other=0.0), 0)
-    b_mix = tl.sum(tl.load(mix_part + (i_t * SPLIT + o_s[:, None]) * BM + o_m[None, :],
-                           mask=m_s[:, None], other=0.0), 0)
-    b_r = 1.0 / tl.sqrt(b_ss / (N * D) + rms_eps)
+    # every load is issued before the first reduction: placed after a reduction (a barrier)
+    # or a store (which it cannot pass: the pointers may alias), each was a round trip of its
+    # own in the one program's chain (sm_90: 5 such steps before, 1 now)
     s0, s1, s2 = tl.load(scale), tl.load(scale + 1), tl.load(scale + 2)
-    b_pre = tl.sigmoid(pick(b_mix, o_m, o_i, 1) * b_r * s0 + tl.load(base + o_i)) + hc_eps
-    b_post = 2.0 * tl.sigmoid(pick(b_mix, o_m, N + o_i, 1) * b_r * s1 + tl.load(base + N + o_i))
-    o_ij = o_i[:, None] * N + o_i[None, :]
-    b_c = pick(b_mix, o_m, 2 * N + o_ij, 2) * b_r * s2 + tl.load(base + 2 * N + o_ij)
+    base_pre, base_post = tl.load(base + o_i), tl.load(base + N + o_i)
+    base_c = tl.load(base + 2 * N + o_ij)
+    b_ss = tl.load(ss_part + i_t * SPLIT + o_s, mask=m_s, other=0.0)
+    b_mix = tl.load(mix_part + (i_t * SPLIT + o_s[:, None]) * BM + o_m[None, :],
+                    mask=m_s[:, None], other=0.0)
+    if ONE_PASS:
+        m_d = o_d < D
+        b_x = tl.load(p_x + o_d[None, :], mask=m_d[None, :], other=0.0)
+        b_w = tl.load(norm_w + o_d, mask=m_d & NORM, other=0.0)
+    b_ss, b_mix = tl.sum(b_ss, 0), tl.sum(b_mix, 0)
+    b_r = 1.0 / tl.sqrt(b_ss / (N * D) + rms_eps)
+    b_pre = tl.sigmoid(pick(b_mix, o_m, o_i, 1) * b_r * s0 + base_pre) + hc_eps
+    b_post = 2.0 * tl.sigmoid(pick(b_mix, o_m, N + o_i, 1) * b_r * s1 + base_post)
+    b_c = pick(b_mix, o_m, 2 * N + o_ij, 2) * b_r * s2 + base_c
     b_c = tl.exp(b_c - tl.max(b_c, 1)[:, None])
     b_c = b_c / tl.sum(b_c, 1)[:, None] + hc_eps
     b_c = b_c / (tl.sum(b_c, 0)[None, :] + hc_eps)
@@ -113,11 +122,8 @@ def hc_pre_kernel(streams, mix_part, ss_part, base, scale, norm_w, post, comb, c
     tl.store(post + i_t * N + o_i, b_post)
     tl.store(comb + i_t * N * N + o_ij, b_c)
     if ONE_PASS:
-        m_d = o_d < D
-        b_x = tl.load(p_x + o_d[None, :], mask=m_d[None, :], other=0.0)
         b_u = tl.sum(b_pre[:, None] * b_x.to(tl.float32), 0).to(collapsed.dtype.element_ty)
         if NORM:
-            b_w = tl.load(norm_w + o_d, mask=m_d, other=0.0)
             b_uf = b_u.to(tl.float32)
             b_n = 1.0 / tl.sqrt(tl.sum(b_uf * b_uf, 0) / D + norm_eps)
             b_y = (b_uf * b_n).to(collapsed.dtype.element_ty).to(tl.float32)
