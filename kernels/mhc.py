@@ -35,6 +35,11 @@ MIX_COLUMNS = 128
 # Not 64: that tile's fp32 dot spilled 5.7 KB a thread on sm_90 and took 2.5 ms a site at a
 # 2048-token chunk (rank0_l24_h100_int4_37be788.json: 120 of the chunk's 260 ms)
 MIX_TOKENS, MIX_DOT_MIN_TOKENS = 16, 16
+# tl.dot's precision there: "ieee" (exact fp32 products by FMAs, the operands read from shared
+# memory per product: sm_90 129 LDS a thread at 16 x 128 x 32) or "tf32x3" (three TF32 MMAs
+# per product, ~fp32 accuracy: 48 HMMA, 27 shared loads, 155 registers); a string the
+# benchmark (kernels.py --parts mhc) sets
+MIX_PRECISION = "ieee"
 # columns a step of `hc_pre_kernel` (at 16 warps 8 a thread): a release row (4096) is one step,
 # normalised from registers
 PRE_COLUMNS = 4096
@@ -44,11 +49,12 @@ PRE_WARPS = 16
 
 @triton.jit
 def hc_mix_kernel(streams, fn, mix_part, ss_part, T, ND, SPLIT, M: tl.constexpr,
-                  BM: tl.constexpr, BC: tl.constexpr, BT: tl.constexpr):
+                  BM: tl.constexpr, BC: tl.constexpr, BT: tl.constexpr,
+                  PRECISION: tl.constexpr):
     """Program (i_s, i_t): columns i_s*BC.. of tokens i_t*BT.. of the flattened streams: their
     part of the un-normalised projection fn @ x ([M] a token) and of sum x^2. BT = 1: the
     [BM, BC] slice of fn times one token's columns; BT >= 16: tl.dot of the [BT, BC] tokens
-    with the slice (exact fp32 products, as BT = 1)."""
+    with the slice at PRECISION (MIX_PRECISION)."""
     i_s, i_t = tl.program_id(0), tl.program_id(1).to(tl.int64)
     o_c = i_s * BC + tl.arange(0, BC)
     m_c = o_c < ND
@@ -64,7 +70,7 @@ def hc_mix_kernel(streams, fn, mix_part, ss_part, T, ND, SPLIT, M: tl.constexpr,
         m_t = o_t < T
         b_x = tl.load(streams + o_t[:, None] * ND + o_c[None, :],
                       mask=m_t[:, None] & m_c[None, :], other=0.0).to(tl.float32)
-        b_mix = tl.dot(b_x, tl.trans(b_w), input_precision="ieee")  # [BT, BM]
+        b_mix = tl.dot(b_x, tl.trans(b_w), input_precision=PRECISION)  # [BT, BM]
         tl.store(mix_part + ((o_t * SPLIT + i_s) * BM)[:, None] + o_m[None, :], b_mix,
                  mask=m_t[:, None])
         tl.store(ss_part + o_t * SPLIT + i_s, tl.sum(b_x * b_x, 1), mask=m_t)
@@ -177,7 +183,7 @@ def hc_pre(
     if n_tok:
         hc_mix_kernel[(split, triton.cdiv(n_tok, bt))](
             streams, fn.float().contiguous(), mix_part, ss_part, n_tok, nd, split, M=m, BM=bm,
-            BC=MIX_COLUMNS, BT=bt)
+            BC=MIX_COLUMNS, BT=bt, PRECISION=MIX_PRECISION)
     return _gates(streams, mix_part, ss_part, base, scale, rms_eps, hc_eps, sinkhorn_iters,
                   norm_weight, norm_eps)
 
