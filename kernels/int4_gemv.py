@@ -39,7 +39,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .utils import next_pow2, num_sms
+from .utils import next_pow2, num_sms, pdl, pdl_start, pdl_wait
 
 __all__ = ["launch", "moe_decode_pairs", "rows_per_block", "tile_words", "words_aligned"]
 
@@ -228,10 +228,14 @@ def swiglu_store(h, act, r, ok, o_n, m_n, INTER, limit, BN: tl.constexpr):
 def w13_gemv_kernel(x, q, scale, zero, blocks, sorted_tok, act, stride_x, INTER, KW, NG, limit,
                     one, K, e_off, E, GW: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                     BKW: tl.constexpr, NS: tl.constexpr, PAIRS: tl.constexpr,
-                    AHEAD: tl.constexpr, WS: tl.constexpr):
+                    AHEAD: tl.constexpr, WS: tl.constexpr, PDL: tl.constexpr):
     """`int4.w13_swiglu_kernel` for blocks of BM <= 4 rows, dot-free (`gemv_rows`): one program
     computes gate and up (rows interleaved in one [2 BN] tile) for BN output columns.
-    q: int32 words [E, 2I, D/8]. PAIRS (BM = 1): unsorted, see `pair_block`."""
+    q: int32 words [E, 2I, D/8]. PAIRS (BM = 1): unsorted, see `pair_block`. PDL
+    (`utils.pdl`): which expert's weights to read is the router's output, so the wait comes
+    first."""
+    pdl_start(PDL)
+    pdl_wait(PDL)
     i_b, i_n = tl.program_id(0), tl.program_id(1)
     e, r0, r1 = pair_block(blocks, i_b, e_off, E, PAIRS)
     if r0 >= r1:  # past the last block, or another rank's expert: read no weights
@@ -262,13 +266,15 @@ def w13_gemv_kernel(x, q, scale, zero, blocks, sorted_tok, act, stride_x, INTER,
 def w2_gemv_kernel(act, q, scale, zero, blocks, sorted_tok, sorted_w, out, D, INTER, KW, NG,
                    STEPS, one, K, e_off, E, GW: tl.constexpr, BM: tl.constexpr,
                    BN: tl.constexpr, BKW: tl.constexpr, NS: tl.constexpr, PAIRS: tl.constexpr,
-                   AHEAD: tl.constexpr, WS: tl.constexpr):
+                   AHEAD: tl.constexpr, WS: tl.constexpr, PDL: tl.constexpr):
     """`int4.w2_kernel` for blocks of BM <= 4 rows, dot-free (`gemv_rows`), split along K: program
     (block, n, s) covers the STEPS * BKW words from s * STEPS * BKW and adds its part of
     weight * y into out [T, D] fp32 with atomics. q: int32 words [E, D, I/8]. PAIRS (BM = 1):
     unsorted, see `pair_block`; the part of y, unweighted, is stored into row
     pair * split + s of out, the scratch [T k split, D] fp32 of `pairs_reduce_kernel`
-    (sorted_w unused)."""
+    (sorted_w unused). PDL: as `w13_gemv_kernel`."""
+    pdl_start(PDL)
+    pdl_wait(PDL)
     i_b, i_n, i_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     e, r0, r1 = pair_block(blocks, i_b, e_off, E, PAIRS)
     if r0 >= r1:
@@ -310,13 +316,17 @@ def w2_gemv_kernel(act, q, scale, zero, blocks, sorted_tok, sorted_w, out, D, IN
 
 @triton.jit
 def pairs_reduce_kernel(partial, ids, wts, out, D, e_off, E, K: tl.constexpr,
-                        SPLIT: tl.constexpr, BR: tl.constexpr, BN: tl.constexpr):
+                        SPLIT: tl.constexpr, BR: tl.constexpr, BN: tl.constexpr,
+                        PDL: tl.constexpr):
     """out[t, n] = sum over token t's K pairs p and the SPLIT K splits s of
     w(p) * partial[p SPLIT + s, n], over the pairs whose expert is local (e_off <= id < e_off + E;
     other ranks' pairs' rows were never written, so they are masked, never read), in out's
     dtype; a token with no local pair gets 0. The token's K SPLIT rows are consecutive: one
     [BR, BN] tile (BR >= K SPLIT), summed by tl.sum in a fixed order (deterministic). ids, wts:
-    the flat top-k ids and routing weights [T K] (any float dtype; fp32 math)."""
+    the flat top-k ids and routing weights [T K] (any float dtype; fp32 math). PDL: waits
+    first (`utils.pdl`)."""
+    pdl_start(PDL)
+    pdl_wait(PDL)
     i_t, i_n = tl.program_id(0), tl.program_id(1)
     o_r = tl.arange(0, BR)
     m_r = o_r < K * SPLIT
@@ -387,6 +397,7 @@ def launch(x, w13, w2, g13, g2, bm, blocks, tok32, wts, n_blk, n_hit, limit, out
     ahead = GEMV_AHEAD if ahead is None else ahead
     d, inter = out.shape[1], q13.shape[1] // 2
     n_pairs = n_blk * bm if pairs else tok32.numel()
+    on = pdl(x.device)
     act = torch.empty((n_pairs, inter), dtype=torch.float32, device=x.device)
     k, e_off, n_local = pairs or (1, 0, q13.shape[0])
     # words (8 codes) per group; steps of BKW words inside one group
@@ -400,7 +411,7 @@ def launch(x, w13, w2, g13, g2, bm, blocks, tok32, wts, n_blk, n_hit, limit, out
         x, q13.view(torch.int32), s13, z13, blocks, tok32, act, x.stride(0), inter, d // 8,
         s13.shape[-1], float(limit), ONE_F32_BITS, k, e_off, n_local, GW=gw13, BM=bm, BN=bn,
         BKW=bkw, NS=next_pow2(d // 8 // bkw), PAIRS=pairs is not None, AHEAD=ahead,
-        WS=TILE_ROWS if tiled else 1, num_warps=warps)
+        WS=TILE_ROWS if tiled else 1, PDL=on, launch_pdl=on, num_warps=warps)
     bn = max(16, min(GEMV_BN2 >> bm // 2, next_pow2(d)))
     bkw = min(GEMV_BKW, gw2 & -gw2)
     steps = inter // 8 // bkw
@@ -413,13 +424,13 @@ def launch(x, w13, w2, g13, g2, bm, blocks, tok32, wts, n_blk, n_hit, limit, out
         act, q2.view(torch.int32), s2, z2, blocks, tok32, wts, dst, d, inter, inter // 8,
         s2.shape[-1], steps // split, ONE_F32_BITS, k, e_off, n_local, GW=gw2, BM=bm, BN=bn,
         BKW=bkw, NS=next_pow2(steps // split), PAIRS=pairs is not None, AHEAD=ahead,
-        WS=TILE_ROWS if tiled else 1, num_warps=warps)
+        WS=TILE_ROWS if tiled else 1, PDL=on, launch_pdl=on, num_warps=warps)
     if pairs:
         br = next_pow2(k * split)
         bn = max(16, min(next_pow2(d), GEMV_REDUCE_TILE // br))
         pairs_reduce_kernel[(out.shape[0], triton.cdiv(d, bn))](
             dst, blocks, wts, out, d, e_off, n_local, K=k, SPLIT=split, BR=br, BN=bn,
-            num_warps=GEMV_WARPS)
+            PDL=on, launch_pdl=on, num_warps=GEMV_WARPS)
 
 
 def moe_decode_pairs(x, w13, w2, g13, g2, topk_ids, topk_weights, expert_offset, limit,

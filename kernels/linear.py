@@ -24,7 +24,7 @@ import triton.language as tl
 
 from . import moe
 from .ref import linear as ref_linear
-from .utils import INTERPRET, next_pow2, num_sms
+from .utils import INTERPRET, next_pow2, num_sms, pdl, pdl_start, pdl_wait
 
 __all__ = ["linear", "linear_swiglu"]
 
@@ -48,11 +48,14 @@ GEMV_ACC = 4096
 @triton.jit
 def linear_gemv_kernel(x, w, out, add, T, N, K, stride_x, stride_o, stride_a, limit,
                        BT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                       EVEN_K: tl.constexpr, ADD: tl.constexpr, SWIGLU: tl.constexpr):
+                       EVEN_K: tl.constexpr, ADD: tl.constexpr, SWIGLU: tl.constexpr,
+                       PDL: tl.constexpr):
     """Program i_n: out[t, i_n*BN : +BN] = x[t] . w[rows] (+ add[t, rows] if ADD) for the
     T <= BT token rows. SWIGLU: w is [gate; up] (N rows, N/2 each) and the program takes BN/2
     gate rows interleaved with their up rows (2j: gate j, 2j+1: up j), writing
-    out[t, i_n*BN/2 : +BN/2] = silu(min(gate, limit)) * clamp(up, +-limit) from the fp32 sums."""
+    out[t, i_n*BN/2 : +BN/2] = silu(min(gate, limit)) * clamp(up, +-limit) from the fp32 sums.
+    PDL (`utils.pdl`): the first weight tile is loaded before the wait for the kernel before."""
+    pdl_start(PDL)
     i_n = tl.program_id(0)
     if SWIGLU:
         o_j = tl.arange(0, BN)
@@ -73,6 +76,7 @@ def linear_gemv_kernel(x, w, out, add, T, N, K, stride_x, stride_o, stride_a, li
         m_w = m_w & (o_k[None, :] < K)
         m_x = m_x & (o_k[None, :] < K)
     b_w = tl.load(p_w, mask=m_w, other=0.0)
+    pdl_wait(PDL)
     b_x = tl.load(p_x, mask=m_x, other=0.0)
     acc = tl.zeros([BT, BN, BK], dtype=tl.float32)
     for k in range(BK, K, BK):
@@ -126,10 +130,11 @@ def _launch(x2, weight, y, add2, limit, swiglu):
         # head weights) the kernel's own load widens it exactly: no cast launch
         x2 = x2.to(weight.dtype)
     bt, bn, bk = gemv_tile(t, n, k, x2.device)
+    on = pdl(x2.device)
     linear_gemv_kernel[(triton.cdiv(n, bn),)](
         x2, weight, y, y if add2 is None else add2, t, n, k, x2.stride(0), y.stride(0),
         0 if add2 is None else add2.stride(0), float(limit), BT=bt, BN=bn, BK=bk,
-        EVEN_K=k % bk == 0, ADD=add2 is not None, SWIGLU=swiglu,
+        EVEN_K=k % bk == 0, ADD=add2 is not None, SWIGLU=swiglu, PDL=on, launch_pdl=on,
         num_warps=1 if INTERPRET else GEMV_WARPS)
 
 
@@ -137,7 +142,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = Non
            add: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., K] times weight [N, K] -> [..., N] in weight's dtype, plus `add` ([..., N],
     summed in fp32 before the one rounding) if given; `out` (x 2-D, [T, N], rows contiguous):
-    written there. Up to GEMV_MAX_TOKENS rows one GEMV launch, else cuBLAS (and an add)."""
+    written there. Up to GEMV_MAX_TOKENS rows one GEMV launch, else cuBLAS (and an add). The
+    GEMV may read the weight before the kernel before it has finished (`utils.pdl`): a
+    weight, not something the kernel just before wrote."""
     n, k = weight.shape
     x2 = x.reshape(-1, k)
     add2 = None if add is None else add.reshape(-1, n)

@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .utils import next_pow2
+from .utils import next_pow2, pdl, pdl_start, pdl_wait
 
 __all__ = ["hc_post", "hc_post_pre", "hc_pre"]
 
@@ -50,17 +50,20 @@ PRE_WARPS = 16
 @triton.jit
 def hc_mix_kernel(streams, fn, mix_part, ss_part, T, ND, SPLIT, M: tl.constexpr,
                   BM: tl.constexpr, BC: tl.constexpr, BT: tl.constexpr,
-                  PRECISION: tl.constexpr):
+                  PRECISION: tl.constexpr, PDL: tl.constexpr):
     """Program (i_s, i_t): columns i_s*BC.. of tokens i_t*BT.. of the flattened streams: their
     part of the un-normalised projection fn @ x ([M] a token) and of sum x^2. BT = 1: the
     [BM, BC] slice of fn times one token's columns; BT >= 16: tl.dot of the [BT, BC] tokens
-    with the slice at PRECISION (MIX_PRECISION)."""
+    with the slice at PRECISION (MIX_PRECISION). PDL (`utils.pdl`): fn's slice is loaded
+    before the wait for the kernel before."""
+    pdl_start(PDL)
     i_s, i_t = tl.program_id(0), tl.program_id(1).to(tl.int64)
     o_c = i_s * BC + tl.arange(0, BC)
     m_c = o_c < ND
     o_m = tl.arange(0, BM)
     b_w = tl.load(fn + o_m[:, None] * ND + o_c[None, :],
                   mask=(o_m < M)[:, None] & m_c[None, :], other=0.0).to(tl.float32)
+    pdl_wait(PDL)
     if BT == 1:
         b_x = tl.load(streams + i_t * ND + o_c, mask=m_c, other=0.0).to(tl.float32)
         tl.store(mix_part + (i_t * SPLIT + i_s) * BM + o_m, tl.sum(b_w * b_x[None, :], 1))
@@ -88,14 +91,16 @@ def pick(v, o_m, idx, RANK: tl.constexpr):
 def hc_pre_kernel(streams, mix_part, ss_part, base, scale, norm_w, post, comb, collapsed,
                   normed, rms_eps, hc_eps, norm_eps, iters, D, SPLIT, N: tl.constexpr,
                   BM: tl.constexpr, BS: tl.constexpr, BD: tl.constexpr, NORM: tl.constexpr,
-                  ONE_PASS: tl.constexpr):
+                  ONE_PASS: tl.constexpr, PDL: tl.constexpr):
     """Program i_t (PRE_WARPS: at decode one program is the whole site's latency): token i_t's
     gates and comb from the mixing pass's parts, the collapsed block input sum_i pre_i X_i and,
     with NORM, its RMSNorm (as `rms_norm`: the collapsed row rounded to the streams' dtype,
     normalised in fp32, rounded, scaled). The projection's entries are picked from registers
     (no store, barrier and load of the summed projection). ONE_PASS (D <= BD, a release row):
     the collapsed row stays in registers for its norm (and is not stored when normed); else BD
-    columns a step, the row read back for the norm."""
+    columns a step, the row read back for the norm. PDL (`utils.pdl`): scale, base and the
+    norm weight are loaded before the wait for the kernel before."""
+    pdl_start(PDL)
     i_t = tl.program_id(0).to(tl.int64)
     o_s, o_m, o_i, o_d = tl.arange(0, BS), tl.arange(0, BM), tl.arange(0, N), tl.arange(0, BD)
     o_ij = o_i[:, None] * N + o_i[None, :]
@@ -107,13 +112,15 @@ def hc_pre_kernel(streams, mix_part, ss_part, base, scale, norm_w, post, comb, c
     s0, s1, s2 = tl.load(scale), tl.load(scale + 1), tl.load(scale + 2)
     base_pre, base_post = tl.load(base + o_i), tl.load(base + N + o_i)
     base_c = tl.load(base + 2 * N + o_ij)
+    if ONE_PASS:
+        m_d = o_d < D
+        b_w = tl.load(norm_w + o_d, mask=m_d & NORM, other=0.0)
+    pdl_wait(PDL)
     b_ss = tl.load(ss_part + i_t * SPLIT + o_s, mask=m_s, other=0.0)
     b_mix = tl.load(mix_part + (i_t * SPLIT + o_s[:, None]) * BM + o_m[None, :],
                     mask=m_s[:, None], other=0.0)
     if ONE_PASS:
-        m_d = o_d < D
         b_x = tl.load(p_x + o_d[None, :], mask=m_d[None, :], other=0.0)
-        b_w = tl.load(norm_w + o_d, mask=m_d & NORM, other=0.0)
     b_ss, b_mix = tl.sum(b_ss, 0), tl.sum(b_mix, 0)
     b_r = 1.0 / tl.sqrt(b_ss / (N * D) + rms_eps)
     b_pre = tl.sigmoid(pick(b_mix, o_m, o_i, 1) * b_r * s0 + base_pre) + hc_eps
@@ -180,10 +187,13 @@ def hc_pre(
     bm, split = next_pow2(m) if bt == 1 else max(16, next_pow2(m)), triton.cdiv(nd, MIX_COLUMNS)
     mix_part = torch.empty((n_tok, split, bm), dtype=torch.float32, device=streams.device)
     ss_part = torch.empty((n_tok, split), dtype=torch.float32, device=streams.device)
+    fn32 = fn.float().contiguous()
+    # fn is read before the wait for the kernel before: not when that kernel made this copy
+    on = pdl(streams.device) and fn32 is fn
     if n_tok:
         hc_mix_kernel[(split, triton.cdiv(n_tok, bt))](
-            streams, fn.float().contiguous(), mix_part, ss_part, n_tok, nd, split, M=m, BM=bm,
-            BC=MIX_COLUMNS, BT=bt, PRECISION=MIX_PRECISION)
+            streams, fn32, mix_part, ss_part, n_tok, nd, split, M=m, BM=bm, BC=MIX_COLUMNS,
+            BT=bt, PRECISION=MIX_PRECISION, PDL=on, launch_pdl=on)
     return _gates(streams, mix_part, ss_part, base, scale, rms_eps, hc_eps, sinkhorn_iters,
                   norm_weight, norm_eps)
 
@@ -203,11 +213,15 @@ def _gates(streams, mix_part, ss_part, base, scale, rms_eps, hc_eps, sinkhorn_it
         (n_tok, d), dtype=torch.promote_types(streams.dtype, norm_weight.dtype), device=dev)
     if n_tok:
         bd = min(next_pow2(d), PRE_COLUMNS)
-        hc_pre_kernel[(n_tok,)](streams, mix_part, ss_part, base.float().contiguous(),
-                                scale.float().contiguous(), norm_weight if norm else collapsed,
+        base32, scale32 = base.float().contiguous(), scale.float().contiguous()
+        # read before the wait for the kernel before: not when that kernel made these copies
+        on = pdl(dev) and base32 is base and scale32 is scale
+        hc_pre_kernel[(n_tok,)](streams, mix_part, ss_part, base32, scale32,
+                                norm_weight if norm else collapsed,
                                 post, comb, collapsed, out, rms_eps, hc_eps, float(norm_eps),
                                 sinkhorn_iters, d, split, N=n, BM=bm, BS=next_pow2(split),
-                                BD=bd, NORM=norm, ONE_PASS=d <= bd, num_warps=PRE_WARPS)
+                                BD=bd, NORM=norm, ONE_PASS=d <= bd, PDL=on, launch_pdl=on,
+                                num_warps=PRE_WARPS)
     return post, comb, out
 
 
@@ -271,12 +285,15 @@ def hc_post(
 
 @triton.jit
 def hc_post_mix_kernel(streams, block_out, post, comb, out, fn, mix_part, ss_part, D, ND, SPLIT,
-                       N: tl.constexpr, M: tl.constexpr, BM: tl.constexpr, BD: tl.constexpr):
+                       N: tl.constexpr, M: tl.constexpr, BM: tl.constexpr, BD: tl.constexpr,
+                       PDL: tl.constexpr):
     """Program (i_d, i_t): `hc_post_kernel` on columns i_d*BD.. of token i_t's N output
     streams, and, from the rows as stored (rounded to out's dtype), their part of the next
     site's projection fn @ x' ([M]) and of sum x'^2 over the N BD flattened columns j D + d
     (`hc_mix_kernel`'s parts, one a program: SPLIT = D / BD of them). fn's [BM, N, BD] slice
-    is loaded first, with the streams: every load before the first store."""
+    is loaded first, with the streams: every load before the first store. PDL (`utils.pdl`):
+    fn's slice is loaded before the wait for the kernel before."""
+    pdl_start(PDL)
     i_d, i_t = tl.program_id(0), tl.program_id(1).to(tl.int64)
     o_d = i_d * BD + tl.arange(0, BD)
     m_d = o_d < D
@@ -284,6 +301,7 @@ def hc_post_mix_kernel(streams, block_out, post, comb, out, fn, mix_part, ss_par
     c_w = (o_j[:, None] * D + o_d[None, :])[None, :, :]
     m_w = (o_m < M)[:, None, None] & m_d[None, None, :]
     b_w = tl.load(fn + o_m[:, None, None] * ND + c_w, mask=m_w, other=0.0)
+    pdl_wait(PDL)
     b_y = tl.load(block_out + i_t * D + o_d, mask=m_d, other=0.0).to(tl.float32)
     b_o = expand_rows(streams + i_t * N * D + o_d, b_y, post + i_t * N, comb + i_t * N * N, D,
                       N, m_d).to(out.dtype.element_ty)
@@ -325,9 +343,13 @@ def hc_post_pre(
     bm, split = next_pow2(m), triton.cdiv(d, bd)
     mix_part = torch.empty((n_tok, split, bm), dtype=torch.float32, device=streams.device)
     ss_part = torch.empty((n_tok, split), dtype=torch.float32, device=streams.device)
+    fn32 = fn.float().contiguous()
+    # fn is read before the wait for the kernel before: not when that kernel made this copy
+    on = pdl(streams.device) and fn32 is fn
     if n_tok:
         hc_post_mix_kernel[(split, n_tok)](streams, block_out, post, comb, out,
-                                           fn.float().contiguous(), mix_part, ss_part, d, n * d,
-                                           split, N=n, M=m, BM=bm, BD=bd)
+                                           fn32, mix_part, ss_part, d, n * d,
+                                           split, N=n, M=m, BM=bm, BD=bd,
+                                           PDL=on, launch_pdl=on)
     return (out, *_gates(out, mix_part, ss_part, base, scale, rms_eps, hc_eps, sinkhorn_iters,
                          norm_weight, norm_eps))

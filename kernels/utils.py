@@ -14,8 +14,11 @@ import os
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+# programmatic dependent launch (`pdl`): GLM53_PDL=0 turns it off (benchmarks compare both)
+PDL = os.environ.get("GLM53_PDL", "1") != "0"
 
 
 @functools.cache
@@ -40,6 +43,34 @@ def is_sm120(device: torch.device) -> bool:
     whose operands sit in registers (no wgmma), so a Hopper tiling of a tensor-core kernel may
     not fit. Never in the interpreter, whose tilings are its own."""
     return not INTERPRET and device_capability(device)[0] == 12
+
+
+def pdl(device: torch.device) -> bool:
+    """Whether decode kernels on `device` launch with programmatic dependent launch (sm_90+):
+    such a kernel is let onto the SMs while the one before it in the stream still runs (every
+    one of its programs has called `pdl_start`), and waits in `pdl_wait` for it to finish and
+    its writes to show. So what costs a kernel boundary in a decode step of ~600 launches, the
+    launch and the ramp of the next grid and whatever it reads that no kernel writes (weights),
+    overlaps the tail of the last. A kernel launched so must call `pdl_wait` before it reads
+    anything an earlier kernel wrote and before it writes anything (an earlier kernel may still
+    read it); kernels after it need nothing: they start when it ends, after its wait. Never in
+    the interpreter (inline PTX) or off CUDA; `PDL` (GLM53_PDL=0) turns it off."""
+    return PDL and not INTERPRET and device.type == "cuda" and device_capability(device)[0] >= 9
+
+
+@triton.jit
+def pdl_start(ON: tl.constexpr):
+    """Let the next kernel's programs onto the SMs (`pdl`); a no-op unless ON."""
+    if ON:
+        gdc_launch_dependents()
+
+
+@triton.jit
+def pdl_wait(ON: tl.constexpr):
+    """Wait for the kernels before this one to finish, their writes visible (`pdl`); a no-op
+    unless ON."""
+    if ON:
+        gdc_wait()
 
 
 def next_pow2(n: int) -> int:
