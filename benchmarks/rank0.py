@@ -33,7 +33,8 @@ the modeled GFLOP a token on this rank (`prefill_gflop_per_token`, performance.m
 
     python benchmarks/rank0.py [--json benchmarks/results/rank0_h200_<commit>.json]
         [--commit SHA] [--decode 1x8192,...] [--experts exl3|int4] [--utilization 0.9]
-        [--profile] [--kv-cache-dtype bf16[,fp8,nvfp4]] [--mtp-acceptance 1,1,0|measured]
+        [--profile] [--compare-pdl] [--kv-cache-dtype bf16[,fp8,nvfp4]]
+        [--mtp-acceptance 1,1,0|measured]
         [--prefill 2048,8192,16384,8192x32768]
 """
 
@@ -59,6 +60,7 @@ from glm53.actors.loader import with_expert_format
 from glm53.actors.memory_plan import activation_bytes_per_token, weight_bytes
 from glm53.actors.parallel import ParallelConfig
 from glm53.actors.release import exl3_release_config, release_config
+from glm53.kernels import utils as kernel_utils
 
 DEV = "cuda"
 PLAN = ParallelConfig(tp=2, ep=2, dcp=2)
@@ -151,6 +153,16 @@ def graph_replay_ms(model, caches, batch: int, context: int, tables,
     return ms, kernel_profile(step, top=200) if profile else None
 
 
+def graph_ms_pdl_off(model, caches, batch: int, context: int, tables) -> float:
+    """`graph_replay_ms` with every kernel launched without programmatic dependent launch."""
+    pdl_on = kernel_utils.PDL
+    kernel_utils.PDL = False
+    try:
+        return graph_replay_ms(model, caches, batch, context, tables)[0]
+    finally:
+        kernel_utils.PDL = pdl_on
+
+
 def prefill_gflop_per_token(model, depth: int, chunk: int) -> float:
     """Modeled GFLOP this rank computes per token of a prefill chunk of `chunk` tokens after
     `depth` cached ones (performance.md §4.4, at rank 0's shapes): 2 x the linear weights a
@@ -218,6 +230,9 @@ def main() -> None:
     ap.add_argument("--utilization", type=float, default=0.9)
     ap.add_argument("--layers", type=int, default=None,
                     help="only the first N trunk layers (to debug a failing case quickly)")
+    ap.add_argument("--compare-pdl", action="store_true",
+                    help="also time each decode replay captured with programmatic dependent "
+                         "launch off (graph_ms_pdl_off; kernels.utils.pdl)")
     ap.add_argument("--profile", action="store_true",
                     help="device time per kernel of one eager decode step per case")
     ap.add_argument("--kv-cache-dtype", default="bf16",
@@ -281,7 +296,7 @@ def main() -> None:
             kv_128k_sequences=kv_tokens // 131072)
         print(json.dumps(meta, indent=1), flush=True)
         run_cases(model, caches, cfg, cases, num_blocks, kv_dtype, args.profile, rows, save,
-                  acceptance)
+                  acceptance, args.compare_pdl)
         for chunk, depth in prefills:
             row = dict(phase="prefill", kv_cache_dtype=kv_dtype, chunk=chunk, depth=depth)
             try:
@@ -300,9 +315,10 @@ def main() -> None:
 
 
 def run_cases(model, caches, cfg, cases, num_blocks, kv_dtype, profile, rows, save,
-              acceptance: tuple[float, ...] | None) -> None:
+              acceptance: tuple[float, ...] | None, compare_pdl: bool = False) -> None:
     """Time each (batch, context) case on `caches` (latent rows in `kv_dtype`) into `rows`;
-    the MTP3 cycle under `acceptance` (mtp_cycle_ms's)."""
+    the MTP3 cycle under `acceptance` (mtp_cycle_ms's); with `compare_pdl` the replay again,
+    captured with programmatic dependent launch off."""
     with torch.inference_mode():
         for batch, context in cases:
             per = -(-context // BLOCK)
@@ -320,6 +336,9 @@ def run_cases(model, caches, cfg, cases, num_blocks, kv_dtype, profile, rows, sa
                     row["profile"] = prof
                 row["pct_bandwidth"] = round(
                     row["total_gb"] * 1e9 / (row["graph_ms"] * 1e-3) / HBM_BYTES_PER_S * 100, 1)
+                if compare_pdl:
+                    row["graph_ms_pdl_off"] = graph_ms_pdl_off(model, caches, batch, context,
+                                                               tables)
             except Exception:  # noqa: BLE001 - a failed case is recorded, not fatal
                 row["graph_error"] = traceback.format_exc()[-3000:]
                 print(row["graph_error"], flush=True)
