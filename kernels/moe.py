@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 
 from .ref import moe as ref_moe
-from .utils import next_pow2
+from .utils import next_pow2, pdl, pdl_start, pdl_wait
 
 __all__ = ["fused_moe", "route_topk", "router_logits", "swiglu"]
 
@@ -34,13 +34,17 @@ ROUTER_GEMV_MAX_TOKENS = 4
 
 
 @triton.jit
-def router_logits_kernel(x, w, out, T, E, D, stride_x, BT: tl.constexpr, BD: tl.constexpr):
+def router_logits_kernel(x, w, out, T, E, D, stride_x, BT: tl.constexpr, BD: tl.constexpr,
+                         PDL: tl.constexpr):
     """Program i_e: out[t, i_e] = x[t] . w[i_e] in fp32 for the T <= BT tokens: the expert's
-    row (BD >= D) and the tokens' rows loaded at once, one reduction."""
+    row (BD >= D) and the tokens' rows loaded at once, one reduction. PDL (`utils.pdl`): the
+    weight row is loaded before the wait for the kernel before."""
+    pdl_start(PDL)
     i_e = tl.program_id(0)
     o_d, o_t = tl.arange(0, BD), tl.arange(0, BT)
     m_d, m_t = o_d < D, o_t < T
     b_w = tl.load(w + i_e.to(tl.int64) * D + o_d, mask=m_d, other=0.0).to(tl.float32)
+    pdl_wait(PDL)
     b_x = tl.load(x + o_t[:, None] * stride_x + o_d[None, :], mask=m_t[:, None] & m_d[None, :],
                   other=0.0).to(tl.float32)
     tl.store(out + o_t * E + i_e, tl.sum(b_x * b_w[None, :], 1), mask=m_t)
@@ -52,24 +56,31 @@ def router_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     n_tok, d = x.shape
     if n_tok > ROUTER_GEMV_MAX_TOKENS or x.stride(1) != 1:
         return ref_moe.router_logits(x, weight)
-    weight = weight.float().contiguous()
-    out = torch.empty((n_tok, weight.shape[0]), dtype=torch.float32, device=x.device)
+    w32 = weight.float().contiguous()
+    # the weight is read before the wait for the kernel before: not when that kernel made it
+    on = pdl(x.device) and w32 is weight
+    out = torch.empty((n_tok, w32.shape[0]), dtype=torch.float32, device=x.device)
     if n_tok:
-        router_logits_kernel[(weight.shape[0],)](x, weight, out, n_tok, weight.shape[0], d,
-                                                 x.stride(0), BT=next_pow2(n_tok),
-                                                 BD=next_pow2(d), num_warps=8)
+        router_logits_kernel[(w32.shape[0],)](x, w32, out, n_tok, w32.shape[0], d, x.stride(0),
+                                              BT=next_pow2(n_tok), BD=next_pow2(d), PDL=on,
+                                              launch_pdl=on, num_warps=8)
     return out
 
 
 @triton.jit
 def route_topk_kernel(logits, bias, weights, ids, E, stride_l, scaling, K: tl.constexpr,
-                      BK: tl.constexpr, RENORM: tl.constexpr, BE: tl.constexpr):
+                      BK: tl.constexpr, RENORM: tl.constexpr, BE: tl.constexpr,
+                      PDL: tl.constexpr):
+    """Program i_t: token i_t's top K experts by sigmoid(logit) + bias and their weights.
+    PDL (`utils.pdl`): the bias is loaded before the wait for the kernel before."""
+    pdl_start(PDL)
     i_t = tl.program_id(0)
     o_e = tl.arange(0, BE)
     m_e = o_e < E
+    b_b = tl.load(bias + o_e, mask=m_e, other=0.0).to(tl.float32)
+    pdl_wait(PDL)
     b_s = tl.sigmoid(tl.load(logits + i_t * stride_l + o_e, mask=m_e, other=0.0).to(tl.float32))
-    b_c = tl.where(m_e, b_s + tl.load(bias + o_e, mask=m_e, other=0.0).to(tl.float32),
-                   float("-inf"))
+    b_c = tl.where(m_e, b_s + b_b, float("-inf"))
     o_k = tl.arange(0, BK)
     b_ids = tl.zeros([BK], dtype=tl.int32)
     b_w = tl.zeros([BK], dtype=tl.float32)
@@ -100,11 +111,14 @@ def route_topk(
         router_logits = router_logits.contiguous()
     weights = torch.empty((n_tok, top_k), dtype=torch.float32, device=router_logits.device)
     ids = torch.empty((n_tok, top_k), dtype=torch.int64, device=router_logits.device)
+    bias = correction_bias.contiguous()
+    # the bias is read before the wait for the kernel before: not when that kernel made it
+    on = pdl(router_logits.device) and bias is correction_bias
     if n_tok:
-        route_topk_kernel[(n_tok,)](router_logits, correction_bias.contiguous(), weights, ids,
-                                    n_exp, router_logits.stride(0), float(scaling), K=top_k,
+        route_topk_kernel[(n_tok,)](router_logits, bias, weights, ids, n_exp,
+                                    router_logits.stride(0), float(scaling), K=top_k,
                                     BK=next_pow2(top_k), RENORM=renormalize,
-                                    BE=next_pow2(n_exp))
+                                    BE=next_pow2(n_exp), PDL=on, launch_pdl=on)
     return weights, ids
 
 
