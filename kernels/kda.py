@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 
 from . import kda_chunk
-from .utils import INTERPRET, log2_ceil, next_pow2, seq_of_token
+from .utils import INTERPRET, log2_ceil, next_pow2, pdl, pdl_start, pdl_wait, seq_of_token
 
 __all__ = ["causal_conv1d", "conv_commit", "gated_rms_norm", "kda_attention", "kda_commit",
            "kda_gate", "kda_gated_attention"]
@@ -68,7 +68,10 @@ def causal_conv1d_fwd_kernel(x, weight, conv_state, y, cu_seqlens, state_ids, ha
 @triton.jit
 def causal_conv1d_state_kernel(x, conv_state, cu_seqlens, state_ids, has_initial_state, defer,
                                num_accepted, C, stride_x, W: tl.constexpr, BW: tl.constexpr,
-                               BC: tl.constexpr, HAS_DEFER: tl.constexpr, HAS_ACC: tl.constexpr):
+                               BC: tl.constexpr, HAS_DEFER: tl.constexpr, HAS_ACC: tl.constexpr,
+                               PDL: tl.constexpr = False):
+    pdl_start(PDL)
+    pdl_wait(PDL)  # (`utils.pdl`) everything it reads may be the kernel before's
     i_n, i_c = tl.program_id(0), tl.program_id(1)
     bos, eos = tl.load(cu_seqlens + i_n), tl.load(cu_seqlens + i_n + 1)
     if HAS_ACC:  # commit after verification: only the accepted prefix enters the window
@@ -384,13 +387,17 @@ def kda_commit(
 
 
 @triton.jit
-def gated_rms_norm_kernel(x, gate, weight, y, eps, D, BD: tl.constexpr):
+def gated_rms_norm_kernel(x, gate, weight, y, eps, D, BD: tl.constexpr, PDL: tl.constexpr):
+    """Row i_r: rms_norm(x) * weight * sigmoid(gate). PDL (`utils.pdl`): the weight is loaded
+    before the wait for the kernel before."""
+    pdl_start(PDL)
     i_r = tl.program_id(0)
     o_d = tl.arange(0, BD)
     m_d = o_d < D
+    b_w = tl.load(weight + o_d, mask=m_d, other=0.0).to(tl.float32)
+    pdl_wait(PDL)
     b_x = tl.load(x + i_r * D + o_d, mask=m_d, other=0.0).to(tl.float32)
     b_z = tl.load(gate + i_r * D + o_d, mask=m_d, other=0.0).to(tl.float32)
-    b_w = tl.load(weight + o_d, mask=m_d, other=0.0).to(tl.float32)
     b_r = 1.0 / tl.sqrt(tl.sum(b_x * b_x) / D + eps)
     b_y = b_x * b_r * b_w * tl.sigmoid(b_z)
     tl.store(y + i_r * D + o_d, b_y.to(y.dtype.element_ty), mask=m_d)
@@ -399,10 +406,13 @@ def gated_rms_norm_kernel(x, gate, weight, y, eps, D, BD: tl.constexpr):
 def gated_rms_norm(
     x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float
 ) -> torch.Tensor:
-    """x, gate: [T, H, dv]; weight: [dv]. Returns x's dtype."""
+    """x, gate: [T, H, dv]; weight: [dv] (a weight: read before the wait for the kernel
+    before, `utils.pdl`). Returns x's dtype."""
     dv = x.shape[-1]
     x2, z2 = x.reshape(-1, dv).contiguous(), gate.reshape(-1, dv).contiguous()
     y = torch.empty_like(x2)
     if x2.shape[0]:
-        gated_rms_norm_kernel[(x2.shape[0],)](x2, z2, weight, y, eps, dv, BD=next_pow2(dv))
+        on = pdl(x2.device)
+        gated_rms_norm_kernel[(x2.shape[0],)](x2, z2, weight, y, eps, dv, BD=next_pow2(dv),
+                                              PDL=on, launch_pdl=on)
     return y.view(x.shape)

@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 
 from . import kda
-from .utils import INTERPRET, next_pow2
+from .utils import INTERPRET, next_pow2, pdl, pdl_start, pdl_wait
 
 __all__ = ["kda_mixer"]
 
@@ -54,7 +54,9 @@ def kda_mixer_kernel(pre, conv_weight, conv_state, gate_logits, dt_bias, a_log, 
                      has_initial_state, defer, lower_bound, scale, stride_pre, stride_gl,
                      stride_bl, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                      W: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-                     HAS_BOUND: tl.constexpr, HAS_DEFER: tl.constexpr):
+                     HAS_BOUND: tl.constexpr, HAS_DEFER: tl.constexpr, PDL: tl.constexpr):
+    pdl_start(PDL)
+    pdl_wait(PDL)  # (`utils.pdl`) the inputs, state and windows may be the kernel before's
     i_v, i_h, i_n = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     bos, eos = tl.load(cu_seqlens + i_n), tl.load(cu_seqlens + i_n + 1)
     i_s = tl.load(state_ids + i_n).to(tl.int64)
@@ -160,6 +162,7 @@ def kda_mixer(
     else:  # nothing to replay: the kernel stores none of them (o stands in, same dtype)
         q = k = v = g = beta = o
     if n_seq:
+        on = pdl(pre.device)
         bk, bv = next_pow2(dk), min(next_pow2(dv), 8 if INTERPRET else 16)
         kda_mixer_kernel[(triton.cdiv(dv, bv), heads, n_seq)](
             pre, conv_weight, conv_state, gate_logits, dt_bias, a_log, beta_logits, state, o,
@@ -167,12 +170,13 @@ def kda_mixer(
             0.0 if lower_bound is None else float(lower_bound), dk ** -0.5, pre.stride(0),
             gate_logits.stride(0), beta_logits.stride(0), H=heads, K=dk, V=dv, W=width,
             BK=bk, BV=bv, HAS_BOUND=lower_bound is not None, HAS_DEFER=defer is not None,
-            num_warps=1 if bk * bv <= 2048 else 4)
-        # the windows move only now: every program above read the old ones
+            PDL=on, launch_pdl=on, num_warps=1 if bk * bv <= 2048 else 4)
+        # the windows move only now: every program above read the old ones (launched
+        # dependent, it waits for them all to finish before it writes)
         kda.causal_conv1d_state_kernel[(n_seq, triton.cdiv(pre.shape[1], CONV_BLOCK))](
             pre, conv_state, cu_seqlens, state_ids, has_initial_state, defer, None,
             pre.shape[1], pre.stride(0), W=width, BW=next_pow2(width), BC=CONV_BLOCK,
-            HAS_DEFER=defer is not None, HAS_ACC=False)
+            HAS_DEFER=defer is not None, HAS_ACC=False, PDL=on, launch_pdl=on)
     o = kda.gated_rms_norm(o, out_gate, norm_weight, eps)
     return o, None if defer is None else (q, k, v, g, beta)
 
