@@ -33,7 +33,7 @@ the modeled GFLOP a token on this rank (`prefill_gflop_per_token`, performance.m
 
     python benchmarks/rank0.py [--json benchmarks/results/rank0_h200_<commit>.json]
         [--commit SHA] [--decode 1x8192,...] [--experts exl3|int4] [--utilization 0.9]
-        [--profile] [--compare-pdl] [--kv-cache-dtype bf16[,fp8,nvfp4]]
+        [--profile] [--compare-pdl] [--graph-only] [--kv-cache-dtype bf16[,fp8,nvfp4]]
         [--mtp-acceptance 1,1,0|measured]
         [--prefill 2048,8192,16384,8192x32768]
 """
@@ -230,6 +230,8 @@ def main() -> None:
     ap.add_argument("--utilization", type=float, default=0.9)
     ap.add_argument("--layers", type=int, default=None,
                     help="only the first N trunk layers (to debug a failing case quickly)")
+    ap.add_argument("--graph-only", action="store_true",
+                    help="decode cases: the graph replay alone (no engine step, no MTP3 cycle)")
     ap.add_argument("--compare-pdl", action="store_true",
                     help="also time each decode replay captured with programmatic dependent "
                          "launch off (graph_ms_pdl_off; kernels.utils.pdl)")
@@ -296,7 +298,7 @@ def main() -> None:
             kv_128k_sequences=kv_tokens // 131072)
         print(json.dumps(meta, indent=1), flush=True)
         run_cases(model, caches, cfg, cases, num_blocks, kv_dtype, args.profile, rows, save,
-                  acceptance, args.compare_pdl)
+                  acceptance, args.compare_pdl, args.graph_only)
         for chunk, depth in prefills:
             row = dict(phase="prefill", kv_cache_dtype=kv_dtype, chunk=chunk, depth=depth)
             try:
@@ -315,10 +317,11 @@ def main() -> None:
 
 
 def run_cases(model, caches, cfg, cases, num_blocks, kv_dtype, profile, rows, save,
-              acceptance: tuple[float, ...] | None, compare_pdl: bool = False) -> None:
+              acceptance: tuple[float, ...] | None, compare_pdl: bool = False,
+              graph_only: bool = False) -> None:
     """Time each (batch, context) case on `caches` (latent rows in `kv_dtype`) into `rows`;
     the MTP3 cycle under `acceptance` (mtp_cycle_ms's); with `compare_pdl` the replay again,
-    captured with programmatic dependent launch off."""
+    captured with programmatic dependent launch off; `graph_only`: the replays alone."""
     with torch.inference_mode():
         for batch, context in cases:
             per = -(-context // BLOCK)
@@ -344,10 +347,15 @@ def run_cases(model, caches, cfg, cases, num_blocks, kv_dtype, profile, rows, sa
                 print(row["graph_error"], flush=True)
             gc.collect()
             torch.cuda.empty_cache()
+            if graph_only:
+                rows.append(row)
+                print(row, flush=True)
+                save()
+                continue
             try:
                 row["engine_step_ms"], row["engine_step_host"] = engine_step_ms(
                     model, caches, cfg, batch, context, tables,
-                    steps=reps_for(row.get("graph_ms", 100.0)))
+                    steps=reps_for(row.get("graph_ms", 100.0)), profile=profile)
                 row["engine_step_overlapped_ms"] = row["engine_step_host"]["overlapped_ms"]
             except Exception as exc:  # noqa: BLE001
                 row["engine_step_error"] = repr(exc)[:400]

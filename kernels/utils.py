@@ -17,8 +17,9 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
-# programmatic dependent launch (`pdl`): GLM53_PDL=0 turns it off (benchmarks compare both)
-PDL = os.environ.get("GLM53_PDL", "1") != "0"
+# programmatic dependent launch (`pdl`): on with GLM53_PDL=1, off by default until a GPU run
+# has checked it (the gpu tests and rank0.py --compare-pdl under GLM53_PDL=1)
+PDL = os.environ.get("GLM53_PDL", "0") == "1"
 
 
 @functools.cache
@@ -54,7 +55,7 @@ def pdl(device: torch.device) -> bool:
     overlaps the tail of the last. A kernel launched so must call `pdl_wait` before it reads
     anything an earlier kernel wrote and before it writes anything (an earlier kernel may still
     read it); kernels after it need nothing: they start when it ends, after its wait. Never in
-    the interpreter (inline PTX) or off CUDA; `PDL` (GLM53_PDL=0) turns it off."""
+    the interpreter (inline PTX) or off CUDA, nor unless `PDL` (GLM53_PDL=1)."""
     return PDL and not INTERPRET and device.type == "cuda" and device_capability(device)[0] >= 9
 
 
