@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # The GPU validation run of the kernels issue, on one bare GPU machine from the repo root:
-#   bash scripts/gpu_check.sh tests|kernels|slice|experts|int4|gemv|int4dot|kv|rank0|serving|adaptive [COMMIT]
+#   bash scripts/gpu_check.sh tests|kernels|slice|experts|int4|gemv|int4dot|kv|rank0|pdl|serving|adaptive [COMMIT]
 # tests:   every `gpu`-marked test (junit XML + log; the first run compiles every kernel and lets
 #          fla autotune: ~10 minutes in one process, spread over GPU_TEST_WORKERS (4) processes
 #          when pytest-xdist is carried)
 # kernels: benchmarks/kernels.py part by part (each in its own process: a fault poisons the
-#          CUDA context) and benchmarks/sparse_mla.py
+#          CUDA context; mhc: the mHC sites) and benchmarks/sparse_mla.py
 # slice:   benchmarks/slice.py, ours vs transformers eager in one run
 # experts: the 4-bit routed experts: their gpu tests (EXL3 bit-exact vs exllamav3's fixture),
 #          benchmarks/moe_4bit.py (vs bf16, 288 experts and EP2) and benchmarks/rank0.py (the
@@ -24,6 +24,9 @@
 # rank0:   benchmarks/rank0.py with int4 experts over the three cache formats (GPUs of
 #          >= 100 GB; smaller ones run the first 24 layers: not the rank's numbers); RANK0_DECODE,
 #          RANK0_PREFILL (e.g. 2048,8192,16384) and RANK0_PROFILE passed on
+# pdl:     programmatic dependent launch (kernels/utils.py: pdl) checked with GLM53_PDL=1: the
+#          gpu tests of the kernels that use it, then the rank-0 replay (24 layers, batch 1 and
+#          64) captured with it and without (rank0.py --graph-only --compare-pdl)
 # serving: benchmarks/vision.py, prefix_cache.py --slice (10-turn chat) and adaptive.py --slice
 # adaptive: adaptive.py --slice alone (ADAPTIVE_ARGS passed on)
 # Results go to $OUT (the device tool's return folder) or ./gpu_out.
@@ -49,7 +52,7 @@ case $stage in
     python -m pytest -m gpu tests -q -p no:cacheprovider --ignore=tests/deployments "${par[@]}" \
       --junitxml "$out/gpu_tests.xml" 2>&1 | tee "$out/gpu_tests.log" ;;
   kernels)
-    for part in kda_decode kda_decode_fla kda_prefill moe; do
+    for part in kda_decode kda_decode_fla kda_prefill moe mhc; do
       python benchmarks/kernels.py --parts $part --commit "$commit" --json "$out/kernels.json" \
         2>&1 | tail -n 40
     done
@@ -110,6 +113,16 @@ case $stage in
       --decode "${RANK0_DECODE:-1x8192,16x8192,64x8192,1x131072}" ${RANK0_PROFILE:+--profile} \
       --prefill "${RANK0_PREFILL:-}" \
       --commit "$commit" --json "$out/$name.json" 2>&1 | grep "^{'phase'" \
+      | cut -c1-300 ;;
+  pdl)
+    export GLM53_PDL=1
+    python -m pytest -m gpu -q -p no:cacheprovider tests/kernels/test_gpu_kernels.py \
+      tests/kernels/test_gpu_int4.py tests/actors/test_gpu_cuda_graphs.py -k "linear or \
+      small_ops or pairs or in_cuda_graph or kda_mixer or route or router or graphs_match" \
+      2>&1 | tail -n 8
+    python benchmarks/rank0.py --experts int4 --layers 24 --kv-cache-dtype bf16 \
+      --decode 1x8192,64x8192 --graph-only --compare-pdl --commit "$commit" \
+      --json "$out/rank0_l24_${dev}_int4_pdl_$commit.json" 2>&1 | grep "^{'phase'" \
       | cut -c1-300 ;;
   serving)
     python benchmarks/vision.py --commit "$commit" --json "$out/vision_$commit.json" 2>&1 \
