@@ -1,0 +1,81 @@
+"""Programmatic dependent launch (`kernels/utils.py: pdl`): a kernel launched with it may run
+while the kernel before it still does, so it must wait (`pdl_wait`) before it reads what that
+kernel wrote. The GPU checks the timing (scripts/gpu_check.sh pdl); here the rules that keep
+it correct: when it is on, that every launch asking for it passes the kernel the same switch,
+and that every kernel taking the switch waits."""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+KERNELS = Path(__file__).resolve().parents[2] / "kernels"
+
+
+def test_pdl_only_on_a_hopper_or_later_gpu_and_when_asked(monkeypatch):
+    from glm53.kernels import utils
+
+    cuda = torch.device("cuda", 0)
+    monkeypatch.setattr(utils, "device_capability", lambda device: (9, 0))
+    monkeypatch.setattr(utils, "INTERPRET", False)
+    monkeypatch.setattr(utils, "PDL", True)
+    assert utils.pdl(cuda) and not utils.pdl(torch.device("cpu"))
+    monkeypatch.setattr(utils, "device_capability", lambda device: (8, 0))
+    assert not utils.pdl(cuda)
+    monkeypatch.setattr(utils, "device_capability", lambda device: (12, 0))
+    assert utils.pdl(cuda)
+    monkeypatch.setattr(utils, "PDL", False)
+    assert not utils.pdl(cuda)
+    monkeypatch.setattr(utils, "PDL", True)
+    monkeypatch.setattr(utils, "INTERPRET", True)
+    assert not utils.pdl(cuda)
+
+
+def _launches(source: str) -> list[str]:
+    """The text of every call in `source` that passes launch_pdl."""
+    tree = ast.parse(source)
+    return [ast.get_source_segment(source, node) for node in ast.walk(tree)
+            if isinstance(node, ast.Call) and any(k.arg == "launch_pdl" for k in node.keywords)]
+
+
+@pytest.mark.parametrize("path", sorted(KERNELS.glob("*.py")), ids=lambda p: p.name)
+def test_launch_and_kernel_agree_and_the_kernel_waits(path):
+    """launch_pdl=X goes with PDL=X in the same launch (a kernel launched dependent without
+    its wait would read the previous kernel's output early), and every jit function taking
+    PDL calls pdl_wait(PDL)."""
+    source = path.read_text()
+    for call in _launches(source):
+        launch = re.search(r"launch_pdl=(\w+)", call)[1]
+        switch = re.search(r"\bPDL=(\w+)", call)
+        assert switch and switch[1] == launch, f"{path.name}: {call[:80]}"
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.FunctionDef) and any(a.arg == "PDL" for a in node.args.args):
+            body = ast.get_source_segment(source, node)
+            if node.name not in ("pdl_start", "pdl_wait"):
+                assert "pdl_wait(PDL)" in body, f"{path.name}: {node.name} never waits"
+
+
+def test_the_gemv_launches_dependent_when_on(monkeypatch):
+    from glm53.kernels import linear
+
+    launches = []
+
+    class Record:
+        def __getitem__(self, grid):
+            return lambda *args, **meta: launches.append(meta)
+
+    monkeypatch.setattr(linear, "pdl", lambda device: True)
+    monkeypatch.setattr(linear, "linear_gemv_kernel", Record())
+    linear.linear(torch.randn(1, 64), torch.randn(32, 64))
+    assert [(m["PDL"], m["launch_pdl"]) for m in launches] == [(True, True)]
+
+
+def test_the_rule_sees_every_dependent_launch():
+    """The check above reads the launches it should: the decode step's GEMV, int4 experts
+    (w13, w2, reduce), mHC (mix, gates, post+mix), router, top-k, KDA mixer, window and norm."""
+    found = sum(len(_launches(p.read_text())) for p in KERNELS.glob("*.py"))
+    assert found == 12
