@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .utils import next_pow2, pdl, pdl_start, pdl_wait
+from .utils import next_pow2, pdl_early, pdl_start, pdl_wait
 
 __all__ = ["hc_post", "hc_post_pre", "hc_pre"]
 
@@ -188,8 +188,7 @@ def hc_pre(
     mix_part = torch.empty((n_tok, split, bm), dtype=torch.float32, device=streams.device)
     ss_part = torch.empty((n_tok, split), dtype=torch.float32, device=streams.device)
     fn32 = fn.float().contiguous()
-    # fn is read before the wait for the kernel before: not when that kernel made this copy
-    on = pdl(streams.device) and fn32 is fn
+    on = pdl_early(streams.device, (fn, fn32))
     if n_tok:
         hc_mix_kernel[(split, triton.cdiv(n_tok, bt))](
             streams, fn32, mix_part, ss_part, n_tok, nd, split, M=m, BM=bm, BC=MIX_COLUMNS,
@@ -214,8 +213,7 @@ def _gates(streams, mix_part, ss_part, base, scale, rms_eps, hc_eps, sinkhorn_it
     if n_tok:
         bd = min(next_pow2(d), PRE_COLUMNS)
         base32, scale32 = base.float().contiguous(), scale.float().contiguous()
-        # read before the wait for the kernel before: not when that kernel made these copies
-        on = pdl(dev) and base32 is base and scale32 is scale
+        on = pdl_early(dev, (base, base32), (scale, scale32))
         hc_pre_kernel[(n_tok,)](streams, mix_part, ss_part, base32, scale32,
                                 norm_weight if norm else collapsed,
                                 post, comb, collapsed, out, rms_eps, hc_eps, float(norm_eps),
@@ -344,8 +342,7 @@ def hc_post_pre(
     mix_part = torch.empty((n_tok, split, bm), dtype=torch.float32, device=streams.device)
     ss_part = torch.empty((n_tok, split), dtype=torch.float32, device=streams.device)
     fn32 = fn.float().contiguous()
-    # fn is read before the wait for the kernel before: not when that kernel made this copy
-    on = pdl(streams.device) and fn32 is fn
+    on = pdl_early(streams.device, (fn, fn32))
     if n_tok:
         hc_post_mix_kernel[(split, n_tok)](streams, block_out, post, comb, out,
                                            fn32, mix_part, ss_part, d, n * d,

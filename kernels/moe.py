@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 
 from .ref import moe as ref_moe
-from .utils import next_pow2, pdl, pdl_start, pdl_wait
+from .utils import next_pow2, pdl_early, pdl_start, pdl_wait
 
 __all__ = ["fused_moe", "route_topk", "router_logits", "swiglu"]
 
@@ -57,8 +57,7 @@ def router_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     if n_tok > ROUTER_GEMV_MAX_TOKENS or x.stride(1) != 1:
         return ref_moe.router_logits(x, weight)
     w32 = weight.float().contiguous()
-    # the weight is read before the wait for the kernel before: not when that kernel made it
-    on = pdl(x.device) and w32 is weight
+    on = pdl_early(x.device, (weight, w32))
     out = torch.empty((n_tok, w32.shape[0]), dtype=torch.float32, device=x.device)
     if n_tok:
         router_logits_kernel[(w32.shape[0],)](x, w32, out, n_tok, w32.shape[0], d, x.stride(0),
@@ -112,8 +111,7 @@ def route_topk(
     weights = torch.empty((n_tok, top_k), dtype=torch.float32, device=router_logits.device)
     ids = torch.empty((n_tok, top_k), dtype=torch.int64, device=router_logits.device)
     bias = correction_bias.contiguous()
-    # the bias is read before the wait for the kernel before: not when that kernel made it
-    on = pdl(router_logits.device) and bias is correction_bias
+    on = pdl_early(router_logits.device, (correction_bias, bias))
     if n_tok:
         route_topk_kernel[(n_tok,)](router_logits, bias, weights, ids, n_exp,
                                     router_logits.stride(0), float(scaling), K=top_k,

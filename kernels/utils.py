@@ -59,6 +59,13 @@ def pdl(device: torch.device) -> bool:
     return PDL and not INTERPRET and device.type == "cuda" and device_capability(device)[0] >= 9
 
 
+def pdl_early(device: torch.device, *operands: tuple[torch.Tensor, torch.Tensor]) -> bool:
+    """`pdl(device)` for a kernel that reads some operands before its wait: each (given, passed)
+    pair must be one tensor, the caller's own (a weight), not a cast copy that the kernel just
+    before has made."""
+    return pdl(device) and all(given is passed for given, passed in operands)
+
+
 @triton.jit
 def pdl_start(ON: tl.constexpr):
     """Let the next kernel's programs onto the SMs (`pdl`); a no-op unless ON."""

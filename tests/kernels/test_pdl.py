@@ -59,19 +59,43 @@ def test_launch_and_kernel_agree_and_the_kernel_waits(path):
                 assert "pdl_wait(PDL)" in body, f"{path.name}: {node.name} never waits"
 
 
+class _Record:
+    """Stands in for a jitted kernel: records each launch's keyword arguments, runs nothing."""
+
+    def __init__(self, launches: list[dict]) -> None:
+        self.launches = launches
+
+    def __getitem__(self, grid):
+        return lambda *args, **meta: self.launches.append(meta)
+
+
 def test_the_gemv_launches_dependent_when_on(monkeypatch):
     from glm53.kernels import linear
 
     launches = []
-
-    class Record:
-        def __getitem__(self, grid):
-            return lambda *args, **meta: launches.append(meta)
-
     monkeypatch.setattr(linear, "pdl", lambda device: True)
-    monkeypatch.setattr(linear, "linear_gemv_kernel", Record())
+    monkeypatch.setattr(linear, "linear_gemv_kernel", _Record(launches))
     linear.linear(torch.randn(1, 64), torch.randn(32, 64))
     assert [(m["PDL"], m["launch_pdl"]) for m in launches] == [(True, True)]
+
+
+@pytest.mark.parametrize("fn_dtype,expect", [(torch.float32, True), (torch.bfloat16, False)])
+def test_mhc_launches_dependent_only_on_weights_no_kernel_just_wrote(monkeypatch, fn_dtype,
+                                                                     expect):
+    """The mixing pass reads fn before waiting for the kernel before it (`utils.pdl_early`):
+    so it launches dependent only when fn is the caller's own fp32 tensor, not the copy a cast
+    launch has just written."""
+    from glm53.kernels import mhc, utils
+
+    launches = []
+    monkeypatch.setattr(utils, "pdl", lambda device: True)
+    monkeypatch.setattr(mhc, "hc_mix_kernel", _Record(launches))
+    monkeypatch.setattr(mhc, "hc_pre_kernel", _Record(launches))
+    n, d = 4, 64
+    mhc.hc_pre(torch.randn(1, n, d), torch.randn((2 + n) * n, n * d).to(fn_dtype),
+               torch.randn((2 + n) * n), torch.rand(3), 1e-6, 1e-6, 20)
+    assert [m["PDL"] for m in launches] == [expect, True]
+    assert all(m["PDL"] == m["launch_pdl"] for m in launches)
 
 
 def test_the_rule_sees_every_dependent_launch():

@@ -160,26 +160,3 @@ def test_route_topk_matches_ref(renormalize):
     assert torch.equal(ids.cpu().gather(1, order), ids_ref.gather(1, order_ref))
     assert rel_err(w.cpu().gather(1, order), w_ref.gather(1, order_ref)) < 1e-6
 
-
-@pytest.mark.parametrize("fn_dtype,expect", [(torch.float32, True), (torch.bfloat16, False)])
-def test_mhc_launches_dependent_only_on_weights_no_kernel_just_wrote(monkeypatch, fn_dtype,
-                                                                     expect):
-    """With programmatic dependent launch on (`utils.pdl`), the mixing pass reads fn before
-    waiting for the kernel before it: so it launches that way only when fn is the caller's own
-    fp32 tensor, not the copy a cast launch has just written."""
-    from glm53.kernels import mhc
-
-    launches = []
-
-    class Record:
-        def __getitem__(self, grid):
-            return lambda *args, **meta: launches.append(meta)
-
-    monkeypatch.setattr(mhc, "pdl", lambda device: True)
-    monkeypatch.setattr(mhc, "hc_mix_kernel", Record())
-    monkeypatch.setattr(mhc, "hc_pre_kernel", Record())
-    n, d = 4, 64
-    mhc.hc_pre(torch.randn(1, n, d), torch.randn((2 + n) * n, n * d).to(fn_dtype),
-               torch.randn((2 + n) * n), torch.rand(3), 1e-6, 1e-6, 20)
-    assert [m["PDL"] for m in launches] == [expect, True]
-    assert all(m["PDL"] == m["launch_pdl"] for m in launches)
