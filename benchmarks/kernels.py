@@ -272,7 +272,8 @@ def bench_mhc(rows, gen, quick):
     (an expansion and the next site's projection, then the gates) and `hc_post`; at one token
     `hc_pre` also with one Sinkhorn iteration and at mhc.PRE_WARPS 4 / 8 / 16, which split the
     gate launch's latency into its parts. A 2048-token prefill chunk: `hc_pre` over
-    mhc.MIX_TOKENS x MIX_COLUMNS tiles of its mixing pass at either MIX_PRECISION (tl.dot's
+    mhc.MIX_TOKENS x MIX_COLUMNS tiles of its mixing pass, MIX_STEPS of them a program, at
+    either MIX_PRECISION (tl.dot's
     "ieee" or "tf32x3"), against the reference's fp32
     matmul of the streams (a cast and a cuBLAS GEMM) for scale."""
     n, d, iters = 4, 4096, 20
@@ -282,7 +283,8 @@ def bench_mhc(rows, gen, quick):
     scale = torch.rand(3, device=DEV, generator=gen)
     norm_w = torch.rand(d, device=DEV, dtype=torch.bfloat16, generator=gen)
     defaults = dict(PRE_WARPS=mhc.PRE_WARPS, MIX_TOKENS=mhc.MIX_TOKENS,
-                    MIX_COLUMNS=mhc.MIX_COLUMNS, MIX_PRECISION=mhc.MIX_PRECISION)
+                    MIX_COLUMNS=mhc.MIX_COLUMNS, MIX_STEPS=mhc.MIX_STEPS,
+                    MIX_PRECISION=mhc.MIX_PRECISION)
 
     def pre_us(streams, it, graph, **consts):
         for name, value in consts.items():
@@ -315,13 +317,16 @@ def bench_mhc(rows, gen, quick):
         rows.append(dict(kernel="hc_post", tokens=tokens, ours_us=t))
     tokens = 2048
     streams = torch.randn(tokens, n, d, device=DEV, dtype=torch.bfloat16, generator=gen)
+    # (MIX_TOKENS, MIX_COLUMNS, MIX_STEPS): the tile, then K loops of it (fewer programs,
+    # fewer parts), then taller tiles over narrower steps (fn read once per more tokens)
+    tiles = [(16, 64, 1), (16, 128, 1), (16, 256, 1), (32, 64, 1), (32, 128, 1),
+             (16, 128, 4), (16, 128, 16), (32, 64, 8), (32, 64, 32), (64, 32, 16), (64, 32, 64)]
     for prec in ("ieee", "tf32x3"):
-        for bt in (16, 32):
-            for bc in (64, 128, 256):
-                t = pre_us(streams, iters, False, MIX_TOKENS=bt, MIX_COLUMNS=bc,
-                           MIX_PRECISION=prec)
-                rows.append(dict(kernel="hc_pre", tokens=tokens, mix_precision=prec,
-                                 mix_tokens=bt, mix_columns=bc, ours_us=t))
+        for bt, bc, steps in tiles:
+            t = pre_us(streams, iters, False, MIX_TOKENS=bt, MIX_COLUMNS=bc, MIX_STEPS=steps,
+                       MIX_PRECISION=prec)
+            rows.append(dict(kernel="hc_pre", tokens=tokens, mix_precision=prec,
+                             mix_tokens=bt, mix_columns=bc, mix_steps=steps, ours_us=t))
     flat = streams.view(tokens, n * d)
     t = 1e3 * _ms(lambda: flat.float() @ fn.t(), False)
     rows.append(dict(kernel="hc_projection_fp32_matmul", tokens=tokens, ref_us=t))

@@ -40,6 +40,10 @@ MIX_TOKENS, MIX_DOT_MIN_TOKENS = 16, 16
 # per product, ~fp32 accuracy: 48 HMMA, 27 shared loads, 155 registers); a string the
 # benchmark (kernels.py --parts mhc) sets
 MIX_PRECISION = "ieee"
+# MIX_COLUMNS-wide steps a program of that tl.dot path accumulates (a K loop): fewer, longer
+# programs and MIX_STEPS times fewer parts for the gates' program to sum (a 2048-token chunk
+# at 1 step runs 16,384 programs of one 16 x 128 x 32 dot each); benchmarks/kernels.py sweeps it
+MIX_STEPS = 1
 # columns a step of `hc_pre_kernel` (at 16 warps 8 a thread): a release row (4096) is one step,
 # normalised from registers
 PRE_COLUMNS = 4096
@@ -49,34 +53,44 @@ PRE_WARPS = 16
 
 @triton.jit
 def hc_mix_kernel(streams, fn, mix_part, ss_part, T, ND, SPLIT, M: tl.constexpr,
-                  BM: tl.constexpr, BC: tl.constexpr, BT: tl.constexpr,
+                  BM: tl.constexpr, BC: tl.constexpr, BT: tl.constexpr, STEPS: tl.constexpr,
                   PRECISION: tl.constexpr, PDL: tl.constexpr):
-    """Program (i_s, i_t): columns i_s*BC.. of tokens i_t*BT.. of the flattened streams: their
-    part of the un-normalised projection fn @ x ([M] a token) and of sum x^2. BT = 1: the
-    [BM, BC] slice of fn times one token's columns; BT >= 16: tl.dot of the [BT, BC] tokens
-    with the slice at PRECISION (MIX_PRECISION). PDL (`utils.pdl`): fn's slice is loaded
-    before the wait for the kernel before."""
+    """Program (i_s, i_t): columns i_s*STEPS*BC.. of tokens i_t*BT.. of the flattened
+    streams: their part of the un-normalised projection fn @ x ([M] a token) and of sum x^2.
+    BT = 1 (STEPS = 1): the [BM, BC] slice of fn times one token's columns, fn's slice loaded
+    before the PDL wait (`utils.pdl`) for the kernel before; BT >= 16: STEPS tl.dot's of the
+    [BT, BC] tokens with [BC, BM] slices at PRECISION (MIX_PRECISION), accumulated."""
     pdl_start(PDL)
     i_s, i_t = tl.program_id(0), tl.program_id(1).to(tl.int64)
-    o_c = i_s * BC + tl.arange(0, BC)
-    m_c = o_c < ND
     o_m = tl.arange(0, BM)
-    b_w = tl.load(fn + o_m[:, None] * ND + o_c[None, :],
-                  mask=(o_m < M)[:, None] & m_c[None, :], other=0.0).to(tl.float32)
-    pdl_wait(PDL)
+    m_m = o_m < M
     if BT == 1:
+        o_c = i_s * BC + tl.arange(0, BC)
+        m_c = o_c < ND
+        b_w = tl.load(fn + o_m[:, None] * ND + o_c[None, :], mask=m_m[:, None] & m_c[None, :],
+                      other=0.0).to(tl.float32)
+        pdl_wait(PDL)
         b_x = tl.load(streams + i_t * ND + o_c, mask=m_c, other=0.0).to(tl.float32)
         tl.store(mix_part + (i_t * SPLIT + i_s) * BM + o_m, tl.sum(b_w * b_x[None, :], 1))
         tl.store(ss_part + i_t * SPLIT + i_s, tl.sum(b_x * b_x, 0))
     else:
+        pdl_wait(PDL)
         o_t = i_t * BT + tl.arange(0, BT)
         m_t = o_t < T
-        b_x = tl.load(streams + o_t[:, None] * ND + o_c[None, :],
-                      mask=m_t[:, None] & m_c[None, :], other=0.0).to(tl.float32)
-        b_mix = tl.dot(b_x, tl.trans(b_w), input_precision=PRECISION)  # [BT, BM]
+        b_mix = tl.zeros((BT, BM), dtype=tl.float32)
+        b_ss = tl.zeros((BT,), dtype=tl.float32)
+        for step in range(STEPS):
+            o_c = (i_s * STEPS + step) * BC + tl.arange(0, BC)
+            m_c = o_c < ND
+            b_w = tl.load(fn + o_m[:, None] * ND + o_c[None, :],
+                          mask=m_m[:, None] & m_c[None, :], other=0.0).to(tl.float32)
+            b_x = tl.load(streams + o_t[:, None] * ND + o_c[None, :],
+                          mask=m_t[:, None] & m_c[None, :], other=0.0).to(tl.float32)
+            b_mix += tl.dot(b_x, tl.trans(b_w), input_precision=PRECISION)  # [BT, BM]
+            b_ss += tl.sum(b_x * b_x, 1)
         tl.store(mix_part + ((o_t * SPLIT + i_s) * BM)[:, None] + o_m[None, :], b_mix,
                  mask=m_t[:, None])
-        tl.store(ss_part + o_t * SPLIT + i_s, tl.sum(b_x * b_x, 1), mask=m_t)
+        tl.store(ss_part + o_t * SPLIT + i_s, b_ss, mask=m_t)
 
 
 @triton.jit
@@ -182,9 +196,10 @@ def hc_pre(
     n_tok, n, d = streams.shape
     assert n == next_pow2(n) and streams.is_contiguous()
     m, nd = (2 + n) * n, n * d
-    bt = 1 if n_tok < MIX_DOT_MIN_TOKENS else MIX_TOKENS
+    bt, steps = (1, 1) if n_tok < MIX_DOT_MIN_TOKENS else (MIX_TOKENS, MIX_STEPS)
     # tl.dot's operands are at least 16 wide
-    bm, split = next_pow2(m) if bt == 1 else max(16, next_pow2(m)), triton.cdiv(nd, MIX_COLUMNS)
+    bm = next_pow2(m) if bt == 1 else max(16, next_pow2(m))
+    split = triton.cdiv(nd, MIX_COLUMNS * steps)
     mix_part = torch.empty((n_tok, split, bm), dtype=torch.float32, device=streams.device)
     ss_part = torch.empty((n_tok, split), dtype=torch.float32, device=streams.device)
     fn32 = fn.float().contiguous()
@@ -192,7 +207,7 @@ def hc_pre(
     if n_tok:
         hc_mix_kernel[(split, triton.cdiv(n_tok, bt))](
             streams, fn32, mix_part, ss_part, n_tok, nd, split, M=m, BM=bm, BC=MIX_COLUMNS,
-            BT=bt, PRECISION=MIX_PRECISION, PDL=on, launch_pdl=on)
+            BT=bt, STEPS=steps, PRECISION=MIX_PRECISION, PDL=on, launch_pdl=on)
     return _gates(streams, mix_part, ss_part, base, scale, rms_eps, hc_eps, sinkhorn_iters,
                   norm_weight, norm_eps)
 
