@@ -1,15 +1,21 @@
 #!/usr/bin/env bash
 # The GPU validation run of the kernels issue, on one bare GPU machine from the repo root:
-#   bash scripts/gpu_check.sh tests|kernels|slice|experts|int4|gemv|int4dot|kv|rank0|pdl|serving|adaptive [COMMIT]
+#   bash scripts/gpu_check.sh tests|kernels|mhc|slice|experts|moe|int4|gemv|int4dot|kv|rank0|pdl|serving|adaptive [COMMIT]
+#   bash scripts/gpu_check.sh STAGE=SECONDS,STAGE=SECONDS,... [COMMIT]   (stages in turn, each
+#        under its own time limit, so that one device call runs a session's plan and a stage
+#        that overruns still leaves the later ones their time)
 # tests:   every `gpu`-marked test (junit XML + log; the first run compiles every kernel and lets
 #          fla autotune: ~10 minutes in one process, spread over GPU_TEST_WORKERS (4) processes
 #          when pytest-xdist is carried)
 # kernels: benchmarks/kernels.py part by part (each in its own process: a fault poisons the
 #          CUDA context; mhc: the mHC sites) and benchmarks/sparse_mla.py
+# mhc:     benchmarks/kernels.py --parts mhc alone (decode sites; the prefill mixing pass's
+#          tiles, steps and precisions)
 # slice:   benchmarks/slice.py, ours vs transformers eager in one run
 # experts: the 4-bit routed experts: their gpu tests (EXL3 bit-exact vs exllamav3's fixture),
 #          benchmarks/moe_4bit.py (vs bf16, 288 experts and EP2) and benchmarks/rank0.py (the
 #          full-depth rank-0 emulation, EXL3 then int4 experts)
+# moe:     benchmarks/moe_4bit.py, bf16 against int4 at 1, 8, 64 and 512 tokens (288 experts)
 # int4:    the int4 decode GEMV's question: benchmarks/int4_access.py (the bandwidth of its
 #          access pattern alone, row-major vs tile-contiguous), then moe_4bit.py with bf16,
 #          row-major int4 and tiled int4 (int4t) at 1, 8 and 64 tokens, and int4's dot-free
@@ -33,6 +39,16 @@
 set -uo pipefail
 stage=${1:?stage: tests, kernels or slice}
 commit=${2:-unknown}
+if [[ $stage == *=* || $stage == *,* ]]; then
+  for part in ${stage//,/ }; do
+    name=${part%%=*} limit=${part#*=}
+    [[ $part == *=* ]] || limit=600
+    echo "=== $name (at most $limit s) $(date +%T)"
+    timeout "$limit" bash "$0" "$name" "$commit" "${@:3}"
+    echo "=== $name: rc $? $(date +%T)"
+  done
+  exit 0
+fi
 out=${OUT:-gpu_out}
 mkdir -p "$out"
 . scripts/gpu_env.sh
@@ -58,6 +74,12 @@ case $stage in
     done
     [ -f benchmarks/sparse_mla.py ] && python benchmarks/sparse_mla.py --commit "$commit" \
       --json "$out/sparse_mla.json" 2>&1 | tail -n 60 ;;
+  mhc)
+    python benchmarks/kernels.py --parts mhc --commit "$commit" \
+      --json "$out/kernels_mhc_${dev}_$commit.json" 2>&1 | tail -n 60 ;;
+  moe)
+    python benchmarks/moe_4bit.py --formats bf16,int4 --tokens 1,8,64,512 --repeats 5 \
+      --commit "$commit" --json "$out/moe_4bit_${dev}_$commit.json" 2>&1 | tail -n 20 ;;
   slice)
     python benchmarks/slice.py --commit "$commit" --json "$out/slice.json" "${@:3}" 2>&1 ;;
   experts)
