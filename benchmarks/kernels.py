@@ -273,9 +273,8 @@ def bench_mhc(rows, gen, quick):
     `hc_pre` also with one Sinkhorn iteration and at mhc.PRE_WARPS 4 / 8 / 16, which split the
     gate launch's latency into its parts. A 2048-token prefill chunk: `hc_pre` over
     mhc.MIX_TOKENS x MIX_COLUMNS tiles of its mixing pass, MIX_STEPS of them a program, at
-    either MIX_PRECISION (tl.dot's
-    "ieee" or "tf32x3"), against the reference's fp32
-    matmul of the streams (a cast and a cuBLAS GEMM) for scale."""
+    either MIX_PRECISION (tl.dot's "ieee" or "tf32x3"), against the reference's fp32 matmul of
+    the streams (a cast and a cuBLAS GEMM) for scale."""
     n, d, iters = 4, 4096, 20
     m = (2 + n) * n
     fn = torch.randn(m, n * d, device=DEV, generator=gen) * 0.01
