@@ -29,7 +29,8 @@
 #          (batch 1 and 64) and 4K prefill with bf16, fp8 and nvfp4 rows
 # rank0:   benchmarks/rank0.py with int4 experts over the three cache formats (GPUs of
 #          >= 100 GB; smaller ones run the first 24 layers: not the rank's numbers); RANK0_DECODE,
-#          RANK0_PREFILL (e.g. 2048,8192,16384) and RANK0_PROFILE passed on
+#          RANK0_PREFILL (e.g. 2048,8192,16384), RANK0_KV (cache formats) and RANK0_PROFILE
+#          passed on
 # pdl:     programmatic dependent launch (kernels/utils.py: pdl) checked with GLM53_PDL=1: the
 #          gpu tests of the kernels that use it, then the rank-0 replay (24 layers, batch 1 and
 #          64) captured with it and without (rank0.py --graph-only --compare-pdl)
@@ -131,7 +132,8 @@ case $stage in
     mem=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -n 1)
     layers=(); name=rank0_${dev}_int4_$commit
     [ "$mem" -lt 100000 ] && layers=(--layers 24) && name=rank0_l24_${dev}_int4_$commit
-    python benchmarks/rank0.py --experts int4 "${layers[@]}" --kv-cache-dtype bf16,fp8,nvfp4 \
+    python benchmarks/rank0.py --experts int4 "${layers[@]}" \
+      --kv-cache-dtype "${RANK0_KV:-bf16,fp8,nvfp4}" \
       --decode "${RANK0_DECODE:-1x8192,16x8192,64x8192,1x131072}" ${RANK0_PROFILE:+--profile} \
       --prefill "${RANK0_PREFILL:-}" \
       --commit "$commit" --json "$out/$name.json" 2>&1 | grep "^{'phase'" \
