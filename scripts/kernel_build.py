@@ -12,6 +12,10 @@ shared memory past the target's per-block limit, on an instruction the target la
 --no-spills, on a kernel that spills.
 
     python scripts/kernel_build.py [--arch 90,120] [--json FILE] [--no-spills] [--cases TEXT]
+                                   [--dump DIR]
+
+--dump writes each build's TTGIR (the layouts Triton chose), PTX and SASS to DIR, to read what a
+kernel does between its loads (barriers, shared-memory round trips) without a GPU.
 
 Run it with TRITON_INTERPRET unset (the interpreter replaces the compiler). It leans on Triton
 3.6 internals (JITFunction.run's warmup path, the driver registry's `_active` slot), which is
@@ -127,8 +131,9 @@ def _resources(cubin: bytes) -> dict[str, int]:
 class _Recorder:
     """JITFunction.run replaced by a compile-only run that records each build for `arch`."""
 
-    def __init__(self, arch: int) -> None:
+    def __init__(self, arch: int, dump: Path | None = None) -> None:
         self.arch = arch
+        self.dump = dump
         self.case = ""
         self.builds: list[Build] = []
         self._run = JITFunction.run
@@ -150,6 +155,8 @@ class _Recorder:
                 max(res.get("LOCAL", 0), res.get("STACK", 0)), kernel.metadata.shared,
                 kernel.metadata.num_warps, ptx.count("wgmma.mma_async"), ptx.count("mma.sync"),
                 tuple(i for i in FOREIGN_PTX[recorder.arch] if i in ptx), widest_loads(ptx)))
+            if recorder.dump is not None:
+                recorder.write_asm(fn.fn.__name__, kernel.asm)
             return kernel
 
         self._driver = driver._active  # None here: no default driver exists without a GPU
@@ -158,6 +165,18 @@ class _Recorder:
         device_capability.cache_clear()  # a capability cached for another target
         JITFunction.run = compile_only
         return self
+
+    def write_asm(self, kernel: str, asm: dict) -> None:
+        """DIR/sm_<arch>_<case>_<kernel>.{ttgir,ptx,sass}: case names made file-safe."""
+        stem = self.dump / re.sub(r"\W+", "_", f"sm_{self.arch}_{self.case}_{kernel}")
+        stem.with_suffix(".ttgir").write_text(asm["ttgir"])
+        stem.with_suffix(".ptx").write_text(asm["ptx"])
+        with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+            f.write(asm["cubin"])
+            f.flush()
+            sass = subprocess.run([CUOBJDUMP, "-sass", f.name], capture_output=True, text=True,
+                                  check=True).stdout
+        stem.with_suffix(".sass").write_text(sass)
 
     def __exit__(self, *exc) -> None:
         from glm53.kernels.utils import device_capability
@@ -394,10 +413,11 @@ def _cases(arch: int) -> dict[str, Callable[[], object]]:
     return cases
 
 
-def _build(arch: int, failed: list[str], only: str | None = None) -> list[Build]:
+def _build(arch: int, failed: list[str], only: str | None = None,
+           dump: Path | None = None) -> list[Build]:
     """Every case built for `arch` (those whose name contains `only`, if given); a case that
     raises is listed in `failed`."""
-    with _Recorder(arch) as rec:
+    with _Recorder(arch, dump) as rec:
         for case, call in _cases(arch).items():
             if only is not None and only not in case:
                 continue
@@ -421,6 +441,7 @@ def main() -> int:
     ap.add_argument("--json", help="write the builds here (with commit, date and Triton version)")
     ap.add_argument("--no-spills", action="store_true", help="fail on a kernel that spills")
     ap.add_argument("--cases", help="only the cases whose name contains this text")
+    ap.add_argument("--dump", type=Path, help="write each build's TTGIR, PTX and SASS here")
     args = ap.parse_args()
     if os.environ.get("TRITON_INTERPRET") == "1":
         sys.exit("kernel_build: unset TRITON_INTERPRET (the interpreter replaces the compiler)")
@@ -428,7 +449,9 @@ def main() -> int:
     if unknown := set(archs) - set(SHARED_PER_BLOCK):
         sys.exit(f"kernel_build: no limits known for sm_{sorted(unknown)}")
     failed: list[str] = []
-    builds = [b for arch in archs for b in _build(arch, failed, args.cases)]
+    if args.dump is not None:
+        args.dump.mkdir(parents=True, exist_ok=True)
+    builds = [b for arch in archs for b in _build(arch, failed, args.cases, args.dump)]
     print(f"{'arch':>6} {'case':44} {'kernel':28} {'regs':>5} {'spill':>6} {'smem':>7} "
           f"{'warps':>5} {'wgmma':>5} {'mma':>5}")
     for b in builds:
