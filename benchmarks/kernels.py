@@ -271,19 +271,20 @@ def bench_mhc(rows, gen, quick):
     64 tokens) as graph replays: `hc_pre` (mixing pass + one program a token), `hc_post_pre`
     (an expansion and the next site's projection, then the gates) and `hc_post`; at one token
     `hc_pre` also with one Sinkhorn iteration and at mhc.PRE_WARPS 4 / 8 / 16, which split the
-    gate launch's latency into its parts. A 2048-token prefill chunk: `hc_pre` over
-    mhc.MIX_TOKENS x MIX_COLUMNS tiles of its mixing pass, MIX_STEPS of them a program, at
-    either MIX_PRECISION (tl.dot's "ieee" or "tf32x3"), against the reference's fp32 matmul of
-    the streams (a cast and a cuBLAS GEMM) for scale."""
+    gate launch's latency into its parts; at 16 and 64 the mixing pass's tl.dot at the other
+    MIX_PRECISION too. A 2048-token prefill chunk: `hc_pre` over mhc.MIX_LARGE's (tokens,
+    columns, steps) tiles of its mixing pass at either MIX_PRECISION (tl.dot's "ieee" or
+    "tf32x3"), against the reference's fp32 matmul of the streams (a cast and a cuBLAS GEMM)
+    for scale."""
     n, d, iters = 4, 4096, 20
     m = (2 + n) * n
     fn = torch.randn(m, n * d, device=DEV, generator=gen) * 0.01
     base = torch.randn(m, device=DEV, generator=gen) * 0.1
     scale = torch.rand(3, device=DEV, generator=gen)
     norm_w = torch.rand(d, device=DEV, dtype=torch.bfloat16, generator=gen)
-    defaults = dict(PRE_WARPS=mhc.PRE_WARPS, MIX_TOKENS=mhc.MIX_TOKENS,
-                    MIX_COLUMNS=mhc.MIX_COLUMNS, MIX_STEPS=mhc.MIX_STEPS,
+    defaults = dict(PRE_WARPS=mhc.PRE_WARPS, MIX_LARGE=mhc.MIX_LARGE,
                     MIX_PRECISION=mhc.MIX_PRECISION)
+    other_precision = "ieee" if mhc.MIX_PRECISION == "tf32x3" else "tf32x3"
 
     def pre_us(streams, it, graph, **consts):
         for name, value in consts.items():
@@ -304,6 +305,8 @@ def bench_mhc(rows, gen, quick):
         if tokens == 1:
             settings += [dict(it=1)] + [dict(it=iters, PRE_WARPS=w) for w in (4, 8, 16)
                                         if w != mhc.PRE_WARPS]
+        else:
+            settings += [dict(it=iters, MIX_PRECISION=other_precision)]
         for c in settings:
             it = c.pop("it")
             t = pre_us(streams, it, True, **c)
@@ -316,14 +319,13 @@ def bench_mhc(rows, gen, quick):
         rows.append(dict(kernel="hc_post", tokens=tokens, ours_us=t))
     tokens = 2048
     streams = torch.randn(tokens, n, d, device=DEV, dtype=torch.bfloat16, generator=gen)
-    # (MIX_TOKENS, MIX_COLUMNS, MIX_STEPS): the tile, then K loops of it (fewer programs,
-    # fewer parts), then taller tiles over narrower steps (fn read once per more tokens)
+    # MIX_LARGE (tokens, columns, steps): the tile, then K loops of it (fewer programs, fewer
+    # parts), then taller tiles over narrower steps (fn read once per more tokens)
     tiles = [(16, 64, 1), (16, 128, 1), (16, 256, 1), (32, 64, 1), (32, 128, 1),
              (16, 128, 4), (16, 128, 16), (32, 64, 8), (32, 64, 32), (64, 32, 16), (64, 32, 64)]
     for prec in ("ieee", "tf32x3"):
         for bt, bc, steps in tiles:
-            t = pre_us(streams, iters, False, MIX_TOKENS=bt, MIX_COLUMNS=bc, MIX_STEPS=steps,
-                       MIX_PRECISION=prec)
+            t = pre_us(streams, iters, False, MIX_LARGE=(bt, bc, steps), MIX_PRECISION=prec)
             rows.append(dict(kernel="hc_pre", tokens=tokens, mix_precision=prec,
                              mix_tokens=bt, mix_columns=bc, mix_steps=steps, ours_us=t))
     flat = streams.view(tokens, n * d)

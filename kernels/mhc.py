@@ -32,23 +32,30 @@ MIX_COLUMNS = 128
 # tokens per program of the mixing pass (tl.dot) from MIX_DOT_MIN_TOKENS on: each program's
 # slice of fn is read once per MIX_TOKENS tokens, not once per token (at an 8K-token prefill
 # chunk fn was read 8192 times a site from L2: 1.6 ms, rank0_l24_h100_int4_a4b1ae6.json).
-# Not 64: that tile's fp32 dot spilled 5.7 KB a thread on sm_90 and took 2.5 ms a site at a
-# 2048-token chunk (rank0_l24_h100_int4_37be788.json: 120 of the chunk's 260 ms)
+# 64 only in TF32 MMAs (MIX_LARGE): in fp32 FMAs that tile spilled 5.7 KB a thread on sm_90 and
+# took 2.5 ms a site at a 2048-token chunk (rank0_l24_h100_int4_37be788.json)
 MIX_TOKENS, MIX_DOT_MIN_TOKENS = 16, 16
-# tl.dot's precision there: "ieee" (exact fp32 products by FMAs, the operands read from shared
-# memory per product: sm_90 129 LDS a thread at 16 x 128 x 32) or "tf32x3" (three TF32 MMAs
-# per product, ~fp32 accuracy: 48 HMMA, 27 shared loads, 155 registers); a string the
-# benchmark (kernels.py --parts mhc) sets
-MIX_PRECISION = "ieee"
+# tl.dot's precision there: "tf32x3" (three TF32 MMAs per product, ~fp32 accuracy: sm_90 48
+# HMMA and 27 shared loads a thread at 16 x 128 x 32) or "ieee" (exact fp32 products by FMAs,
+# the operands read from shared memory per product: 129 LDS); a 2048-token chunk's pass took
+# 189 us against 651 at the same tiles on an H100 (kernels_mhc_h100_da29b95.json); a string
+# the benchmark (kernels.py --parts mhc) sets
+MIX_PRECISION = "tf32x3"
 # MIX_COLUMNS-wide steps a program of that tl.dot path accumulates (a K loop): fewer, longer
-# programs and MIX_STEPS times fewer parts for the gates' program to sum (a 2048-token chunk
-# at 1 step runs 16,384 programs of one 16 x 128 x 32 dot each); benchmarks/kernels.py sweeps it
+# programs and MIX_STEPS times fewer parts for the gates' program to sum
 MIX_STEPS = 1
-# columns a step of `hc_pre_kernel` (at 16 warps 8 a thread): a release row (4096) is one step,
-# normalised from registers
+# (tokens, columns, steps) of the tl.dot path's program from MIX_LARGE_MIN_TOKENS tokens on
+# (prefill chunks): fn's slice read once per 64 tokens, 16 steps of 32 columns; 119 us a
+# 2048-token pass against 189 at (16, 128, 1) and 194 for the cast + cuBLAS fp32 GEMM
+# (tf32x3, H100, kernels_mhc_h100_da29b95.json). Below it the decode batch's 16 x 128 tiles
+# keep the programs to fill the GPU (64 tokens: 512 against 32)
+MIX_LARGE, MIX_LARGE_MIN_TOKENS = (64, 32, 16), 256
+# columns a step of `hc_pre_kernel` (at 4 warps 32 a thread): a release row (4096) is one
+# step, normalised from registers
 PRE_COLUMNS = 4096
-# warps of `hc_pre_kernel`'s one program a token (benchmarks/kernels.py --parts mhc sweeps it)
-PRE_WARPS = 16
+# warps of `hc_pre_kernel`'s one program a token: at one token 6.8 us with 4, 7.1 with 8, 7.8
+# with 16 (H100, kernels_mhc_h100_da29b95.json: fewer warps, cheaper barriers in its chain)
+PRE_WARPS = 4
 
 
 @triton.jit
@@ -196,18 +203,18 @@ def hc_pre(
     n_tok, n, d = streams.shape
     assert n == next_pow2(n) and streams.is_contiguous()
     m, nd = (2 + n) * n, n * d
-    bt, steps = (1, 1) if n_tok < MIX_DOT_MIN_TOKENS else (MIX_TOKENS, MIX_STEPS)
+    bt, bc, steps = (1, MIX_COLUMNS, 1) if n_tok < MIX_DOT_MIN_TOKENS else (
+        (MIX_TOKENS, MIX_COLUMNS, MIX_STEPS) if n_tok < MIX_LARGE_MIN_TOKENS else MIX_LARGE)
     # tl.dot's operands are at least 16 wide
     bm = next_pow2(m) if bt == 1 else max(16, next_pow2(m))
-    split = triton.cdiv(nd, MIX_COLUMNS * steps)
+    split = triton.cdiv(nd, bc * steps)
     mix_part = torch.empty((n_tok, split, bm), dtype=torch.float32, device=streams.device)
     ss_part = torch.empty((n_tok, split), dtype=torch.float32, device=streams.device)
     fn32 = fn.float().contiguous()
     on = pdl_early(streams.device, (fn, fn32))
     if n_tok:
         hc_mix_kernel[(split, triton.cdiv(n_tok, bt))](
-            streams, fn32, mix_part, ss_part, n_tok, nd, split, M=m, BM=bm, BC=MIX_COLUMNS,
-            BT=bt, STEPS=steps, PRECISION=MIX_PRECISION, PDL=on, launch_pdl=on)
+            streams, fn32, mix_part, ss_part, n_tok, nd, split, M=m, BM=bm, BC=bc, BT=bt, STEPS=steps, PRECISION=MIX_PRECISION, PDL=on, launch_pdl=on)
     return _gates(streams, mix_part, ss_part, base, scale, rms_eps, hc_eps, sinkhorn_iters,
                   norm_weight, norm_eps)
 

@@ -60,7 +60,8 @@ def test_rms_norm_matches_ref(with_weight):
 @pytest.mark.parametrize("t", [5, 37, 70])
 @pytest.mark.parametrize("n,d,normed,columns,steps", [
     (4, 40, False, 4096, 1), (4, 40, True, 4096, 1), (2, 1100, True, 4096, 1),
-    (2, 1100, True, 256, 1), (2, 1100, False, 256, 1), (2, 1100, True, 4096, 4)])
+    (2, 1100, True, 256, 1), (2, 1100, False, 256, 1), (2, 1100, True, 4096, 4),
+    (2, 1100, True, 4096, "large")])
 def test_hc_pre_matches_ref(monkeypatch, t, n, d, normed, columns, steps):
     """The projection's column parts: one partial (n*D = 160: two programs, the second short)
     or many (2 x 1100 = 2200: 18 programs, summed over a padded tile); with the block's input
@@ -68,11 +69,17 @@ def test_hc_pre_matches_ref(monkeypatch, t, n, d, normed, columns, steps):
     last short, the normed row read back). Tokens one a program (5) or MIX_TOKENS (16: 37 = 2
     blocks and a short one, 70 = 4 and a short one) a program by tl.dot, whose M (2 + n) n =
     8 at n = 2 is padded to 16, there also 4 column steps a program (MIX_STEPS: 5 parts, the
-    last with 2 steps inside the row and 2 past it)."""
+    last with 2 steps inside the row and 2 past it); "large": the prefill tile MIX_LARGE (64
+    tokens, 16 steps of 32 columns: 37 = one short block, 70 = one and a short one; 5 parts,
+    the last 152 columns) from 32 tokens on."""
     from glm53.kernels import mhc
 
     monkeypatch.setattr(mhc, "PRE_COLUMNS", columns)
-    monkeypatch.setattr(mhc, "MIX_STEPS", steps)
+    if steps == "large":
+        monkeypatch.setattr(mhc, "MIX_LARGE_MIN_TOKENS", 32)
+        monkeypatch.setattr(mhc, "MIX_LARGE", (64, 32, 16))
+    else:
+        monkeypatch.setattr(mhc, "MIX_STEPS", steps)
     g = torch.Generator().manual_seed(23)
     streams = torch.randn(t, n, d, generator=g)
     fn = torch.randn((2 + n) * n, n * d, generator=g) * 0.1
