@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU validation run of the kernels issue, on one bare GPU machine from the repo root:
-#   bash scripts/gpu_check.sh tests|kernels|mhc|slice|experts|moe|int4|gemv|int4dot|kv|rank0|pdl|serving|adaptive [COMMIT]
+#   bash scripts/gpu_check.sh tests|kernels|mhc|slice|experts|moe|int4|int4one|gemv|int4dot|kv|rank0|pdl|serving|adaptive [COMMIT]
 #   bash scripts/gpu_check.sh STAGE=SECONDS,STAGE=SECONDS,... [COMMIT]   (stages in turn, each
 #        under its own time limit, so that one device call runs a session's plan and a stage
 #        that overruns still leaves the later ones their time)
@@ -21,6 +21,8 @@
 #          row-major int4 and tiled int4 (int4t) at 1, 8 and 64 tokens, and int4's dot-free
 #          against its tl.dot variant at 32 and 64 tokens (GEMV_MAX_TOKENS 128 vs 16), and
 #          the one-token launch's warps and steps ahead for 288 experts and for EP rank 0
+# int4one: that last sweep alone (the batch-1 step's expert launch: warps, steps ahead and
+#          GEMV_BN13_MIN, for 288 experts and for EP rank 0)
 # gemv:    rank 0's dense projections, cuBLAS vs the Triton GEMV at 1, 2 and 4 rows
 #          (benchmarks/dense_gemv.py), then the GEMV's tile constants swept at one row
 # int4dot: the tl.dot variant's blocks (DOT_BM_MAX 16 or 64, DOT_TILE) and dequantisation
@@ -104,6 +106,8 @@ case $stage in
       --sweep GEMV_BN2=128 --sweep GEMV_WARPS=4 --sweep GEMV_PROGRAMS_PER_SM=4 \
       --sweep GEMV_AHEAD=1 --commit "$commit" \
       --json "$out/moe_4bit_crossover_${dev}_$commit.json" 2>&1 | tail -n 12
+    bash "$0" int4one "$commit" ;;
+  int4one)
     for ep in "" --ep2; do
       python benchmarks/moe_4bit.py $ep --formats int4 --tokens 1 --repeats 5 --int4-sweep \
         --sweep-tokens 1 --sweep GEMV_WARPS_1=4,8 --sweep GEMV_AHEAD_1=1,2 --sweep GEMV_BN13=64 \
