@@ -22,7 +22,6 @@ from .ref.latent_quant import (
     nvfp4_outer_offset,
     row_bytes,
 )
-from .ref.sparse_mla import store_rows
 from .utils import INTERPRET, next_pow2
 
 __all__ = ["store_latent"]
@@ -187,8 +186,9 @@ def store_latent_kernel(rows, kv, kv32, slot_mapping, outer, stride_r, dcp_rank,
                         LBS: tl.constexpr, DCP: tl.constexpr, C: tl.constexpr,
                         RB: tl.constexpr, OUTER: tl.constexpr, FMT: tl.constexpr,
                         BC: tl.constexpr, TILE: tl.constexpr, BZ: tl.constexpr):
-    """Program t: quantises latent row t and writes it to its cache row (under DCP, a token
-    of another rank goes to row 0 of the null block, like `store_rows`)."""
+    """Program t: writes latent row t to its cache row, quantised (FMT 1 fp8, 2 nvfp4) or cast
+    to the cache's dtype (FMT 0, plain: as `store_rows`); under DCP a token of another rank
+    goes to row 0 of the null block, like `store_rows`."""
     i_t = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_mapping + i_t).to(tl.int64)
     if DCP > 1:
@@ -196,10 +196,14 @@ def store_latent_kernel(rows, kv, kv32, slot_mapping, outer, stride_r, dcp_rank,
         slot = tl.where(off % DCP == dcp_rank, slot // (LBS * DCP) * LBS + off // DCP, 0)
     o_c = tl.arange(0, BC)
     m_c = o_c < C
-    b_x = tl.load(rows + i_t * stride_r + o_c, mask=m_c, other=0.0).to(tl.float32)
-    if FMT == 1:
+    if FMT == 0:
+        b_r = tl.load(rows + i_t * stride_r + o_c, mask=m_c, other=0.0)
+        tl.store(kv + slot * C + o_c, b_r.to(kv.dtype.element_ty), mask=m_c)
+    elif FMT == 1:
+        b_x = tl.load(rows + i_t * stride_r + o_c, mask=m_c, other=0.0).to(tl.float32)
         _store_fp8(b_x, m_c, kv + slot * RB, kv32 + slot * (RB // 4), C, BC, TILE)
     else:
+        b_x = tl.load(rows + i_t * stride_r + o_c, mask=m_c, other=0.0).to(tl.float32)
         _store_nvfp4(b_x, m_c, kv + slot * RB, kv32 + slot * (RB // 4), outer, C, RB, OUTER,
                      BC, BZ)
 
@@ -208,14 +212,13 @@ def store_latent(latent: torch.Tensor, cache: torch.Tensor, slot_mapping: torch.
                  dcp_rank: int = 0, dcp_size: int = 1, latent_format: str = "plain",
                  outer_scale: float = 1.0) -> None:
     """latent: [T, Lc]; cache: [B, bs / dcp_size, row] (uint8 rows of `latent_format` "fp8"
-    / "nvfp4", or plain values); slot_mapping: [T]. One program per token."""
-    if latent_format == "plain":  # an indexed copy: torch's own kernel
-        store_rows(latent, cache, slot_mapping, dcp_rank, dcp_size)
-        return
+    / "nvfp4", or plain values); slot_mapping: [T]. One program per token: plain rows too
+    (under DCP torch's indexed copy took ~9 launches of slot arithmetic a layer)."""
     n_tok, lc = latent.shape
-    rb = row_bytes(latent_format, lc)
-    assert cache.dtype == torch.uint8 and cache.shape[-1] == rb and cache.is_contiguous()
-    assert latent.stride(1) == 1
+    plain = latent_format == "plain"
+    rb = lc if plain else row_bytes(latent_format, lc)
+    assert cache.shape[-1] == rb and cache.is_contiguous() and latent.stride(1) == 1
+    assert plain or cache.dtype == torch.uint8
     if latent_format == "nvfp4":
         check_outer_scale(outer_scale)
     if n_tok == 0:
@@ -223,7 +226,7 @@ def store_latent(latent: torch.Tensor, cache: torch.Tensor, slot_mapping: torch.
     bc = next_pow2(lc)
     outer_at = nvfp4_outer_offset(lc)
     store_latent_kernel[(n_tok,)](
-        latent, cache, cache.view(torch.float32), slot_mapping, float(outer_scale),
+        latent, cache, cache if plain else cache.view(torch.float32), slot_mapping, float(outer_scale),
         latent.stride(0), dcp_rank, LBS=cache.shape[1], DCP=dcp_size, C=lc, RB=rb,
         OUTER=outer_at, FMT=FORMAT_IDS[latent_format], BC=bc, TILE=min(FP8_TILE, bc),
         BZ=next_pow2(rb - lc // 2 - lc // NVFP4_GROUP))

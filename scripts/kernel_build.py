@@ -364,6 +364,7 @@ def _cases(arch: int) -> dict[str, Callable[[], object]]:
             16, budget * kpool + kpool - 1, fmt="nvfp4"),
         "latent store fp8": store_call("fp8"),
         "latent store nvfp4": store_call("nvfp4"),
+        "latent store plain": store_call("plain"),
         "attention decode, 64 rows a step": attention_call(
             16, budget * kpool + kpool - 1, ATTENTION_ROWS=64),
         "attention decode, unhalved latent 8 warps": attention_call(

@@ -57,6 +57,26 @@ def test_store_latent_bytes_equal_ref(fmt, dcp):
     assert torch.equal(cache.cpu()[1:], want[1:])
 
 
+@pytest.mark.parametrize("dcp", [(0, 1), (1, 2)])
+def test_store_plain_latent_equals_ref(dcp):
+    """Plain rows through the kernel (one launch, the slot arithmetic in it): fp32 rows of
+    every magnitude into a bf16 cache, rounded to nearest even like torch's cast, bit for
+    bit; under DCP another rank's rows are skipped."""
+    from glm53.kernels import latent_quant
+
+    rank, size = dcp
+    gen = torch.Generator(device=DEV).manual_seed(2)
+    rows = (torch.randn(1024, LATENT, device=DEV, generator=gen)
+            * torch.logspace(-20, 20, 1024, device=DEV)[:, None])
+    rows[1, 3], rows[1, 5], rows[2, 0], rows[2, 7] = math.nan, math.inf, -math.inf, -0.0
+    slots = torch.randperm(80 * BLOCK, device=DEV, generator=gen)[:rows.shape[0]] + BLOCK
+    cache = torch.randn(81, BLOCK // size, LATENT, device=DEV, generator=gen).bfloat16()
+    want = cache.cpu()
+    lq.store_latent(rows.cpu(), want, slots.cpu(), rank, size, "plain")
+    latent_quant.store_latent(rows, cache, slots, rank, size, "plain")
+    assert torch.equal(cache.cpu()[1:].view(torch.int16), want[1:].view(torch.int16))
+
+
 def _packed(cache: torch.Tensor, fmt: str) -> torch.Tensor:
     return lq.pack_latent(cache.reshape(-1, LATENT).float(), fmt, OUTER).view(
         *cache.shape[:2], -1)

@@ -26,24 +26,33 @@ def _awkward_rows(n: int, lc: int, gen: torch.Generator) -> torch.Tensor:
     return x
 
 
-@pytest.mark.parametrize("latent_format", ["fp8", "nvfp4"])
+@pytest.mark.parametrize("latent_format", ["fp8", "nvfp4", "plain"])
 @pytest.mark.parametrize("lc", [16, 48, 160])
 @pytest.mark.parametrize("dcp", [(0, 1), (1, 2)])
 def test_store_latent_bytes_equal_ref(latent_format, lc, dcp):
+    """Quantised rows byte for byte; plain bf16 rows (NaN and infinities too) bit for bit, each
+    at its slot or, under DCP, skipped when another rank's. (Plain rows in the cache's dtype:
+    the interpreter rounds fp32 -> bf16 toward zero, the GPU to nearest even, as torch.)"""
     from glm53.kernels import latent_quant
 
     rank, size = dcp
     g = torch.Generator().manual_seed(lc)
     rows = _awkward_rows(9, lc, g)
-    rb = lq.row_bytes(latent_format, lc)
     slots = torch.randperm(5 * 8, generator=g)[:9] + 8  # blocks 1..5 of 8 tokens
-    cache_ref = torch.randint(0, 256, (6, 8 // size, rb), generator=g, dtype=torch.uint8)
+    if latent_format == "plain":
+        rows = rows.to(torch.bfloat16)
+        cache_ref = torch.randn(6, 8 // size, lc, generator=g).to(torch.bfloat16)
+    else:
+        rb = lq.row_bytes(latent_format, lc)
+        cache_ref = torch.randint(0, 256, (6, 8 // size, rb), generator=g, dtype=torch.uint8)
     cache = cache_ref.clone().to(DEVICE)
+    before = cache_ref.clone()
     lq.store_latent(rows, cache_ref, slots, rank, size, latent_format, 0.25)
     latent_quant.store_latent(rows.to(DEVICE), cache, slots.to(DEVICE), rank, size,
                             latent_format, 0.25)
     # row 0 of the null block takes the other rank's tokens (any of them): not compared
-    assert torch.equal(cache.cpu()[1:], cache_ref[1:])
+    assert torch.equal(cache.cpu()[1:].view(torch.uint8), cache_ref[1:].view(torch.uint8))
+    assert not torch.equal(cache.cpu()[1:].view(torch.uint8), before[1:].view(torch.uint8))
 
 
 def test_e4m3_encoding_matches_torch_at_every_code_and_midpoint():
