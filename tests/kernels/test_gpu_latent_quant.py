@@ -60,8 +60,8 @@ def test_store_latent_bytes_equal_ref(fmt, dcp):
 @pytest.mark.parametrize("dcp", [(0, 1), (1, 2)])
 def test_store_plain_latent_equals_ref(dcp):
     """Plain rows through the kernel (one launch, the slot arithmetic in it): fp32 rows of
-    every magnitude into a bf16 cache, rounded to nearest even like torch's cast, bit for
-    bit; under DCP another rank's rows are skipped."""
+    every magnitude into a bf16 cache, rounded to nearest even like torch's cast; under DCP
+    another rank's rows are skipped."""
     from glm53.kernels import latent_quant
 
     rank, size = dcp
@@ -74,7 +74,8 @@ def test_store_plain_latent_equals_ref(dcp):
     want = cache.cpu()
     lq.store_latent(rows.cpu(), want, slots.cpu(), rank, size, "plain")
     latent_quant.store_latent(rows, cache, slots, rank, size, "plain")
-    assert torch.equal(cache.cpu()[1:].view(torch.int16), want[1:].view(torch.int16))
+    # bit for bit but NaN's payload (torch's cast and the kernel's cvt pick different ones)
+    torch.testing.assert_close(cache.cpu()[1:], want[1:], rtol=0, atol=0, equal_nan=True)
 
 
 def _packed(cache: torch.Tensor, fmt: str) -> torch.Tensor:
