@@ -33,7 +33,7 @@
 #          >= 100 GB; smaller ones run the first 24 layers: not the rank's numbers); RANK0_DECODE,
 #          RANK0_PREFILL (e.g. 2048,8192,16384), RANK0_KV (cache formats) and RANK0_PROFILE
 #          passed on
-# pdl:     programmatic dependent launch (kernels/utils.py: pdl, on unless GLM53_PDL=0): the
+# pdl:     programmatic dependent launch (kernels/utils.py: pdl) checked with GLM53_PDL=1: the
 #          gpu tests of the kernels that use it, then the rank-0 replay (24 layers, batch 1 and
 #          64) captured with it and without (rank0.py --graph-only --compare-pdl)
 # serving: benchmarks/vision.py, prefix_cache.py --slice (10-turn chat) and adaptive.py --slice
