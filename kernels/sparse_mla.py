@@ -156,7 +156,7 @@ def indexer_update(
 
 @triton.jit
 def indexer_score_kernel(q, w, pool_cache, pool32, block_tables, query_seq, positions, scores,
-                         scale, P, stride_bt, HI: tl.constexpr, D: tl.constexpr,
+                         scale, head_scale, P, stride_bt, HI: tl.constexpr, D: tl.constexpr,
                          PPB: tl.constexpr, KPOOL: tl.constexpr, RB: tl.constexpr,
                          PFMT: tl.constexpr, BH: tl.constexpr, BD: tl.constexpr,
                          BP: tl.constexpr, F32: tl.constexpr):
@@ -182,14 +182,14 @@ def indexer_score_kernel(q, w, pool_cache, pool32, block_tables, query_seq, posi
         else:
             b_s = tl.dot(b_q, tl.trans(b_k.to(b_q.dtype)))
         b_s = tl.maximum(b_s * scale, 0.0)
-        b_w = tl.load(w + i_t * HI + o_h, mask=m_h, other=0.0).to(tl.float32)
+        b_w = tl.load(w + i_t * HI + o_h, mask=m_h, other=0.0).to(tl.float32) * head_scale
         b_i = tl.sum(b_s * b_w[:, None], 0)
         # tiles past the visible pools are never read (the select stops there): not written
         tl.store(scores + i_t * P + o_p, tl.where(m_p, b_i, float("-inf")), mask=o_p < P)
 
 
 def _score_pools(q, head_weights, pool_cache, block_tables, query_seq, positions,
-                 kpool, pool_format) -> torch.Tensor:
+                 kpool, pool_format, head_scale) -> torch.Tensor:
     """Index scores [T, M * bs/kpool] fp32 of the pool slots the block table addresses, defined
     up to each query's last visible pool (-inf past it within the last tile, unwritten beyond):
     one program per (BP pools, query), all heads in one tl.dot."""
@@ -201,8 +201,8 @@ def _score_pools(q, head_weights, pool_cache, block_tables, query_seq, positions
     cache = latent_kernel_args(pool_cache, d, "fp8" if pool_format == "fp8" else "plain")
     indexer_score_kernel[(triton.cdiv(n_pools, bp), n_tok)](
         q, head_weights, pool_cache, cache["kv32"], block_tables, query_seq, positions, scores,
-        d ** -0.5, n_pools, block_tables.stride(0), HI=heads, D=d, PPB=ppb, KPOOL=kpool,
-        RB=cache["RB"], PFMT=cache["FMT"], BH=max(16, next_pow2(heads)),
+        d ** -0.5, float(head_scale), n_pools, block_tables.stride(0), HI=heads, D=d, PPB=ppb,
+        KPOOL=kpool, RB=cache["RB"], PFMT=cache["FMT"], BH=max(16, next_pow2(heads)),
         BD=max(16, next_pow2(d)), BP=bp, F32=INTERPRET or q.dtype == torch.float32)
     return scores
 
@@ -217,9 +217,11 @@ def indexer_topk(
     pool_budget: int,
     kpool: int,
     pool_format: str = "plain",
+    head_scale: float = 1.0,
 ) -> torch.Tensor:
-    """q: [T, Hi, d]; head_weights: [T, Hi]; pool_cache: [B, bs/kpool, d] (or fp8 rows of
-    rotated keys, `pool_format` "fp8"); block_tables: [N, M];
+    """q: [T, Hi, d]; head_weights: [T, Hi], times head_scale in the scoring kernel (no
+    launch of its own); pool_cache: [B, bs/kpool, d] (or fp8 rows of rotated keys,
+    `pool_format` "fp8"); block_tables: [N, M];
     query_seq, positions: [T]. Returns token positions [T, pool_budget*kpool + kpool-1] int64
     (-1 = unused): the top pools' tokens (in pool order, ties to the lower pool), then the
     open-pool tail. No host sync: scoring of every pool slot the block table can address, then
@@ -234,7 +236,7 @@ def indexer_topk(
     q, head_weights = q.contiguous(), head_weights.contiguous()
     assert pool_cache.is_contiguous()
     scores = _score_pools(q, head_weights, pool_cache, block_tables, query_seq, positions, kpool,
-                          pool_format)
+                          pool_format, head_scale)
     return select_pools(scores, positions, pool_budget, kpool)
 
 

@@ -54,9 +54,10 @@ class KPoolIndexer(nn.Module):
         """x: [T, D]; q_resid: [T, q_lora_rank]; the batch's pool keys already stored
         (`store`). Returns token positions [T, W] (-1 = unused)."""
         q = self.wq_b(q_resid).view(-1, self.n_heads, self.head_dim)
-        w = self.weights_proj(x) * self.n_heads**-0.5
-        return ops.indexer_topk(q, w, state.pool_keys, batch.block_tables, batch.query_seq,
-                                batch.positions, self.pool_budget, self.kpool, state.pool_format)
+        # the head weights' n_heads^-0.5 is applied where they are read (no launch of its own)
+        return ops.indexer_topk(q, self.weights_proj(x), state.pool_keys, batch.block_tables,
+                                batch.query_seq, batch.positions, self.pool_budget, self.kpool,
+                                state.pool_format, head_scale=self.n_heads**-0.5)
 
 
 class DSAttention(nn.Module):

@@ -114,13 +114,14 @@ def indexer_topk(
     pool_budget: int,
     kpool: int,
     pool_format: str = "plain",
+    head_scale: float = 1.0,
 ) -> torch.Tensor:
     """Select, per query token, the tokens its sparse attention reads ("fp8" pool keys are
     rotated fp8 rows: the queries are rotated alike).
 
-    q: [T, Hi, d]; head_weights: [T, Hi] (already scaled by Hi^-0.5); query_seq: [T] batch row
-    of each query; positions: [T]. Score of complete pool j for query t:
-    sum_h w_h * relu(q_h . K_j / sqrt(d)), over pools whose last token is visible
+    q: [T, Hi, d]; head_weights: [T, Hi], times head_scale (the model's Hi^-0.5) in fp32;
+    query_seq: [T] batch row of each query; positions: [T]. Score of complete pool j for query
+    t: sum_h w_h * relu(q_h . K_j / sqrt(d)), over pools whose last token is visible
     (kpool*j + kpool-1 <= t). Returns token positions [T, pool_budget*kpool + kpool-1]:
     the top `pool_budget` pools expanded to their kpool tokens, then the tokens of the open pool
     holding t (t+1 mod kpool of them), -1 padded.
@@ -140,7 +141,7 @@ def indexer_topk(
             keys = _gather_pools(pool_cache, block_tables[seq], n_pools)
             keys = unpack_fp8(keys, q.shape[-1]) if pool_format == "fp8" else keys.float()
             scores = torch.relu(torch.einsum("thd,pd->thp", q[rows].float(), keys) * scale)
-            index = torch.einsum("th,thp->tp", head_weights[rows].float(), scores)
+            index = torch.einsum("th,thp->tp", head_weights[rows].float() * head_scale, scores)
             visible = (torch.arange(n_pools) * kpool + kpool - 1).unsqueeze(0) <= pos.unsqueeze(1)
             index = index.masked_fill(~visible, float("-inf"))
             k = min(pool_budget, n_pools)

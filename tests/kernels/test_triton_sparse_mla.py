@@ -167,6 +167,36 @@ def test_indexer_topk_matches_ref():
         assert sorted(a.tolist()) == sorted(b.tolist())
 
 
+def test_indexer_head_scale_is_applied_where_the_weights_are_read():
+    """The model's n_heads^-0.5 on the head weights, folded into the scoring kernel (no
+    launch of its own), rounds as the multiply it replaces: the visible pools' scores equal
+    those of pre-scaled weights bit for bit (and are not the unscaled ones); the reference
+    takes it the same way."""
+    from glm53.kernels import sparse_mla
+
+    g = torch.Generator().manual_seed(12)
+    hi, d, kpool, bs, budget, c = 5, 16, 4, 8, 2, 5**-0.5
+    lens = [42, 17]
+    table = _tables(lens, bs, 12, g)
+    pools = torch.randn(12, bs // kpool, d, generator=g)
+    query_seq, pos = torch.tensor([0, 0, 1]), torch.tensor([41, 20, 16])
+    q = torch.randn(3, hi, d, generator=g)
+    w = torch.randn(3, hi, generator=g)
+    args = [x.to(DEVICE) for x in (q, w, pools, table, query_seq, pos)]
+
+    def scores(weights, scale):
+        out = sparse_mla._score_pools(args[0], weights, *args[2:], kpool, "plain", scale).cpu()
+        visible = torch.arange(out.shape[1]) * kpool + kpool - 1 <= pos.unsqueeze(1)
+        return out[visible]
+
+    folded = scores(args[1], c)
+    assert torch.equal(folded, scores((w * c).to(DEVICE), 1.0))
+    assert not torch.equal(folded, scores(args[1], 1.0))
+    assert torch.equal(ref.indexer_topk(q, w, pools, table, query_seq, pos, budget, kpool,
+                                        head_scale=c),
+                       ref.indexer_topk(q, w * c, pools, table, query_seq, pos, budget, kpool))
+
+
 def _selection(query_seq, lens, width, gen):
     """token_indices [T, width]: distinct random positions of each query's sequence, -1 padded
     at random slots (a selection may be shorter than the width)."""
