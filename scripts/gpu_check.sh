@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU validation run of the kernels issue, on one bare GPU machine from the repo root:
-#   bash scripts/gpu_check.sh tests|kernels|mhc|slice|experts|moe|int4|int4one|gemv|int4dot|kv|rank0|pdl|serving|adaptive [COMMIT]
+#   bash scripts/gpu_check.sh tests|kernels|mhc|slice|experts|moe|int4|int4one|gemv|int4dot|kv|rank0|pdl|graphs|serving|adaptive [COMMIT]
 #   bash scripts/gpu_check.sh STAGE=SECONDS,STAGE=SECONDS,... [COMMIT]   (stages in turn, each
 #        under its own time limit, so that one device call runs a session's plan and a stage
 #        that overruns still leaves the later ones their time)
@@ -36,6 +36,9 @@
 # pdl:     programmatic dependent launch (kernels/utils.py: pdl) checked with GLM53_PDL=1: the
 #          gpu tests of the kernels that use it, then the rank-0 replay (24 layers, batch 1 and
 #          64) captured with it and without (rank0.py --graph-only --compare-pdl)
+# graphs:  the graph engine's equality tests (tests/actors/test_gpu_cuda_graphs.py, after the
+#          kernel tests in one process, as the run that saw one fail) GRAPHS_REPEAT (4) times
+#          with GLM53_PDL=1 and as many without: a count of failures each way
 # serving: benchmarks/vision.py, prefix_cache.py --slice (10-turn chat) and adaptive.py --slice
 # adaptive: adaptive.py --slice alone (ADAPTIVE_ARGS passed on)
 # Results go to $OUT (the device tool's return folder) or ./gpu_out.
@@ -152,6 +155,17 @@ case $stage in
       --decode 1x8192,64x8192 --graph-only --compare-pdl --commit "$commit" \
       --json "$out/rank0_l24_${dev}_int4_pdl_$commit.json" 2>&1 | grep "^{'phase'" \
       | cut -c1-300 ;;
+  graphs)
+    for pdl in 1 0; do
+      failed=0
+      for i in $(seq "${GRAPHS_REPEAT:-4}"); do
+        GLM53_PDL=$pdl python -m pytest -m gpu -q -p no:cacheprovider \
+          tests/kernels/test_gpu_kernels.py tests/actors/test_gpu_cuda_graphs.py \
+          > "$out/graphs_pdl${pdl}_$i.log" 2>&1 || failed=$((failed + 1))
+        grep -E "^FAILED|passed|failed" "$out/graphs_pdl${pdl}_$i.log" | tail -n 4
+      done
+      echo "GLM53_PDL=$pdl: $failed of ${GRAPHS_REPEAT:-4} runs failed"
+    done ;;
   serving)
     python benchmarks/vision.py --commit "$commit" --json "$out/vision_$commit.json" 2>&1 \
       | tail -n 8
