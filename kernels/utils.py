@@ -19,9 +19,10 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 # programmatic dependent launch (`pdl`): on with GLM53_PDL=1. On an H100 its gpu tests pass
 # and the 24-layer rank-0 replay took 4.45 ms against 4.56 without at batch 1 (45.95 / 46.07
-# at 64: rank0_l24_h100_int4_pdl_da29b95.json), but with it on, the overlapped engine's
-# fp32 greedy tokens once differed from the eager engine's (test_gpu_cuda_graphs.py, adaptive
-# widths: 1 run in 6 at 1346cd0, unexplained): off by default until that is understood
+# at 64: rank0_l24_h100_int4_pdl_da29b95.json), but with it on, an equality test of the
+# overlapped graph engine against the eager one (test_gpu_cuda_graphs.py, adaptive widths)
+# failed in 1 run of 6 at 1346cd0, its failing assert not captured: off by default until
+# `scripts/gpu_check.sh graphs` says whether PDL is the cause
 PDL = os.environ.get("GLM53_PDL", "0") == "1"
 
 

@@ -162,7 +162,7 @@ case $stage in
         GLM53_PDL=$pdl python -m pytest -m gpu -q -p no:cacheprovider \
           tests/kernels/test_gpu_kernels.py tests/actors/test_gpu_cuda_graphs.py \
           > "$out/graphs_pdl${pdl}_$i.log" 2>&1 || failed=$((failed + 1))
-        grep -E "^FAILED|passed|failed" "$out/graphs_pdl${pdl}_$i.log" | tail -n 4
+        grep -E "^E |^FAILED|passed|failed" "$out/graphs_pdl${pdl}_$i.log" | tail -n 12
       done
       echo "GLM53_PDL=$pdl: $failed of ${GRAPHS_REPEAT:-4} runs failed"
     done ;;
