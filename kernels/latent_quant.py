@@ -196,16 +196,15 @@ def store_latent_kernel(rows, kv, kv32, slot_mapping, outer, stride_r, dcp_rank,
         slot = tl.where(off % DCP == dcp_rank, slot // (LBS * DCP) * LBS + off // DCP, 0)
     o_c = tl.arange(0, BC)
     m_c = o_c < C
+    b_r = tl.load(rows + i_t * stride_r + o_c, mask=m_c, other=0.0)
     if FMT == 0:
-        b_r = tl.load(rows + i_t * stride_r + o_c, mask=m_c, other=0.0)
         tl.store(kv + slot * C + o_c, b_r.to(kv.dtype.element_ty), mask=m_c)
     elif FMT == 1:
-        b_x = tl.load(rows + i_t * stride_r + o_c, mask=m_c, other=0.0).to(tl.float32)
-        _store_fp8(b_x, m_c, kv + slot * RB, kv32 + slot * (RB // 4), C, BC, TILE)
+        _store_fp8(b_r.to(tl.float32), m_c, kv + slot * RB, kv32 + slot * (RB // 4), C, BC,
+                   TILE)
     else:
-        b_x = tl.load(rows + i_t * stride_r + o_c, mask=m_c, other=0.0).to(tl.float32)
-        _store_nvfp4(b_x, m_c, kv + slot * RB, kv32 + slot * (RB // 4), outer, C, RB, OUTER,
-                     BC, BZ)
+        _store_nvfp4(b_r.to(tl.float32), m_c, kv + slot * RB, kv32 + slot * (RB // 4), outer,
+                     C, RB, OUTER, BC, BZ)
 
 
 def store_latent(latent: torch.Tensor, cache: torch.Tensor, slot_mapping: torch.Tensor,
@@ -226,9 +225,9 @@ def store_latent(latent: torch.Tensor, cache: torch.Tensor, slot_mapping: torch.
     bc = next_pow2(lc)
     outer_at = nvfp4_outer_offset(lc)
     store_latent_kernel[(n_tok,)](
-        latent, cache, cache if plain else cache.view(torch.float32), slot_mapping, float(outer_scale),
-        latent.stride(0), dcp_rank, LBS=cache.shape[1], DCP=dcp_size, C=lc, RB=rb,
-        OUTER=outer_at, FMT=FORMAT_IDS[latent_format], BC=bc, TILE=min(FP8_TILE, bc),
+        latent, cache, cache if plain else cache.view(torch.float32), slot_mapping,
+        float(outer_scale), latent.stride(0), dcp_rank, LBS=cache.shape[1], DCP=dcp_size, C=lc,
+        RB=rb, OUTER=outer_at, FMT=FORMAT_IDS[latent_format], BC=bc, TILE=min(FP8_TILE, bc),
         BZ=next_pow2(rb - lc // 2 - lc // NVFP4_GROUP))
 
 

@@ -184,6 +184,16 @@ def hc_pre_kernel(streams, mix_part, ss_part, base, scale, norm_w, post, comb, c
                 tl.store(normed + i_t * D + d0 + o_d, b_y.to(normed.dtype.element_ty), mask=m_d)
 
 
+def _mix_tile(n_tok: int) -> tuple[int, int, int]:
+    """(tokens, columns, steps) of a mixing-pass program at n_tok tokens: one token a program
+    below MIX_DOT_MIN_TOKENS, the decode batch's tl.dot tile, MIX_LARGE for prefill chunks."""
+    if n_tok < MIX_DOT_MIN_TOKENS:
+        return 1, MIX_COLUMNS, 1
+    if n_tok < MIX_LARGE_MIN_TOKENS:
+        return MIX_TOKENS, MIX_COLUMNS, MIX_STEPS
+    return MIX_LARGE
+
+
 def hc_pre(
     streams: torch.Tensor,
     fn: torch.Tensor,
@@ -203,8 +213,7 @@ def hc_pre(
     n_tok, n, d = streams.shape
     assert n == next_pow2(n) and streams.is_contiguous()
     m, nd = (2 + n) * n, n * d
-    bt, bc, steps = (1, MIX_COLUMNS, 1) if n_tok < MIX_DOT_MIN_TOKENS else (
-        (MIX_TOKENS, MIX_COLUMNS, MIX_STEPS) if n_tok < MIX_LARGE_MIN_TOKENS else MIX_LARGE)
+    bt, bc, steps = _mix_tile(n_tok)
     # tl.dot's operands are at least 16 wide
     bm = next_pow2(m) if bt == 1 else max(16, next_pow2(m))
     split = triton.cdiv(nd, bc * steps)
@@ -214,7 +223,8 @@ def hc_pre(
     on = pdl_early(streams.device, (fn, fn32))
     if n_tok:
         hc_mix_kernel[(split, triton.cdiv(n_tok, bt))](
-            streams, fn32, mix_part, ss_part, n_tok, nd, split, M=m, BM=bm, BC=bc, BT=bt, STEPS=steps, PRECISION=MIX_PRECISION, PDL=on, launch_pdl=on)
+            streams, fn32, mix_part, ss_part, n_tok, nd, split, M=m, BM=bm, BC=bc, BT=bt,
+            STEPS=steps, PRECISION=MIX_PRECISION, PDL=on, launch_pdl=on)
     return _gates(streams, mix_part, ss_part, base, scale, rms_eps, hc_eps, sinkhorn_iters,
                   norm_weight, norm_eps)
 

@@ -119,12 +119,17 @@ def widest_loads(ptx: str) -> dict[str, int]:
     return widest
 
 
-def _resources(cubin: bytes) -> dict[str, int]:
+def _cuobjdump(cubin: bytes, option: str) -> str:
+    """cuobjdump's text for a cubin (`option`: -res-usage, -sass)."""
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
         f.flush()
-        text = subprocess.run([CUOBJDUMP, "-res-usage", f.name], capture_output=True, text=True,
+        return subprocess.run([CUOBJDUMP, option, f.name], capture_output=True, text=True,
                               check=True).stdout
+
+
+def _resources(cubin: bytes) -> dict[str, int]:
+    text = _cuobjdump(cubin, "-res-usage")
     return {k: int(v) for k, v in re.findall(r"\b(REG|STACK|LOCAL):(\d+)", text)}
 
 
@@ -171,12 +176,7 @@ class _Recorder:
         stem = self.dump / re.sub(r"\W+", "_", f"sm_{self.arch}_{self.case}_{kernel}")
         stem.with_suffix(".ttgir").write_text(asm["ttgir"])
         stem.with_suffix(".ptx").write_text(asm["ptx"])
-        with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-            f.write(asm["cubin"])
-            f.flush()
-            sass = subprocess.run([CUOBJDUMP, "-sass", f.name], capture_output=True, text=True,
-                                  check=True).stdout
-        stem.with_suffix(".sass").write_text(sass)
+        stem.with_suffix(".sass").write_text(_cuobjdump(asm["cubin"], "-sass"))
 
     def __exit__(self, *exc) -> None:
         from glm53.kernels.utils import device_capability

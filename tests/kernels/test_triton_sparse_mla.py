@@ -170,8 +170,9 @@ def test_indexer_topk_matches_ref():
 def test_indexer_head_scale_is_applied_where_the_weights_are_read():
     """The model's n_heads^-0.5 on the head weights, folded into the scoring kernel (no
     launch of its own), rounds as the multiply it replaces: the visible pools' scores equal
-    those of pre-scaled weights bit for bit (and are not the unscaled ones); the reference
-    takes it the same way."""
+    those of pre-scaled weights bit for bit (and are not the unscaled ones). The reference
+    applies it too: a positive scale keeps every ranking, so a negative one (which reverses
+    it) shows it does."""
     from glm53.kernels import sparse_mla
 
     g = torch.Generator().manual_seed(12)
@@ -192,9 +193,12 @@ def test_indexer_head_scale_is_applied_where_the_weights_are_read():
     folded = scores(args[1], c)
     assert torch.equal(folded, scores((w * c).to(DEVICE), 1.0))
     assert not torch.equal(folded, scores(args[1], 1.0))
-    assert torch.equal(ref.indexer_topk(q, w, pools, table, query_seq, pos, budget, kpool,
-                                        head_scale=c),
-                       ref.indexer_topk(q, w * c, pools, table, query_seq, pos, budget, kpool))
+    reversed_ = ref.indexer_topk(q, w, pools, table, query_seq, pos, budget, kpool,
+                                 head_scale=-c)
+    assert torch.equal(reversed_, ref.indexer_topk(q, w * -c, pools, table, query_seq, pos,
+                                                   budget, kpool))
+    assert not torch.equal(reversed_, ref.indexer_topk(q, w, pools, table, query_seq, pos,
+                                                       budget, kpool))
 
 
 def _selection(query_seq, lens, width, gen):
