@@ -158,9 +158,16 @@ class ChoiceState:
 DONE = "data: [DONE]\n\n"
 
 
+# Characters Python's str.splitlines (and so httpx's aiter_lines, requests' iter_lines) takes
+# for line ends that json.dumps(ensure_ascii=False) leaves raw: a sampled token holding one would
+# cut its event in two for those clients. JSON's \uXXXX escape keeps the text and the one line.
+_LINE_BREAKS_KEPT_RAW = str.maketrans({c: f"\\u{ord(c):04x}" for c in "\x85\u2028\u2029"})
+
+
 def sse(obj: dict[str, Any]) -> str:
-    """One server-sent event (compact JSON on one line)."""
-    return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
+    """One server-sent event: compact JSON on one line for every line splitter."""
+    text = json.dumps(obj, ensure_ascii=False, separators=(',', ':'))
+    return f"data: {text.translate(_LINE_BREAKS_KEPT_RAW)}\n\n"
 
 
 # ----- chat -----
