@@ -3,8 +3,9 @@
 A step is *uniform* when every sequence brings the same number of query tokens w (w = 1 for
 plain decode, 1 + k when every sequence verifies k drafts). Such a step is padded to the next
 captured batch size b (a bucket) and copied into static device buffers that every graph reads
-(one flat int64 buffer and one bool buffer, so a step costs one or two host-to-device copies);
-the graph of (b, w) is replayed, and the caller samples eagerly from the first rows.
+(one buffer of bytes, so a step costs one host-to-device copy; tokens still in flight are
+filled in by the graph from the last step's samples on the device); the graph of (b, w) is
+replayed, and the caller samples eagerly from the first rows.
 
 Padding never touches real state: a padded sequence starts at position 0 in the caches' extra
 state slot `pad_slot` (KDA state, short-conv window and indexer ring; no request owns it), its
@@ -130,66 +131,103 @@ class _Graph:
 
 
 class StaticInputs:
-    """The device buffers every graph reads, with two host mirrors (pinned on CUDA), and the
-    persistent block tables.
+    """The device buffers every graph reads, with two host mirrors (pinned on CUDA), the last
+    step's samples, and the persistent block tables.
 
-    int64 buffer: token_ids, positions, query_seq, slot_mapping [T_max] each, cu_seqlens
-    [N_max + 1], state_ids [N_max]. bool buffer: has_initial_state, defer_state [N_max] each.
+    A step of b sequences of w tokens (t = b w rows) is one copy of the first `layout(b,
+    w).nbytes` bytes of `dev`: int64 token_ids, positions, query_seq, slot_mapping,
+    fill_source [t] each, cu_seqlens [b + 1], state_ids [b], the block-table delta's slots,
+    columns and blocks [u] each (u = TABLE_UPDATES_PER_SEQ b); then bool has_initial_state,
+    defer_state [b] each and fill [t]. Each (b, w) has its own packed layout, which its
+    graphs read, so a batch-1 step copies ~100 bytes whatever the largest graph.
+    `samples` [max_samples] int64: the samples of the step before, which the runner's sampler
+    writes (`samples_out`). The graph's first nodes (`prologue`) make row i's token
+    samples[fill_source[i]] where fill[i] (a placeholder: overlapped scheduling) and set the
+    delta's table entries, so a decode step needs no copy or index kernel of its own besides.
     `tables` [pad_slot + 1, max_blocks] int64: row s is the block table of the request in state
-    slot s (the pad slot's row stays all null block 0); a step sends only its changes
-    (`update_tables`), not the 1.6 MB of 64 sequences x 202K context.
+    slot s (the pad slot's row stays all null block 0); a step sends only its changes, not the
+    1.6 MB of 64 sequences x 202K context: in the graph when they fit (`delta_in_graph`),
+    else by `update_tables` before it.
     """
 
+    # block-table entries a graphed step carries per sequence: a decode or verify step of w
+    # <= block size tokens crosses at most one block boundary, MTP's lookahead one more
+    TABLE_UPDATES_PER_SEQ = 2
+
     def __init__(self, max_seqs: int, max_width: int, max_blocks: int, block_size: int,
-                 pad_slot: int, device: torch.device) -> None:
+                 pad_slot: int, device: torch.device, max_samples: int | None = None) -> None:
         self.max_seqs, self.max_blocks = max_seqs, max_blocks
         self.block_size, self.pad_slot, self.device = block_size, pad_slot, device
-        t, n = max_seqs * max_width, max_seqs
-        sizes = dict(token_ids=t, positions=t, query_seq=t, slot_mapping=t, cu_seqlens=n + 1,
-                     state_ids=n)
         pin = device.type == "cuda"
-        total = sum(sizes.values())
+        self.layouts: dict[tuple[int, int], StepLayout] = {}
+        nbytes = self.layout(max_seqs, max_width).nbytes
         # two host mirrors, used in turn: a step is loaded while the one before it may still
         # be copying from its mirror (overlapped execution keeps at most two steps in flight)
-        self.mirrors = [(torch.zeros(total, dtype=torch.int64, pin_memory=pin),
-                         torch.zeros(2, n, dtype=torch.bool, pin_memory=pin)) for _ in range(2)]
-        self.dev = torch.zeros(total, dtype=torch.int64, device=device)
+        self.mirrors = [torch.zeros(nbytes, dtype=torch.uint8, pin_memory=pin)
+                        for _ in range(2)]
+        self.dev = torch.zeros(nbytes, dtype=torch.uint8, device=device)
         # what acceptance decided, for the graph after a verify step: kept rows and the token
         # emitted at the last of them [2, N_max] (two host mirrors too)
-        self.accept_mirrors = [torch.zeros(2, n, dtype=torch.int64, pin_memory=pin)
+        self.accept_mirrors = [torch.zeros(2, max_seqs, dtype=torch.int64, pin_memory=pin)
                                for _ in range(2)]
-        self.accept_dev = torch.ones(2, n, dtype=torch.int64, device=device)
-        self.dev_flags = torch.zeros(2, n, dtype=torch.bool, device=device)
+        self.accept_dev = torch.ones(2, max_seqs, dtype=torch.int64, device=device)
+        self.samples = torch.zeros(max_samples or max_seqs * max_width, dtype=torch.int64,
+                                   device=device)
         self.tables = torch.zeros(pad_slot + 1, max_blocks, dtype=torch.int64, device=device)
         self.turn = 0
-        self.offsets: dict[str, int] = {}
-        start = 0
-        for name, size in sizes.items():
-            self.offsets[name] = start
-            start += size
 
-    def _host(self, host: torch.Tensor, name: str, size: int) -> np.ndarray:
-        return host.numpy()[self.offsets[name]:self.offsets[name] + size]
+    def layout(self, b: int, w: int) -> StepLayout:
+        """The packed layout of a step of b sequences of w tokens (made once per (b, w))."""
+        if (b, w) not in self.layouts:
+            t, u = b * w, self.TABLE_UPDATES_PER_SEQ * b
+            self.layouts[b, w] = StepLayout.of(
+                dict(token_ids=t, positions=t, query_seq=t, slot_mapping=t, fill_source=t,
+                     cu_seqlens=b + 1, state_ids=b, table_slots=u, table_cols=u,
+                     table_blocks=u),
+                dict(has_initial_state=b, defer_state=b, fill=t))
+        return self.layouts[b, w]
 
-    def _dev(self, name: str, size: int) -> torch.Tensor:
-        return self.dev[self.offsets[name]:self.offsets[name] + size]
+    def _fields(self, buffer: torch.Tensor, b: int, w: int) -> dict[str, torch.Tensor]:
+        return self.layout(b, w).views(buffer)
 
     def views(self, b: int, w: int, m: int | None = None) -> tuple[torch.Tensor, ForwardBatch]:
         """(token ids [b*w], ForwardBatch of b sequences of w tokens) over the buffers; the
         block tables, m blocks wide (default max_blocks), are gathered from `tables` by state
         slot (a node of the graph)."""
-        t = b * w
-        state_ids = self._dev("state_ids", b)
-        return self._dev("token_ids", t), ForwardBatch(
-            positions=self._dev("positions", t),
-            query_seq=self._dev("query_seq", t),
-            cu_seqlens=self._dev("cu_seqlens", b + 1),
-            state_ids=state_ids,
-            has_initial_state=self.dev_flags[0, :b],
-            block_tables=self.tables[:, :m].index_select(0, state_ids),
-            slot_mapping=self._dev("slot_mapping", t),
-            defer_state=self.dev_flags[1, :b] if w > 1 else None,
+        f = self._fields(self.dev, b, w)
+        return f["token_ids"], ForwardBatch(
+            positions=f["positions"],
+            query_seq=f["query_seq"],
+            cu_seqlens=f["cu_seqlens"],
+            state_ids=f["state_ids"],
+            has_initial_state=f["has_initial_state"],
+            block_tables=self.tables[:, :m].index_select(0, f["state_ids"]),
+            slot_mapping=f["slot_mapping"],
+            defer_state=f["defer_state"] if w > 1 else None,
         )
+
+    def prologue(self, b: int, w: int) -> None:
+        """What a graph of (b, w) runs first: placeholder tokens take their samples (a gather
+        and a select) and the step's block-table entries are set (padding entries write the
+        pad slot's null block 0 again): three kernels."""
+        f = self._fields(self.dev, b, w)
+        ids = f["token_ids"]
+        torch.where(f["fill"], self.samples[f["fill_source"]], ids, out=ids)
+        self.tables[f["table_slots"], f["table_cols"]] = f["table_blocks"]
+
+    def samples_out(self, n: int) -> torch.Tensor:
+        """Where a step's n samples go ([n] int64, `Sampler(out=)`), for the next step's
+        placeholders to read."""
+        if n > self.samples.shape[0]:
+            raise ValueError(f"{n} samples in a step, but room for {self.samples.shape[0]}")
+        return self.samples[:n]
+
+    def delta_in_graph(self, step: StepInput, b: int) -> bool:
+        """Whether the graph of a b-sequence bucket applies `step`'s block-table delta (no row
+        resets, at most TABLE_UPDATES_PER_SEQ b entries); else `update_tables` must."""
+        updates = step.block_table_updates
+        return (updates is not None and not len(step.block_table_resets)
+                and len(updates) <= self.TABLE_UPDATES_PER_SEQ * b)
 
     def accepted(self, b: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(kept rows [b], token emitted at the last kept row [b]) of the last verify step."""
@@ -233,39 +271,73 @@ class StaticInputs:
         slots, cols, blocks = packed[r:].view(3, -1)
         self.tables[slots, cols] = blocks
 
-    def load(self, step: StepInput | None, b: int, w: int,
-             fill: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+    def load(self, step: StepInput | None, b: int, w: int) -> None:
         """Copy `step` (n <= b sequences of w tokens; None = all padding) into the buffers,
-        padded to b sequences that start at position 0 in the pad slot over the null block;
-        `fill` (device token rows, ids) then overwrites the step's placeholder tokens."""
+        padded to b sequences that start at position 0 in the pad slot over the null block,
+        with its placeholders and, if `delta_in_graph`, its block-table delta (`prologue`
+        applies both): one copy."""
         n = 0 if step is None else len(step.state_ids)
-        t, real = b * w, n * w
-        host, host_flags = self.mirrors[self.turn]
+        real = n * w
+        host = self.mirrors[self.turn]
         self.turn ^= 1
-        flags = host_flags.numpy()
+        f = {name: v.numpy() for name, v in self._fields(host, b, w).items()}
         pad_pos = np.tile(np.arange(w, dtype=np.int64), b - n)
-        token_ids, positions = self._host(host, "token_ids", t), self._host(host, "positions", t)
-        slots = self._host(host, "slot_mapping", t)
-        cu, state_ids = self._host(host, "cu_seqlens", b + 1), self._host(host, "state_ids", b)
-        token_ids[real:] = 0
-        positions[real:] = pad_pos
-        slots[real:] = pad_pos % self.block_size  # block 0: the null block
-        state_ids[n:] = self.pad_slot
-        self._host(host, "query_seq", t)[:] = np.repeat(np.arange(b), w)
-        cu[:] = np.arange(b + 1) * w
-        flags[:, :b] = False
+        f["token_ids"][real:] = 0
+        f["positions"][real:] = pad_pos
+        f["slot_mapping"][real:] = pad_pos % self.block_size  # block 0: the null block
+        f["state_ids"][n:] = self.pad_slot
+        f["query_seq"][:] = np.repeat(np.arange(b), w)
+        f["cu_seqlens"][:] = np.arange(b + 1) * w
+        f["has_initial_state"][:], f["defer_state"][:] = False, False
+        f["fill"][:], f["fill_source"][:] = False, 0
+        f["table_slots"][:], f["table_cols"][:], f["table_blocks"][:] = self.pad_slot, 0, 0
         if n:
-            token_ids[:real] = step.token_ids
-            positions[:real] = step.positions
-            slots[:real] = step.slot_mapping
-            state_ids[:n] = step.state_ids
-            flags[0, :n] = step.positions[step.cu_seqlens[:-1]] > 0
+            f["token_ids"][:real] = step.token_ids
+            f["positions"][:real] = step.positions
+            f["slot_mapping"][:real] = step.slot_mapping
+            f["state_ids"][:n] = step.state_ids
+            f["has_initial_state"][:n] = step.positions[step.cu_seqlens[:-1]] > 0
             if step.num_drafts is not None:
-                flags[1, :n] = step.num_drafts > 0
-        self.dev.copy_(host, non_blocking=True)
-        self.dev_flags.copy_(host_flags, non_blocking=True)
-        if fill is not None:  # stream-ordered after the copy
-            self._dev("token_ids", t)[fill[0]] = fill[1]
+                f["defer_state"][:n] = step.num_drafts > 0
+            if step.placeholder_rows is not None:
+                f["fill"][step.placeholder_rows] = True
+                f["fill_source"][step.placeholder_rows] = step.placeholder_sources
+            if self.delta_in_graph(step, b):
+                k = len(step.block_table_updates)
+                f["table_slots"][:k], f["table_cols"][:k], f["table_blocks"][:k] = \
+                    step.block_table_updates.T
+        nbytes = self.layout(b, w).nbytes
+        self.dev[:nbytes].copy_(host[:nbytes], non_blocking=True)
+
+
+@dataclass(frozen=True)
+class StepLayout:
+    """Where each field of a step's inputs lies in a buffer of bytes: int64 fields first (8-byte
+    aligned), then bool ones; `nbytes` in all."""
+    int64: dict[str, tuple[int, int]]  # name -> (first element, size) in int64 elements
+    bool_start: int  # byte offset of the bool fields
+    bools: dict[str, tuple[int, int]]  # name -> (first byte after bool_start, size)
+    nbytes: int
+
+    @staticmethod
+    def of(int64_sizes: dict[str, int], bool_sizes: dict[str, int]) -> StepLayout:
+        def offsets(sizes: dict[str, int]) -> tuple[dict[str, tuple[int, int]], int]:
+            out, start = {}, 0
+            for name, size in sizes.items():
+                out[name] = (start, size)
+                start += size
+            return out, start
+
+        int64, n_int = offsets(int64_sizes)
+        bools, n_bool = offsets(bool_sizes)
+        return StepLayout(int64, 8 * n_int, bools, 8 * n_int + n_bool)
+
+    def views(self, buffer: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Each field as a tensor view of `buffer` (uint8, at least nbytes)."""
+        ints = buffer[:self.bool_start].view(torch.int64)
+        flags = buffer[self.bool_start:self.nbytes].view(torch.bool)
+        return {**{k: ints[a:a + n] for k, (a, n) in self.int64.items()},
+                **{k: flags[a:a + n] for k, (a, n) in self.bools.items()}}
 
 
 # drafter(hidden [b*w, D], token_ids [b*w], batch, kept [b], emitted [b], passes) -> drafts
@@ -297,7 +369,8 @@ class DecodeGraphs:
                  tap_layers: tuple[int, ...] = (), capture: bool = True,
                  drafter: Drafter | None = None, draft_passes: int = 0,
                  table_widths: tuple[int, ...] | None = None,
-                 max_tokens: int = DEFAULT_MAX_GRAPH_TOKENS) -> None:
+                 max_tokens: int = DEFAULT_MAX_GRAPH_TOKENS,
+                 max_samples: int | None = None) -> None:
         if (drafter is None) != (draft_passes == 0):
             raise ValueError("a drafter needs draft_passes >= 1, and passes need a drafter")
         if max_tokens < 1:
@@ -316,7 +389,7 @@ class DecodeGraphs:
                              f"({max_blocks})")
         device = model.embed_tokens.weight.device
         self.static = StaticInputs(max(batch_sizes), max(widths), max_blocks, caches.block_size,
-                                   pad_slot, device)
+                                   pad_slot, device, max_samples)
         self.kda = {i: layer.self_attn for i, layer in enumerate(model.layers) if layer.is_kda}
         self.outputs = GraphOutputs.allocate(
             model.config, rows, n_taps=len(tap_layers),
@@ -347,11 +420,11 @@ class DecodeGraphs:
                         next(t for t in self.table_widths if t >= m))
 
     def run(self, step: StepInput, key: GraphKey,
-            fill: tuple[torch.Tensor, torch.Tensor] | None = None,
             ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
-        """`fill`: (device token rows, ids) of the step's placeholder tokens."""
+        """The step's placeholder tokens are read from `static.samples` (the step before's
+        samples: `StaticInputs.keep_samples`)."""
         b, w, m = key
-        self.static.load(step, b, w, fill)
+        self.static.load(step, b, w)
         self.num_replays += 1
         if not self.graphs:  # emulation: the same padded forward, eagerly
             g = self._forward(b, w, m)
@@ -423,6 +496,7 @@ class DecodeGraphs:
         """The padded forward of (b, w) over tables m blocks wide into the shared outputs: the
         KDA replay (w > 1) and the logits are written there by their producers, hidden and
         taps by one copy each."""
+        self.static.prologue(b, w)
         ids, batch = self.static.views(b, w, m)
         out = self.model(ids, batch, self.graph_caches, self.tap_layers)
         hidden, taps = out if self.tap_layers else (out, None)

@@ -236,7 +236,9 @@ class ModelRunner:
                             draft_passes=self.num_spec if greedy_mtp else 0,
                             table_widths=table_buckets(max_blocks, self.plan.block_size,
                                                        self.graph_context_sizes),
-                            max_tokens=self.graph_max_tokens)
+                            max_tokens=self.graph_max_tokens,
+                            # a step samples at most 1 + num_spec rows a sequence
+                            max_samples=self.plan.num_slots * (1 + self.num_spec))
 
     def _free_memory_budget(self, utilization: float) -> int:
         if self.device.type != "cuda":
@@ -271,25 +273,31 @@ class ModelRunner:
         n_sample = len(step.sample_rows)
         rows = logits_row_index(np.concatenate([step.sample_rows, step.prompt_logprob_rows]),
                                 self.device)
-        fill = self._placeholder_fill(step)
+        if step.placeholder_rows is not None and self.last_sampled is None:
+            raise RuntimeError(f"step {step.step_id} has placeholders, but the step before it "
+                               f"left no samples on the device (none ran, or it speculated)")
         key = None
         if self.graphs is not None:
-            self.graphs.static.update_tables(step)  # eager steps too: the rows stay current
             # a chunk of image placeholders is never a decode step, whatever its width
             key = None if step.images else self.graphs.bucket(step)
-        if key is not None:
-            hidden, taps, all_logits = self.graphs.run(step, key, fill)
+            # eager steps too: the rows stay current (a graph sets a small delta itself)
+            if key is None or not self.graphs.static.delta_in_graph(step, key.batch):
+                self.graphs.static.update_tables(step)
+        if key is not None:  # the graph fills placeholders from graphs.static.samples
+            hidden, taps, all_logits = self.graphs.run(step, key)
             logits = all_logits[rows]
         else:
-            hidden, taps = self._forward(step, self._batch(step), fill)
+            hidden, taps = self._forward(step, self._batch(step), self._placeholder_fill(step))
             logits = self.model.compute_logits(hidden[rows])
+        # with graphs the samples land where the next graph's placeholders read them
+        out = None if self.graphs is None else self.graphs.static.samples_out(n_sample)
         draft_probs = self._draft_probs(step)
         if draft_probs is None:
-            sampled, logprobs = self.sampler(logits[:n_sample], step.sampling)
+            sampled, logprobs = self.sampler(logits[:n_sample], step.sampling, out=out)
             probs = None
         else:
             sampled, logprobs, probs = self.sampler(logits[:n_sample], step.sampling,
-                                                    with_probs=True)
+                                                    with_probs=True, out=out)
         # read before the next step's forward overwrites the graph's logits
         prompt_logprobs = self._prompt_logprobs(step, logits[n_sample:])
         # a speculative step's samples stay usable as placeholders too: a sequence that
@@ -385,12 +393,10 @@ class ModelRunner:
                                         step.num_drafts)
 
     def _placeholder_fill(self, step: StepInput) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """(token rows, their ids from the last step's samples), on the device, or None."""
+        """(token rows, their ids from the last step's samples), on the device, or None: an
+        eager step's placeholders (a graph fills its own)."""
         if step.placeholder_rows is None:
             return None
-        if self.last_sampled is None:
-            raise RuntimeError(f"step {step.step_id} has placeholders, but the step before it "
-                               f"left no samples on the device (none ran, or it speculated)")
         sources = to_device(step.placeholder_sources, self.device)
         rows = to_device(step.placeholder_rows, self.device)
         return rows, self.last_sampled[sources]

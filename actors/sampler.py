@@ -112,12 +112,14 @@ class Sampler:
     """Samples one token per logits row; stateless, so one instance serves every step."""
 
     def __call__(
-        self, logits: torch.Tensor, inputs: SamplingInputs, with_probs: bool = False
+        self, logits: torch.Tensor, inputs: SamplingInputs, with_probs: bool = False,
+        out: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, Logprobs | None] | tuple[torch.Tensor, Logprobs | None,
                                                       torch.Tensor]:
         """logits [R, V] -> ([R] int64 ids on logits' device, Logprobs or None), plus with
         `with_probs` the distribution each row was drawn from ([R, V]; one-hot for greedy
-        rows), which speculative rejection sampling needs.
+        rows), which speculative rejection sampling needs. `out` ([R] int64): the ids are
+        written there (greedy: by the argmax itself) and it is what is returned.
 
         Penalties run only if a row uses them, temperature/truncation and noise only if a row
         is not greedy. Logprobs (numpy) come only if a row asks (num_logprobs >= 0), from
@@ -147,13 +149,16 @@ class Sampler:
             logits = ops.apply_penalties(logits, presence, frequency, repetition, prompt_ids,
                                          prompt_offsets, output_ids, output_offsets)
         if np.all(s.temperature == 0):
-            processed, ids = logits, logits.argmax(dim=-1)
+            processed = logits
+            ids = logits.argmax(dim=-1) if out is None else torch.argmax(logits, -1, out=out)
         else:
             temperature, top_p, min_p = _device([s.temperature, s.top_p, s.min_p], np.float32,
                                                 device)
             top_k, seeds, positions = _device([s.top_k, s.seeds, s.positions], np.int64, device)
             processed = ops.process_logits(logits, temperature, top_k, top_p, min_p)
             ids = ops.sample(processed, temperature, seeds, positions)
+            if out is not None:
+                ids = out.copy_(ids)
         logprobs = None
         if np.any(s.num_logprobs >= 0):
             logprobs = gather_logprobs(torch.log_softmax(processed, dim=-1), ids,

@@ -42,7 +42,7 @@ from glm53.actors.model_runner import logits_row_index
 from glm53.actors.sampler import Sampler, build_sampling_inputs
 from glm53.actors.step import SamplingParams, StepInput
 from glm53.actors.tiny import release_config, tiny_text_config
-from glm53.actors.transfers import to_device, to_host
+from glm53.actors.transfers import to_host
 
 DEV = "cuda"
 BLOCK = 64
@@ -177,47 +177,49 @@ def engine_step_ms(model, caches: ModelCaches, cfg: ModelConfig, batch_size: int
     marks: list[tuple[float, float, float]] = []
     empty = np.zeros(0, dtype=np.int64)
 
-    def step_input(delta: bool) -> StepInput:
+    def step_input(delta: bool, placeholders: bool) -> StepInput:
         return StepInput(0, [""] * batch_size, token_ids, positions,
                          np.arange(batch_size + 1, dtype=np.int64), table,
                          slot_mapping_for(positions, rows, table, BLOCK), rows, rows, rows,
                          sampling, block_table_resets=empty if delta else None,
-                         block_table_updates=empty.reshape(0, 3) if delta else None)
+                         block_table_updates=empty.reshape(0, 3) if delta else None,
+                         placeholder_rows=rows if placeholders else None,
+                         placeholder_sources=rows if placeholders else None)
 
-    def launch(previous: torch.Tensor | None,
-               delta: bool = True) -> tuple[torch.Tensor, torch.Tensor, object]:
-        """Steps 'build -> load + replay -> sample' of one step; its tokens are `previous`
-        (the last step's samples, on the device) when given. The graphs read the block
-        tables from their persistent rows: `delta`, the step brings the engine's steady-state
-        change to them (none); else its whole tables are written there (the first step)."""
-        step = step_input(delta)
-        graphs.static.update_tables(step)  # as ModelRunner.launch does
-        fill = None if previous is None else (to_device(rows, device), previous)
-        _, _, logits = graphs.run(step, graphs.bucket(step), fill)
+    def launch(previous: bool, delta: bool = True) -> tuple[torch.Tensor, object]:
+        """Steps 'build -> load + replay -> sample' of one step; its tokens are the last
+        step's samples (on the device, graphs.static.samples) when `previous`. The graphs read
+        the block tables from their persistent rows: `delta`, the step brings the engine's
+        steady-state change to them (none); else its whole tables are written there (the first
+        step)."""
+        step = step_input(delta, previous)
+        graphs.static.update_tables(step)  # whole tables (the first step); a delta: no-op
+        _, _, logits = graphs.run(step, graphs.bucket(step))
         t1 = time.perf_counter()
-        ids, _ = sampler(logits[logits_row_index(step.sample_rows, device)], step.sampling)
-        return (ids, *to_host(ids)), t1
+        ids, _ = sampler(logits[logits_row_index(step.sample_rows, device)], step.sampling,
+                         out=graphs.static.samples_out(batch_size))
+        return to_host(ids), t1
 
     def decode() -> np.ndarray:
         t0 = time.perf_counter()
-        (_, host, ready), t1 = launch(None)
+        (host, ready), t1 = launch(False)
         t2 = time.perf_counter()
         _wait(ready)
         marks.append((t1 - t0, t2 - t1, time.perf_counter() - t2))
         return host.numpy()
 
-    launch(None, delta=False)
+    launch(False, delta=False)
     ms = _timed(decode, steps)
     split = [float(v) for v in np.median(np.array(marks[1:]), axis=0) * 1e3]  # [0]: warm-up
     host = dict(build_load_replay_ms=split[0], sampler_calls_ms=split[1], wait_ms=split[2])
 
     def overlapped(n: int) -> None:
-        (ids, host, ready), _ = launch(None)
+        (host, ready), _ = launch(False)
         for _ in range(n):
-            nxt, _ = launch(ids)
+            nxt, _ = launch(True)
             _wait(ready)
             host.numpy()
-            (ids, host, ready) = nxt
+            (host, ready) = nxt
         _wait(ready)
 
     overlapped(2)  # warm-up
@@ -230,8 +232,8 @@ def engine_step_ms(model, caches: ModelCaches, cfg: ModelConfig, batch_size: int
         # time hidden): the engine's graph replayed by itself (its block tables as wide as the
         # narrowest captured context holding the case, the bare replay's only as wide as the
         # case), the same at tables as wide as the model's context, then everything a step
-        # queues (copies, replay, sampler, copy back)
-        graph = graphs.graphs[graphs.bucket(step_input(True))].graph
+        # queues (the input copy, replay, sampler, copy back)
+        graph = graphs.graphs[graphs.bucket(step_input(True, True))].graph
         host["engine_graph_device_ms"] = device_ms(graph.replay)
 
         def graph_at_width(blocks: int) -> float:
@@ -241,7 +243,7 @@ def engine_step_ms(model, caches: ModelCaches, cfg: ModelConfig, batch_size: int
                                  max_blocks=graphs.static.max_blocks, batch_sizes=(batch_size,),
                                  widths=(1,),
                                  table_widths=tuple(sorted({blocks, graphs.static.max_blocks})))
-            step = step_input(False)
+            step = step_input(False, False)
             other.static.update_tables(step)
             key = other.bucket(step)
             other.run(step, key)
@@ -251,8 +253,9 @@ def engine_step_ms(model, caches: ModelCaches, cfg: ModelConfig, batch_size: int
         # as wide as the case (the bare replay's width), timed the same way: what is left of
         # the gap to `graph_ms` is not the tables
         host["case_width_graph_device_ms"] = graph_at_width(table.shape[1])
-        host["engine_step_device_ms"] = device_ms(lambda: launch(None))
-        host["engine_step_kernels"] = kernel_profile(lambda: launch(None), top=12)
+        # a step of the overlapped loop: its tokens filled from the last step's samples
+        host["engine_step_device_ms"] = device_ms(lambda: launch(True))
+        host["engine_step_kernels"] = kernel_profile(lambda: launch(True), top=12)
         if profile:  # every kernel of the engine's graph, against the bare graph's
             host["engine_graph_kernels"] = kernel_profile(graph.replay, top=200)
     if profile:

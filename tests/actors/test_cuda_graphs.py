@@ -95,6 +95,55 @@ def test_static_buffers_hold_what_a_fresh_load_writes():
             assert (got is None and want is None) or torch.equal(got, want), (i, name)
 
 
+def test_graph_prologue_fills_placeholders_and_sets_the_table_delta():
+    """What a graph runs first (`prologue`, after a step's one copy): placeholder rows take
+    samples[source], every other row keeps the token the step brought, and the block-table
+    delta's entries are set when it fits the bucket (`delta_in_graph`), the pad slot's row
+    staying all null block; a step without placeholders or delta after one with them changes
+    nothing (no marks linger in the mirror used two loads ago). Each (b, w) reads its own
+    packed layout. Samples beyond the buffer are refused."""
+    rng = np.random.default_rng(1)
+    static = StaticInputs(max_seqs=4, max_width=2, max_blocks=3, block_size=4, pad_slot=5,
+                          device=torch.device("cpu"), max_samples=8)
+    tables = torch.zeros_like(static.tables)
+    for i in range(16):
+        n, w = int(rng.integers(1, 5)), int(rng.integers(1, 3))
+        b = int(rng.choice([b for b in (1, 2, 4) if b >= n]))
+        tokens = rng.integers(100, 200, n * w)
+        rows = np.sort(rng.choice(n * w, int(rng.integers(0, n * w + 1)), replace=False))
+        sources = rng.integers(0, 8, len(rows))
+        marked = i % 3 != 2
+        k = int(rng.integers(0, 2 * b + 2)) if marked else 0  # 2 b + 1: too many for the graph
+        cells = rng.choice(5 * 3, k, replace=False)  # distinct (slot, column): not the pad's
+        updates = np.stack([cells // 3, cells % 3, rng.integers(1, 50, k)], axis=1)
+        step = StepInput(i, [""] * n, tokens, np.arange(n * w) + 1, np.arange(n + 1) * w,
+                         np.ones((n, 1), np.int32), np.arange(n * w), np.arange(n),
+                         np.arange(n), np.arange(n), None,
+                         block_table_resets=np.zeros(0, np.int64), block_table_updates=updates,
+                         placeholder_rows=rows if marked else None,
+                         placeholder_sources=sources if marked else None)
+        samples = torch.from_numpy(rng.integers(1000, 2000, 8))
+        static.samples_out(8).copy_(samples)
+        static.load(step, b, w)
+        static.prologue(b, w)
+        want = tokens.copy()
+        if marked:
+            want[rows] = samples.numpy()[sources]
+        ids, _ = static.views(b, w)
+        assert ids[:n * w].tolist() == want.tolist(), i
+        assert not ids[n * w:].any()  # padding rows: token 0
+        assert static.delta_in_graph(step, b) == (k <= 2 * b)
+        if not static.delta_in_graph(step, b):  # the runner's way: before the graph
+            static.update_tables(step)
+        for slot, col, block in updates:
+            tables[slot, col] = int(block)
+        assert torch.equal(static.tables, tables), i
+        assert static.layout(b, w).nbytes == 8 * (5 * b * w + 2 * b + 1 + 3 * 2 * b) \
+            + 2 * b + b * w
+    with pytest.raises(ValueError, match="room for 8"):
+        static.samples_out(9)
+
+
 def test_buckets_and_widths():
     assert table_buckets(100, 16) == (100,)  # 1600 tokens: shorter than every default size
     assert table_buckets(65536, 16) == (1024, 8192, 65536)  # 16K, 128K and 1M tokens
@@ -407,8 +456,8 @@ class OutputRecorder(InProcessExecutor):
         self.runs = []
         run = graphs.run
 
-        def recording(step, key, fill=None):
-            hidden, taps, logits = run(step, key, fill)
+        def recording(step, key):
+            hidden, taps, logits = run(step, key)
             pending = [t for attn in graphs.kda.values() for t in attn.pending or ()]
             self.runs.append((key, hidden, logits, pending))
             return hidden, taps, logits
@@ -485,7 +534,8 @@ def test_shared_outputs_add_one_copy_per_graph(tiny4):
     states): the in_proj GEMM of each KDA layer writes its replay rows (mm.out for linear),
     the fused mixer stores q, k, v, g, beta there (no copy, no new tensor), and the logits'
     copy into the outputs is their fp32 conversion (`.float()`: a launch in bf16, none in this
-    fp32 model, hence two copies here). Both give the same bits."""
+    fp32 model, hence two copies here); and the prologue (`StaticInputs.prologue`: placeholder
+    tokens from the last step's samples, the block-table delta). Both give the same bits."""
     runner = ModelRunner(tiny4, num_slots=2, num_blocks=32, with_mtp=True, num_spec=3)
     runner.allocate_caches(32)
     graphs = runner.make_graphs(capture=False)
@@ -504,7 +554,11 @@ def test_shared_outputs_add_one_copy_per_graph(tiny4):
             g = graphs._forward(b, w, m)
     finally:
         ops.use("auto")
-    assert shared.ops - own.ops == Counter({"aten.mm.out": n_kda, "aten.copy_.default": 2})
+    # the graph's prologue: the placeholders' gather from the samples and select, the block
+    # tables' delta
+    assert shared.ops - own.ops == Counter({"aten.mm.out": n_kda, "aten.copy_.default": 2,
+                                            "aten.index.Tensor": 1, "aten.where.self_out": 1,
+                                            "aten.index_put_.default": 1})
     assert own.ops - shared.ops == Counter({"aten.linear.default": n_kda, "aten.to.dtype": 1})
     assert torch.equal(g.hidden, hidden) and torch.equal(g.logits, logits)
     for i in graphs.kda:
