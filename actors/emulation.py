@@ -6,7 +6,7 @@ the meta device, then `materialize`), with rank 0's shapes under a TP/EP/DCP pla
 - weights are random, in their real storage formats (EXL3 codes, int4 codes, bf16), drawn on
   the GPU by `tiny.randomize`,
 - routing is forced uniform (`Router.uniform_routing`, selection bias zeroed): random weights
-  would route by accident.
+  would route by accident. One launch draws a forward's random logits for every router.
 So the kernel sequence, the bytes each step reads and the memory left for the KV pool are the
 real rank's, and one GPU measures the per-GPU step of a pair.
 """
@@ -18,7 +18,7 @@ from collections.abc import Callable
 import torch
 
 from .config import ModelConfig
-from .layers.moe import Router
+from .layers.moe import Router, UniformRouting
 from .loader import build_model, materialize
 from .models.glm5_next import Glm5NextForCausalLM
 from .parallel import ParallelConfig, ParallelState
@@ -38,9 +38,12 @@ def build_rank0(cfg: ModelConfig, parallel: ParallelConfig, *, with_mtp: bool = 
         check_memory(model)
     model = materialize(model, device)
     randomize(model, seed)
-    for module in model.modules():
-        if isinstance(module, Router):
-            module.uniform_routing = True
+    # the trunk's routers run in layer order in a forward, the MTP layer's in passes of its own
+    for modules in (model.layers, [model.mtp] if model.mtp is not None else []):
+        routers = [m for module in modules for m in module.modules() if isinstance(m, Router)]
+        draws = UniformRouting(len(routers))
+        for i, router in enumerate(routers):
+            router.uniform_routing = (draws, i)
             # a random selection bias would favour some experts over the uniform draw
-            module.e_score_correction_bias.data.zero_()
+            router.e_score_correction_bias.data.zero_()
     return model

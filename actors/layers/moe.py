@@ -50,6 +50,25 @@ class DenseFFN(MLP):
         return self.ps.tp_all_reduce(super().forward(x))
 
 
+class UniformRouting:
+    """Random router logits for the rank-0 emulation (random weights route by accident, so
+    each token's experts are drawn uniformly at random instead), for `n` routers that run in
+    order in one forward: the first draws all n [T, E] in one launch, so the emulated step
+    launches one kernel more than the real one, not one more a MoE layer."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self.pool: torch.Tensor | None = None
+
+    def logits(self, index: int, like: torch.Tensor) -> torch.Tensor:
+        """Router `index`'s random logits, shaped and typed as `like` [T, E]."""
+        if index == 0:
+            self.pool = torch.rand((self.n, *like.shape), dtype=like.dtype, device=like.device)
+        if self.pool is None or self.pool.shape[1:] != like.shape:
+            raise RuntimeError(f"router {index} of {self.n} ran before router 0 of its forward")
+        return self.pool[index]
+
+
 class Router(nn.Module):
     """fp32 router GEMM + sigmoid scores; `e_score_correction_bias` only steers selection."""
 
@@ -60,14 +79,15 @@ class Router(nn.Module):
         self.e_score_correction_bias = nn.Parameter(torch.zeros(e, dtype=torch.float32))
         self.top_k, self.renormalize = cfg.num_experts_per_tok, cfg.norm_topk_prob
         self.scaling = cfg.routed_scaling_factor
-        # rank-0 emulation: random weights route by accident, so benchmarks draw each token's
-        # experts uniformly at random instead (the router GEMM still runs)
-        self.uniform_routing = False
+        # rank-0 emulation: (the draws, this router's index among them); the router GEMM
+        # still runs
+        self.uniform_routing: tuple[UniformRouting, int] | None = None
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         logits = ops.router_logits(x, self.weight)
-        if self.uniform_routing:
-            logits = torch.rand_like(logits)
+        if self.uniform_routing is not None:
+            draws, index = self.uniform_routing
+            logits = draws.logits(index, logits)
         return ops.route_topk(logits, self.e_score_correction_bias, self.top_k,
                               self.renormalize, self.scaling)
 
