@@ -225,8 +225,8 @@ class StaticInputs:
     def delta_in_graph(self, step: StepInput, b: int) -> bool:
         """Whether the graph of a b-sequence bucket applies `step`'s block-table delta (no row
         resets, at most TABLE_UPDATES_PER_SEQ b entries); else `update_tables` must."""
-        updates = step.block_table_updates
-        return (updates is not None and not len(step.block_table_resets)
+        updates, resets = step.block_table_updates, step.block_table_resets
+        return (updates is not None and (resets is None or not len(resets))
                 and len(updates) <= self.TABLE_UPDATES_PER_SEQ * b)
 
     def accepted(self, b: int) -> tuple[torch.Tensor, torch.Tensor]:
