@@ -58,6 +58,7 @@ import triton
 import triton.language as tl
 
 from . import int4_gemv
+from .int4_gemv import PairRows
 from .moe import swiglu
 from .ref.int4 import _check_group
 from .utils import INTERPRET, is_sm120, next_pow2
@@ -416,16 +417,19 @@ def moe_int4_on_path(
     expert_offset: int,
     group_size: int,
     num_experts: int | None = None,
+    defer_reduce: bool = False,
     *,
     path: str | None = None,
-) -> torch.Tensor:
+) -> torch.Tensor | PairRows:
     """x: [T, D] (rows may be strided); w13_q: uint8 [E, 2I, D/2] (gate rows, then up rows),
     w13_scale / w13_zero: fp16 [E, 2I, D/g13]; w2_q: uint8 [E, D, I/2], w2_scale / w2_zero:
     fp16 [E, D, I/g2] (g = min(group_size, in_features)); topk_weights: [T, k] (any float
     dtype; fp32 math); topk_ids: [T, k] global ids (experts outside [expert_offset,
     expert_offset + E) are skipped); num_experts: all EP ranks' experts (None: E), for sizing
     launches only. path: DECODE or PREFILL to force one (default: the switch rule in the module
-    docstring; the op `moe_int4` takes that default). Returns [T, D] in x's dtype."""
+    docstring; the op `moe_int4` takes that default). Returns [T, D] in x's dtype, or with
+    `defer_reduce` on the unsorted-pairs path its last sum undone (`int4_gemv.PairRows`, for
+    `linear.linear`'s `add`)."""
     n_tok, k = topk_ids.shape
     n_local, two_i, _ = w13_q.shape
     d, inter = x.shape[1], two_i // 2
@@ -452,7 +456,8 @@ def moe_int4_on_path(
             and int4_gemv.rows_per_block(n_tok, g13, g2) == 1):
         # writes its own output in x's dtype: no zeroed fp32 sum, no casts
         return int4_gemv.moe_decode_pairs(x, w13, w2, g13, g2, topk_ids, topk_weights,
-                                          expert_offset, swiglu_limit, num_experts or n_local)
+                                          expert_offset, swiglu_limit, num_experts or n_local,
+                                          defer_reduce=defer_reduce)
     out = torch.zeros((n_tok, d), dtype=torch.float32, device=x.device)
     local = topk_ids.reshape(-1) - expert_offset
     key = torch.where((local >= 0) & (local < n_local), local, n_local)
@@ -482,8 +487,9 @@ def moe_int4(
     expert_offset: int,
     group_size: int,
     num_experts: int | None = None,
-) -> torch.Tensor:
+    defer_reduce: bool = False,
+) -> torch.Tensor | PairRows:
     """The op, signature of the reference's: `moe_int4_on_path` on the switch rule's path."""
     return moe_int4_on_path(x, w13_q, w13_scale, w13_zero, w2_q, w2_scale, w2_zero,
                             topk_weights, topk_ids, swiglu_limit, expert_offset, group_size,
-                            num_experts)
+                            num_experts, defer_reduce)

@@ -28,12 +28,18 @@ pair's row of each K split into an fp32 scratch (plain stores, no memset) and a 
 `pairs_reduce_kernel`, sums a token's rows times their routing weights (read in their own
 dtype) straight into the output in x's dtype: three launches in all, against a memset, a
 weight cast and an output cast around two with atomics. Every sum then runs in a fixed order,
-so this path is also deterministic (bitwise, run to run), which atomics are not.
+so this path is also deterministic (bitwise, run to run), which atomics are not. When the
+routed sum only feeds the shared expert's down projection (MoE, decode), the scratch is handed
+over unsummed (`PairRows`) and that one-token GEMV sums it in its epilogue (`linear.linear`):
+two launches. At one token (D 4096, top-8, 2 K splits) the reduce has 32 programs of 8 KiB
+for the whole GPU; the GEMV's epilogue reads 256 B in each of its ~1000 (4 columns each).
 
 The constants are read at call time: tests and benchmarks/moe_4bit.py set them on this module.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 import triton
@@ -41,7 +47,8 @@ import triton.language as tl
 
 from .utils import next_pow2, num_sms, pdl, pdl_start, pdl_wait
 
-__all__ = ["launch", "moe_decode_pairs", "rows_per_block", "tile_words", "words_aligned"]
+__all__ = ["PairRows", "launch", "moe_decode_pairs", "rows_per_block", "tile_words",
+           "words_aligned"]
 
 # dot-free (GEMV) variant of the fused path: (max tokens, rows per block) in order; the first
 # entry with T <= its bound is taken, none: the tl.dot variant. Chosen on cost per weight (see
@@ -342,6 +349,43 @@ def pairs_reduce_kernel(partial, ids, wts, out, D, e_off, E, K: tl.constexpr,
         out.dtype.element_ty), mask=m_n)
 
 
+class PairRows(NamedTuple):
+    """The routed experts' output of T <= PAIRS_MAX_TOKENS tokens before its last sum (the
+    pairs path's scratch): row p * split + s of `partial` [T k split, D] fp32 is local pair p's
+    unweighted part of K split s (rows of other ranks' pairs are never written); `ids`,
+    `weights`: the flat top-k ids and routing weights [T k]; `dtype`: the sum's. `reduce`
+    sums it (`pairs_reduce_kernel`); a GEMV with it as `add` sums it in its epilogue
+    (`linear.linear`), a launch fewer."""
+    partial: torch.Tensor
+    ids: torch.Tensor
+    weights: torch.Tensor
+    k: int
+    split: int
+    expert_offset: int
+    num_local: int
+    dtype: torch.dtype
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """[T, D] of the sum."""
+        return self.ids.shape[0] // self.k, self.partial.shape[1]
+
+    def reduce(self, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The sum [T, D] in `dtype` (into `out` if given): w(p) times each local pair's
+        rows, in a fixed order; a token with no local pair gets 0."""
+        n_tok, d = self.shape
+        if out is None:
+            out = torch.empty((n_tok, d), dtype=self.dtype, device=self.partial.device)
+        br = next_pow2(self.k * self.split)
+        bn = max(16, min(next_pow2(d), GEMV_REDUCE_TILE // br))
+        on = pdl(self.partial.device)
+        pairs_reduce_kernel[(n_tok, triton.cdiv(d, bn))](
+            self.partial, self.ids, self.weights, out, d, self.expert_offset, self.num_local,
+            K=self.k, SPLIT=self.split, BR=br, BN=bn, PDL=on, launch_pdl=on,
+            num_warps=GEMV_WARPS)
+        return out
+
+
 def rows_per_block(n_tok: int, g13: int, g2: int) -> int:
     """BM of the dot-free variant for T tokens (each expert has at most T rows), 0 for the
     tl.dot variant: the first entry of DECODE_GEMV with T <= its bound (and T <=
@@ -384,18 +428,19 @@ def _w13_columns(inter: int, bm: int, blocks: int, device: torch.device) -> int:
 
 def launch(x, w13, w2, g13, g2, bm, blocks, tok32, wts, n_blk, n_hit, limit, out, *,
            pairs=None, tiled: bool = False, warps: int | None = None,
-           ahead: int | None = None) -> None:
+           ahead: int | None = None) -> PairRows | None:
     """The dot-free variant's two launches over n_blk blocks of bm rows (n_hit: experts that
     can hold rows), w2 adding into out [T, D] fp32 (wts: fp32, in sorted order). pairs:
     (k, expert offset, local experts) when blocks are the flat top-k ids (one pair a block,
     bm = 1; act rows and wts in pair order, wts in any float dtype; tok32 unused): then w2
-    fills a scratch and a third launch writes out [T, D] in any float dtype, with no need to
-    zero it first. tiled: the codes are in `tile_words`' layout. warps, ahead: the w13 and w2
-    launches' warps and steps ahead (default GEMV_WARPS, GEMV_AHEAD)."""
+    fills a scratch, returned as PairRows, and unless out is None its `reduce` writes out
+    [T, D] in any float dtype, with no need to zero it first. tiled: the codes are in
+    `tile_words`' layout. warps, ahead: the w13 and w2 launches' warps and steps ahead
+    (default GEMV_WARPS, GEMV_AHEAD)."""
     (q13, s13, z13), (q2, s2, z2) = w13, w2
     warps = GEMV_WARPS if warps is None else warps
     ahead = GEMV_AHEAD if ahead is None else ahead
-    d, inter = out.shape[1], q13.shape[1] // 2
+    d, inter = x.shape[1], q13.shape[1] // 2
     n_pairs = n_blk * bm if pairs else tok32.numel()
     on = pdl(x.device)
     act = torch.empty((n_pairs, inter), dtype=torch.float32, device=x.device)
@@ -425,16 +470,17 @@ def launch(x, w13, w2, g13, g2, bm, blocks, tok32, wts, n_blk, n_hit, limit, out
         s2.shape[-1], steps // split, ONE_F32_BITS, k, e_off, n_local, GW=gw2, BM=bm, BN=bn,
         BKW=bkw, NS=next_pow2(steps // split), PAIRS=pairs is not None, AHEAD=ahead,
         WS=TILE_ROWS if tiled else 1, PDL=on, launch_pdl=on, num_warps=warps)
-    if pairs:
-        br = next_pow2(k * split)
-        bn = max(16, min(next_pow2(d), GEMV_REDUCE_TILE // br))
-        pairs_reduce_kernel[(out.shape[0], triton.cdiv(d, bn))](
-            dst, blocks, wts, out, d, e_off, n_local, K=k, SPLIT=split, BR=br, BN=bn,
-            PDL=on, launch_pdl=on, num_warps=GEMV_WARPS)
+    if pairs is None:
+        return None
+    rows = PairRows(dst, blocks, wts, k, split, e_off, n_local, x.dtype)
+    if out is not None:
+        rows.reduce(out)
+    return rows
 
 
 def moe_decode_pairs(x, w13, w2, g13, g2, topk_ids, topk_weights, expert_offset, limit,
-                     num_experts: int, tiled: bool = False) -> torch.Tensor:
+                     num_experts: int, tiled: bool = False,
+                     defer_reduce: bool = False) -> torch.Tensor | PairRows:
     """The dot-free variant on the unsorted pairs (T <= PAIRS_MAX_TOKENS): one block a pair, so
     an expert chosen by several tokens is read once per token, against the sort, searchsorted
     and align launches it saves (~2 us each at decode sizes). Three launches (w13, w2 and the
@@ -442,17 +488,20 @@ def moe_decode_pairs(x, w13, w2, g13, g2, topk_ids, topk_weights, expert_offset,
     the pairs of other ranks' experts exit at once: the launch is sized for the pairs expected
     to be this rank's (E / num_experts of them), so that those fill the SMs (at EP2 and 1
     token, w13's columns per program halve: ~4 live pairs, not 8); one token takes
-    GEMV_WARPS_1 and GEMV_AHEAD_1. tiled: w13's and w2's codes in `tile_words`' layout."""
+    GEMV_WARPS_1 and GEMV_AHEAD_1. tiled: w13's and w2's codes in `tile_words`' layout.
+    defer_reduce: the scratch is returned as PairRows, for a GEMV to sum (two launches)."""
     n_tok, k = topk_ids.shape
     ids = topk_ids.reshape(-1)
-    out = torch.empty((n_tok, x.shape[1]), dtype=x.dtype, device=x.device)
+    out = None if defer_reduce else torch.empty((n_tok, x.shape[1]), dtype=x.dtype,
+                                                device=x.device)
     n_local = w13[0].shape[0]
     live = max(1, -(-n_tok * k * n_local // num_experts))
     one = n_tok == 1
-    launch(x, w13, w2, g13, g2, 1, ids, ids, topk_weights.reshape(-1), n_tok * k,
-           min(n_local, live), limit, out, pairs=(k, expert_offset, n_local), tiled=tiled,
-           warps=GEMV_WARPS_1 if one else None, ahead=GEMV_AHEAD_1 if one else None)
-    return out
+    rows = launch(x, w13, w2, g13, g2, 1, ids, ids, topk_weights.reshape(-1), n_tok * k,
+                  min(n_local, live), limit, out, pairs=(k, expert_offset, n_local),
+                  tiled=tiled, warps=GEMV_WARPS_1 if one else None,
+                  ahead=GEMV_AHEAD_1 if one else None)
+    return rows if defer_reduce else out
 
 
 def tile_words(q: torch.Tensor) -> torch.Tensor:

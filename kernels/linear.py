@@ -23,6 +23,7 @@ import triton
 import triton.language as tl
 
 from . import moe
+from .int4_gemv import PairRows
 from .ref import linear as ref_linear
 from .utils import INTERPRET, next_pow2, num_sms, pdl, pdl_start, pdl_wait
 
@@ -46,15 +47,39 @@ GEMV_ACC = 4096
 
 
 @triton.jit
+def pair_rows_sum(add, ids, wts, e_off, E, o_t, m_t, o_n, m_n, N, K_TOP: tl.constexpr,
+                  SPLIT: tl.constexpr, BR: tl.constexpr, dtype: tl.constexpr):
+    """[BT, BN] fp32: tokens o_t's columns o_n of a `int4_gemv.PairRows` sum (add: its
+    partial rows [T K_TOP SPLIT, N], ids / wts: its flat top-k ids and weights), as its
+    `reduce` computes them (fp32, rounded to `dtype`): w(p) times each local pair's SPLIT rows,
+    other ranks' pairs masked, never read."""
+    o_r = tl.arange(0, BR)
+    p = o_t[:, None] * K_TOP + o_r[None, :] // SPLIT  # [BT, BR] pair of each row
+    m_p = m_t[:, None] & (o_r < K_TOP * SPLIT)[None, :]
+    e = tl.load(ids + p, mask=m_p, other=0).to(tl.int64) - e_off
+    ok = m_p & (e >= 0) & (e < E)
+    b_w = tl.load(wts + p, mask=ok, other=0.0).to(tl.float32)
+    row = (o_t[:, None] * (K_TOP * SPLIT) + o_r[None, :]).to(tl.int64)
+    b_y = tl.load(add + row[:, :, None] * N + o_n[None, None, :],
+                  mask=ok[:, :, None] & m_n[None, None, :], other=0.0)
+    return tl.sum(b_y * b_w[:, :, None], 1).to(dtype).to(tl.float32)
+
+
+@triton.jit
 def linear_gemv_kernel(x, w, out, add, T, N, K, stride_x, stride_o, stride_a, limit,
+                       a_ids, a_wts, a_off, a_local,
                        BT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                        EVEN_K: tl.constexpr, ADD: tl.constexpr, SWIGLU: tl.constexpr,
+                       A_K: tl.constexpr, A_SPLIT: tl.constexpr, A_BR: tl.constexpr,
                        PDL: tl.constexpr):
-    """Program i_n: out[t, i_n*BN : +BN] = x[t] . w[rows] (+ add[t, rows] if ADD) for the
-    T <= BT token rows. SWIGLU: w is [gate; up] (N rows, N/2 each) and the program takes BN/2
-    gate rows interleaved with their up rows (2j: gate j, 2j+1: up j), writing
-    out[t, i_n*BN/2 : +BN/2] = silu(min(gate, limit)) * clamp(up, +-limit) from the fp32 sums.
-    PDL (`utils.pdl`): the first weight tile is loaded before the wait for the kernel before."""
+    """Program i_n: out[t, i_n*BN : +BN] = x[t] . w[rows] (+ add) for the T <= BT token rows:
+    ADD 1, add[t, rows]; ADD 2, the sum of the `int4_gemv.PairRows` whose partial rows are
+    add (`pair_rows_sum`: a_ids, a_wts, a_off, a_local and A_K pairs a token, A_SPLIT rows a
+    pair, A_BR >= their product), summed where its `reduce` would have written it. SWIGLU: w
+    is [gate; up] (N rows, N/2 each) and the program takes BN/2 gate rows interleaved with
+    their up rows (2j: gate j, 2j+1: up j), writing out[t, i_n*BN/2 : +BN/2] =
+    silu(min(gate, limit)) * clamp(up, +-limit) from the fp32 sums. PDL (`utils.pdl`): the
+    first weight tile is loaded before the wait for the kernel before."""
     pdl_start(PDL)
     i_n = tl.program_id(0)
     if SWIGLU:
@@ -99,8 +124,11 @@ def linear_gemv_kernel(x, w, out, add, T, N, K, stride_x, stride_o, stride_a, li
         o_n = i_n * (BN // 2) + tl.arange(0, BN // 2)
         m_n = o_n < N // 2
     m_y = m_t[:, None] & m_n[None, :]
-    if ADD:
+    if ADD == 1:
         y += tl.load(add + o_t[:, None] * stride_a + o_n[None, :], mask=m_y).to(tl.float32)
+    if ADD == 2:
+        y += pair_rows_sum(add, a_ids, a_wts, a_off, a_local, o_t, m_t, o_n, m_n, N, A_K,
+                           A_SPLIT, A_BR, out.dtype.element_ty)
     tl.store(out + o_t[:, None] * stride_o + o_n[None, :], y.to(out.dtype.element_ty), mask=m_y)
 
 
@@ -123,7 +151,7 @@ def _gemv_fits(x2: torch.Tensor, weight: torch.Tensor, *rows_of: torch.Tensor | 
             and all(r is None or r.stride(-1) == 1 for r in rows_of))
 
 
-def _launch(x2, weight, y, add2, limit, swiglu):
+def _launch(x2, weight, y, add2: torch.Tensor | PairRows | None, limit, swiglu):
     t, (n, k) = x2.shape[0], weight.shape
     if weight.dtype != torch.float32:
         # the reference rounds x to the weight's dtype first; to fp32 (the indexer's fp32
@@ -131,24 +159,40 @@ def _launch(x2, weight, y, add2, limit, swiglu):
         x2 = x2.to(weight.dtype)
     bt, bn, bk = gemv_tile(t, n, k, x2.device)
     on = pdl(x2.device)
+    pairs = add2 if isinstance(add2, PairRows) else None
+    if pairs is not None:
+        add2 = pairs.partial
+        a_args = (pairs.ids, pairs.weights, pairs.expert_offset, pairs.num_local)
+        a_const = dict(A_K=pairs.k, A_SPLIT=pairs.split, A_BR=next_pow2(pairs.k * pairs.split))
+    else:
+        a_args, a_const = (y, y, 0, 0), dict(A_K=1, A_SPLIT=1, A_BR=1)
     linear_gemv_kernel[(triton.cdiv(n, bn),)](
         x2, weight, y, y if add2 is None else add2, t, n, k, x2.stride(0), y.stride(0),
-        0 if add2 is None else add2.stride(0), float(limit), BT=bt, BN=bn, BK=bk,
-        EVEN_K=k % bk == 0, ADD=add2 is not None, SWIGLU=swiglu, PDL=on, launch_pdl=on,
-        num_warps=1 if INTERPRET else GEMV_WARPS)
+        0 if add2 is None else add2.stride(0), float(limit), *a_args, BT=bt, BN=bn, BK=bk,
+        EVEN_K=k % bk == 0, ADD=0 if add2 is None else 2 if pairs is not None else 1,
+        SWIGLU=swiglu, PDL=on, launch_pdl=on, num_warps=1 if INTERPRET else GEMV_WARPS,
+        **a_const)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = None,
-           add: torch.Tensor | None = None) -> torch.Tensor:
+           add: torch.Tensor | PairRows | None = None) -> torch.Tensor:
     """x [..., K] times weight [N, K] -> [..., N] in weight's dtype, plus `add` ([..., N],
     summed in fp32 before the one rounding) if given; `out` (x 2-D, [T, N], rows contiguous):
-    written there. Up to GEMV_MAX_TOKENS rows one GEMV launch, else cuBLAS (and an add). The
-    GEMV may read the weight before the kernel before it has finished (`utils.pdl`): a
-    weight, not something the kernel just before wrote."""
+    written there. Up to GEMV_MAX_TOKENS rows one GEMV launch, else cuBLAS (and an add). `add`
+    may be the routed experts' sum not yet taken (`int4_gemv.PairRows`, [T, N]): the GEMV
+    takes it in its epilogue, as `PairRows.reduce` would (a launch fewer); else it is reduced
+    first. The GEMV may read the weight before the kernel before it has finished
+    (`utils.pdl`): a weight, not something the kernel just before wrote."""
     n, k = weight.shape
     x2 = x.reshape(-1, k)
-    add2 = None if add is None else add.reshape(-1, n)
-    if not _gemv_fits(x2, weight, out, add2):
+    if isinstance(add, PairRows):
+        if add.shape != (x2.shape[0], n):
+            raise ValueError(f"linear: add sums to {add.shape}, the product is "
+                             f"{(x2.shape[0], n)}")
+        if not _gemv_fits(x2, weight, out, add.partial):
+            add = add.reduce().view(*x.shape[:-1], n)
+    add2 = add if add is None or isinstance(add, PairRows) else add.reshape(-1, n)
+    if not _gemv_fits(x2, weight, out, add2.partial if isinstance(add2, PairRows) else add2):
         return ref_linear.linear(x, weight, out, add)
     y = out if out is not None else torch.empty(x2.shape[0], n, dtype=weight.dtype,
                                                 device=x.device)

@@ -337,6 +337,22 @@ def _cases(arch: int) -> dict[str, Callable[[], object]]:
                                                   z(tokens, 8, dtype=f32), 0, 10.0, e,
                                                   tiled=True)
 
+    def shared_down_pairs_call(e=8):
+        """The shared expert's down projection at one token summing the routed experts' pairs
+        in its epilogue (`int4_gemv.PairRows` from the int4 pairs path: ADD 2)."""
+        d, inter, g, u8, f16 = 4096, 2048, 128, torch.uint8, torch.float16
+        ids = torch.arange(8).view(1, 8) % e
+        w13 = (z(e, 2 * inter, d // 2, dtype=u8), z(e, 2 * inter, d // g, dtype=f16),
+               z(e, 2 * inter, d // g, dtype=f16))
+        w2 = (z(e, d, inter // 2, dtype=u8), z(e, d, inter // g, dtype=f16),
+              z(e, d, inter // g, dtype=f16))
+
+        def run():
+            rows = int4_gemv.moe_decode_pairs(z(1, d), w13, w2, g, g, ids, z(1, 8, dtype=f32), 0,
+                                              10.0, e, defer_reduce=True)
+            return linear.linear(z(1, 1024), z(d, 1024), add=rows)
+        return run
+
     streams = z(16, 4, 4096)
     cases = {
         "kda decode 64x1": kda_call([1] * 64),
@@ -392,6 +408,7 @@ def _cases(arch: int) -> dict[str, Callable[[], object]]:
                                                                   10.0),
         "dense gemv add 4 tokens": lambda: linear.linear(z(4, 1024), z(4096, 1024),
                                                          add=z(4, 4096)),
+        "dense gemv add routed pairs 1 token": shared_down_pairs_call(),
         "rms norm": lambda: norm.rms_norm(z(64, 4096), z(4096), 1e-5),
         "mhc pre": lambda: mhc.hc_pre(streams, z(24, 4 * 4096, dtype=f32), z(24, dtype=f32),
                                       z(3, dtype=f32), 1e-5, 1e-6, 20, z(4096), 1e-5),

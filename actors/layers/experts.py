@@ -61,8 +61,11 @@ class RoutedExperts(nn.Module):
         # forward returns a partial sum that the ranks add up
         self.partial = ps.ep_size > 1 or self.tp > 1
 
-    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """x: [T, D]; weights, ids: [T, k] (global ids). Returns this rank's share [T, D]."""
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+                defer_reduce: bool = False) -> torch.Tensor:
+        """x: [T, D]; weights, ids: [T, k] (global ids). Returns this rank's share [T, D], or
+        with `defer_reduce` possibly its last sum not yet taken (for `ops.linear`'s `add`
+        only: the int4 kernels' `PairRows`)."""
         raise NotImplementedError
 
 
@@ -74,7 +77,7 @@ class DenseExperts(RoutedExperts):
                                  self.tp)
         self.w2 = _expert_param(_param((e, d, i)), self.expert_offset, 1, self.tp_rank, self.tp)
 
-    def forward(self, x, weights, ids):
+    def forward(self, x, weights, ids, defer_reduce=False):
         return ops.fused_moe(x, self.w13, self.w2, weights, ids, self.limit, self.expert_offset)
 
 
@@ -105,7 +108,7 @@ class Exl3Experts(RoutedExperts):
         self.w2_svh = _expert_param(_param((e, d), half), off, None, r, n)
         self.codebook = cfg.exl3_codebook
 
-    def forward(self, x, weights, ids):
+    def forward(self, x, weights, ids, defer_reduce=False):
         return ops.moe_exl3(x, self.w13_trellis, self.w13_suh.view(self.n_local, 2, self.hidden),
                             self.w13_svh, self.w2_trellis, self.w2_suh, self.w2_svh, weights,
                             ids, self.limit, self.expert_offset, self.codebook)
@@ -149,10 +152,10 @@ class Int4Experts(RoutedExperts):
         for dest, src in zip(dests, (q, scale, zero), strict=True):
             dest.data[local_expert, rows].copy_(src)
 
-    def forward(self, x, weights, ids):
+    def forward(self, x, weights, ids, defer_reduce=False):
         return ops.moe_int4(x, self.w13_q, self.w13_scale, self.w13_zero, self.w2_q,
                             self.w2_scale, self.w2_zero, weights, ids, self.limit,
-                            self.expert_offset, self.group_size, self.num_experts)
+                            self.expert_offset, self.group_size, self.num_experts, defer_reduce)
 
 
 def routed_experts(cfg: ModelConfig, ps: ParallelState) -> RoutedExperts:

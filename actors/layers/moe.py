@@ -107,7 +107,10 @@ class MoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.gate(x)
-        routed = self.experts(x, weights, ids)
+        # the routed sum goes straight into the shared expert's down projection when both or
+        # neither are partial: then the experts may leave their last sum to that GEMV
+        direct = self.shared_experts.partial == self.experts.partial
+        routed = self.experts(x, weights, ids, defer_reduce=direct)
         if self.shared_experts.partial and not self.experts.partial:
             return routed + self.ps.all_reduce(self.shared_experts(x))
         if self.experts.partial and not self.shared_experts.partial:

@@ -8,9 +8,14 @@ scale and zero fp16 [N, Kin/g], and W ~ q * scale + zero. `moe_int4` is `fused_m
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from .moe import swiglu
+
+if TYPE_CHECKING:  # the Triton kernels' type (the reference runs without Triton)
+    from ..int4_gemv import PairRows
 
 
 def _check_group(kin: int, group_size: int) -> None:
@@ -69,7 +74,8 @@ def moe_int4(
     expert_offset: int,
     group_size: int,
     num_experts: int | None = None,
-) -> torch.Tensor:
+    defer_reduce: bool = False,
+) -> torch.Tensor | PairRows:
     """Routed experts on INT4 weights, fp32 math.
 
     x: [T, D]; w13_q: uint8 [E, 2I, D/2] (gate rows, then up rows), w13_scale / w13_zero: fp16
@@ -78,7 +84,8 @@ def moe_int4(
     [expert_offset, expert_offset + E) are another EP rank's and are skipped). Each projection's
     group is min(group_size, in_features) (spec: g = min(128, in_features)). num_experts: the
     experts of all EP ranks (None: E), which the kernels size their launches by; the result
-    does not depend on it. Returns [T, D] in x's dtype.
+    does not depend on it. Returns [T, D] in x's dtype. defer_reduce: the kernels may return
+    the sum undone instead (a value `linear`'s `add` takes); here it changes nothing.
     """
     n_local, two_i, _ = w13_q.shape
     d, inter = x.shape[1], two_i // 2

@@ -124,6 +124,48 @@ def test_int4_at_load_equals_dequantised_reference(dense_tiny, prompt, tmp_path)
     assert (ours - want).abs().max().item() <= TOL
 
 
+@pytest.mark.slow
+def test_int4_decode_leaves_the_routed_sum_to_the_shared_projection(dense_tiny, prompt,
+                                                                  monkeypatch):
+    """A one-token step on the Triton kernels (interpreted): each MoE layer's int4 experts
+    hand their unsummed pairs to the shared expert's down projection, whose GEMV sums them
+    (no `pairs_reduce_kernel` launch), and the logits equal the reference kernels' (TOL)."""
+    from glm53.kernels import int4_gemv, linear, ops
+
+    model = load_model(dense_tiny, progress=False, quantize_experts="int4")
+    n_moe = sum(type(layer.mlp).__name__ == "MoE" for layer in model.layers)
+    assert n_moe >= 2
+
+    class Launches:
+        """Stands in for a Triton kernel: records each launch's constexprs, then runs it."""
+
+        def __init__(self, kernel) -> None:
+            self.kernel, self.calls = kernel, []
+
+        def __getitem__(self, grid):
+            def run(*args, **meta):
+                self.calls.append(meta)
+                return self.kernel[grid](*args, **meta)
+            return run
+
+    reduces, gemvs = Launches(int4_gemv.pairs_reduce_kernel), Launches(linear.linear_gemv_kernel)
+    monkeypatch.setattr(int4_gemv, "pairs_reduce_kernel", reduces)
+    monkeypatch.setattr(linear, "linear_gemv_kernel", gemvs)
+    logits = {}
+    for backend in ("ref", "triton"):
+        runner = SequenceRunner(model, max_seqs=1, max_len=64)
+        runner.add(0)
+        runner.step_logits({0: prompt[:12]})  # the prompt on the reference kernels (faster)
+        ops.use(backend)
+        try:
+            logits[backend] = runner.step_logits({0: prompt[12:13]})
+        finally:
+            ops.use("auto")
+    assert not reduces.calls and sum(c["ADD"] == 2 for c in gemvs.calls) == n_moe
+    assert logits["ref"].std() > 0.1
+    torch.testing.assert_close(logits["triton"], logits["ref"], rtol=0, atol=TOL)
+
+
 def test_int4_kl_divergence_vs_unquantised_is_small(dense_tiny, prompt):
     """The error int4 adds, measured: mean KL(p || p_int4) of next-token distributions over 120
     positions of the fp32 tiny model (observed 0.063, top-1 agreement 62%: the random tiny

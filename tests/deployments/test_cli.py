@@ -114,7 +114,7 @@ def test_generate_quantize_experts_int4(ckpt: Path, capsys: pytest.CaptureFixtur
     calls = []
     forward = experts.Int4Experts.forward
     monkeypatch.setattr(experts.Int4Experts, "forward",
-                        lambda self, *a: calls.append(1) or forward(self, *a))
+                        lambda self, *a, **kw: calls.append(1) or forward(self, *a, **kw))
     check_output(generate(capsys, "--model", str(ckpt), "--prompt-ids", "1,2,3",
                           "--max-tokens", "6", "--quantize-experts", "int4"), ckpt, 6)
     assert calls  # the experts ran as int4 codes

@@ -200,7 +200,8 @@ def test_decode_unsorted_pairs(monkeypatch, pairs_max, t, k, n_local, offset, ep
 
     monkeypatch.setattr(int4_gemv, "PAIRS_MAX_TOKENS", pairs_max)
     calls, pairs = [], int4_gemv.moe_decode_pairs
-    monkeypatch.setattr(int4_gemv, "moe_decode_pairs", lambda *a: calls.append(a) or pairs(*a))
+    monkeypatch.setattr(int4_gemv, "moe_decode_pairs",
+                        lambda *a, **kw: calls.append(a) or pairs(*a, **kw))
     x, packed, wts, ids = _case(64, 32, 32, t, k, n_local, seed=31 + t)
     ids[0, 0] = offset  # one local expert at least
     if t > 1:
@@ -291,6 +292,41 @@ def test_decode_pairs_reduce(monkeypatch, t, x_dtype, w_dtype, split):
     assert out.dtype == x_dtype and out.shape == x.shape
     assert rel_err(out, want) < (TOL if x_dtype == F32 else max(TOL, 4e-3))
     assert torch.equal(out[1::2].cpu(), torch.zeros_like(x[1::2]))
+
+
+@pytest.mark.parametrize("t,x_dtype,split", [(1, F32, 4), (1, BF16, None), (2, BF16, 4)])
+def test_pair_rows_summed_by_the_gemv(monkeypatch, t, x_dtype, split):
+    """The pairs path's scratch left unsummed (`defer_reduce`: PairRows) and passed as a
+    projection's `add`: at one token the GEMV sums it in its epilogue (no reduce launch), as
+    `reduce` would: fp32 within rounding of the order, bf16 within an ulp of the reduced sum
+    (each is rounded to bf16 before the add, as the routed output was); past the GEMV's rows
+    it is reduced first. Tokens without a local pair add 0 (token 1); the reference
+    projection takes PairRows too; a sum of the wrong shape is refused."""
+    from glm53.kernels import int4, int4_gemv, linear
+    from glm53.kernels.ref import linear as ref_linear
+
+    monkeypatch.setattr(int4_gemv, "GEMV_W2_SPLIT", split)
+    reduce = _Launches(int4_gemv.pairs_reduce_kernel)
+    monkeypatch.setattr(int4_gemv, "pairs_reduce_kernel", reduce)
+    x, packed, wts, ids = _pairs_case(t, x_dtype, x_dtype)
+    args = [a.to(DEVICE) for a in (x, *packed, wts, ids)]
+    rows = int4.moe_int4_on_path(*args, 7.0, 2, 32, 12, True, path="decode")
+    assert isinstance(rows, int4_gemv.PairRows) and rows.shape == (t, 96) and not reduce.calls
+    summed = rows.reduce()
+    gen = torch.Generator().manual_seed(60 + t)
+    h = torch.randn(t, 40, generator=gen).to(x_dtype).to(DEVICE)
+    w = (torch.randn(96, 40, generator=gen) / 8).to(x_dtype).to(DEVICE)
+    reduce.calls.clear()
+    fused = linear.linear(h, w, add=rows)
+    assert len(reduce.calls) == (t > linear.GEMV_MAX_TOKENS)
+    want = linear.linear(h, w, add=summed)
+    tol = dict(rtol=1e-6, atol=1e-6) if x_dtype == F32 else dict(rtol=2**-7, atol=1e-3)
+    torch.testing.assert_close(fused, want, **tol)
+    assert fused.abs().max() > 0.1  # a real sum, not zeros
+    torch.testing.assert_close(ref_linear.linear(h, w, add=rows), ref_linear.linear(
+        h, w, add=summed), rtol=0, atol=0)
+    with pytest.raises(ValueError, match="add sums to"):
+        linear.linear(h[:, :32], w[:32, :32], add=rows)
 
 
 def test_decode_pairs_no_local_pair():
