@@ -26,6 +26,7 @@ from glm53.deployments.tiny_model import make_tiny
 from glm53.kernels.ref.int4 import dequantize_int4, quantize_int4
 from glm53.raycluster.config import EngineConfig
 from glm53.raycluster.engine import LLMEngine
+from tests.kernel_launches import KernelLaunches
 from tests.naive_runner import SequenceRunner, generate
 
 from .oracle import hf_greedy, hf_logits, load_hf, write_dequantized
@@ -136,19 +137,8 @@ def test_int4_decode_leaves_the_routed_sum_to_the_shared_projection(dense_tiny, 
     n_moe = sum(type(layer.mlp).__name__ == "MoE" for layer in model.layers)
     assert n_moe >= 2
 
-    class Launches:
-        """Stands in for a Triton kernel: records each launch's constexprs, then runs it."""
-
-        def __init__(self, kernel) -> None:
-            self.kernel, self.calls = kernel, []
-
-        def __getitem__(self, grid):
-            def run(*args, **meta):
-                self.calls.append(meta)
-                return self.kernel[grid](*args, **meta)
-            return run
-
-    reduces, gemvs = Launches(int4_gemv.pairs_reduce_kernel), Launches(linear.linear_gemv_kernel)
+    reduces = KernelLaunches(int4_gemv.pairs_reduce_kernel)
+    gemvs = KernelLaunches(linear.linear_gemv_kernel)
     monkeypatch.setattr(int4_gemv, "pairs_reduce_kernel", reduces)
     monkeypatch.setattr(linear, "linear_gemv_kernel", gemvs)
     logits = {}

@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from glm53.kernels.ref import int4 as ref_int4
+from tests.kernel_launches import KernelLaunches
 
 from .test_int4_ref import quantized_experts
 from .triton_util import DEVICE, needs_triton, rel_err
@@ -213,19 +214,6 @@ def test_decode_unsorted_pairs(monkeypatch, pairs_max, t, k, n_local, offset, ep
     assert rel_err(out, want) < TOL
 
 
-class _Launches:
-    """Stands in for a Triton kernel: records each launch's constexprs, then runs it."""
-
-    def __init__(self, kernel):
-        self.kernel, self.calls = kernel, []
-
-    def __getitem__(self, grid):
-        def run(*args, **meta):
-            self.calls.append(meta)
-            return self.kernel[grid](*args, **meta)
-        return run
-
-
 @pytest.mark.parametrize("bn13_min", [8, 16])
 def test_w13_columns_halve_to_their_floor(monkeypatch, bn13_min):
     """With few live pairs w13's columns per program halve down to GEMV_BN13_MIN (8: 16 rows
@@ -233,7 +221,7 @@ def test_w13_columns_halve_to_their_floor(monkeypatch, bn13_min):
     from glm53.kernels import int4, int4_gemv
 
     monkeypatch.setattr(int4_gemv, "GEMV_BN13_MIN", bn13_min)
-    w13 = _Launches(int4_gemv.w13_gemv_kernel)
+    w13 = KernelLaunches(int4_gemv.w13_gemv_kernel)
     monkeypatch.setattr(int4_gemv, "w13_gemv_kernel", w13)
     x, packed, wts, ids = _case(64, 64, 32, 1, 4, 6, seed=5)
     want = ref_int4.moe_int4(x, *packed, wts, ids, 7.0, 0, 32)
@@ -274,7 +262,7 @@ def test_decode_pairs_reduce(monkeypatch, t, x_dtype, w_dtype, split):
 
     monkeypatch.setattr(int4_gemv, "GEMV_W2_SPLIT", split)
     monkeypatch.setattr(int4_gemv, "GEMV_REDUCE_TILE", 512)
-    reduce = _Launches(int4_gemv.pairs_reduce_kernel)
+    reduce = KernelLaunches(int4_gemv.pairs_reduce_kernel)
     monkeypatch.setattr(int4_gemv, "pairs_reduce_kernel", reduce)
     empty = torch.empty
 
@@ -306,7 +294,7 @@ def test_pair_rows_summed_by_the_gemv(monkeypatch, t, x_dtype, split):
     from glm53.kernels.ref import linear as ref_linear
 
     monkeypatch.setattr(int4_gemv, "GEMV_W2_SPLIT", split)
-    reduce = _Launches(int4_gemv.pairs_reduce_kernel)
+    reduce = KernelLaunches(int4_gemv.pairs_reduce_kernel)
     monkeypatch.setattr(int4_gemv, "pairs_reduce_kernel", reduce)
     x, packed, wts, ids = _pairs_case(t, x_dtype, x_dtype)
     args = [a.to(DEVICE) for a in (x, *packed, wts, ids)]
