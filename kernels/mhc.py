@@ -53,8 +53,9 @@ MIX_LARGE, MIX_LARGE_MIN_TOKENS = (64, 32, 16), 256
 # columns a step of `hc_pre_kernel` (at 4 warps 32 a thread): a release row (4096) is one
 # step, normalised from registers
 PRE_COLUMNS = 4096
-# warps of `hc_pre_kernel`'s one program a token: at one token 6.8 us with 4, 7.1 with 8, 7.8
-# with 16 (H100, kernels_mhc_h100_da29b95.json: fewer warps, cheaper barriers in its chain)
+# warps of each of `hc_pre_kernel`'s two programs a token (gates and collapse; comb): at one
+# token, as one program, 6.8 us with 4, 7.1 with 8, 7.8 with 16 (H100,
+# kernels_mhc_h100_da29b95.json: fewer warps, cheaper barriers in its chain)
 PRE_WARPS = 4
 
 
@@ -113,16 +114,19 @@ def hc_pre_kernel(streams, mix_part, ss_part, base, scale, norm_w, post, comb, c
                   normed, rms_eps, hc_eps, norm_eps, iters, D, SPLIT, N: tl.constexpr,
                   BM: tl.constexpr, BS: tl.constexpr, BD: tl.constexpr, NORM: tl.constexpr,
                   ONE_PASS: tl.constexpr, PDL: tl.constexpr):
-    """Program i_t (PRE_WARPS: at decode one program is the whole site's latency): token i_t's
-    gates and comb from the mixing pass's parts, the collapsed block input sum_i pre_i X_i and,
-    with NORM, its RMSNorm (as `rms_norm`: the collapsed row rounded to the streams' dtype,
-    normalised in fp32, rounded, scaled). The projection's entries are picked from registers
-    (no store, barrier and load of the summed projection). ONE_PASS (D <= BD, a release row):
-    the collapsed row stays in registers for its norm (and is not stored when normed); else BD
-    columns a step, the row read back for the norm. PDL (`utils.pdl`): scale, base and the
-    norm weight are loaded before the wait for the kernel before."""
+    """Programs (i_t, 0) and (i_t, 1) (PRE_WARPS each: at decode the two are the whole site's
+    latency, side by side): token i_t's gates, and the collapsed block input sum_i pre_i X_i
+    with, if NORM, its RMSNorm (as `rms_norm`: the collapsed row rounded to the streams'
+    dtype, normalised in fp32, rounded, scaled); and its comb, whose Sinkhorn loop is a chain
+    of ~20 dependent shuffles and divisions (~2 us at one token on an H100) that the collapse
+    need not wait for, from the mixing pass's parts. The projection's entries are picked from
+    registers (no store, barrier and load of the summed projection). ONE_PASS (D <= BD, a
+    release row): the collapsed row stays in registers for its norm (and is not stored when
+    normed); else BD columns a step, the row read back for the norm. PDL (`utils.pdl`):
+    scale, base and the norm weight are loaded before the wait for the kernel before."""
     pdl_start(PDL)
     i_t = tl.program_id(0).to(tl.int64)
+    gates = tl.program_id(1) == 0
     o_s, o_m, o_i, o_d = tl.arange(0, BS), tl.arange(0, BM), tl.arange(0, N), tl.arange(0, BD)
     o_ij = o_i[:, None] * N + o_i[None, :]
     p_x = streams + i_t * N * D + o_i[:, None] * D
@@ -135,53 +139,58 @@ def hc_pre_kernel(streams, mix_part, ss_part, base, scale, norm_w, post, comb, c
     base_c = tl.load(base + 2 * N + o_ij)
     if ONE_PASS:
         m_d = o_d < D
-        b_w = tl.load(norm_w + o_d, mask=m_d & NORM, other=0.0)
+        b_w = tl.load(norm_w + o_d, mask=m_d & NORM & gates, other=0.0)
     pdl_wait(PDL)
     b_ss = tl.load(ss_part + i_t * SPLIT + o_s, mask=m_s, other=0.0)
     b_mix = tl.load(mix_part + (i_t * SPLIT + o_s[:, None]) * BM + o_m[None, :],
                     mask=m_s[:, None], other=0.0)
-    if ONE_PASS:
-        b_x = tl.load(p_x + o_d[None, :], mask=m_d[None, :], other=0.0)
+    if ONE_PASS:  # (the comb's program reads no streams)
+        b_x = tl.load(p_x + o_d[None, :], mask=m_d[None, :] & gates, other=0.0)
     b_ss, b_mix = tl.sum(b_ss, 0), tl.sum(b_mix, 0)
     b_r = 1.0 / tl.sqrt(b_ss / (N * D) + rms_eps)
-    b_pre = tl.sigmoid(pick(b_mix, o_m, o_i, 1) * b_r * s0 + base_pre) + hc_eps
-    b_post = 2.0 * tl.sigmoid(pick(b_mix, o_m, N + o_i, 1) * b_r * s1 + base_post)
-    b_c = pick(b_mix, o_m, 2 * N + o_ij, 2) * b_r * s2 + base_c
-    b_c = tl.exp(b_c - tl.max(b_c, 1)[:, None])
-    b_c = b_c / tl.sum(b_c, 1)[:, None] + hc_eps
-    b_c = b_c / (tl.sum(b_c, 0)[None, :] + hc_eps)
-    for _ in range(iters - 1):
-        b_c = b_c / (tl.sum(b_c, 1)[:, None] + hc_eps)
+    if not gates:
+        b_c = pick(b_mix, o_m, 2 * N + o_ij, 2) * b_r * s2 + base_c
+        b_c = tl.exp(b_c - tl.max(b_c, 1)[:, None])
+        b_c = b_c / tl.sum(b_c, 1)[:, None] + hc_eps
         b_c = b_c / (tl.sum(b_c, 0)[None, :] + hc_eps)
-    tl.store(post + i_t * N + o_i, b_post)
-    tl.store(comb + i_t * N * N + o_ij, b_c)
-    if ONE_PASS:
-        b_u = tl.sum(b_pre[:, None] * b_x.to(tl.float32), 0).to(collapsed.dtype.element_ty)
-        if NORM:
-            b_uf = b_u.to(tl.float32)
-            b_n = 1.0 / tl.sqrt(tl.sum(b_uf * b_uf, 0) / D + norm_eps)
-            b_y = (b_uf * b_n).to(collapsed.dtype.element_ty).to(tl.float32)
-            tl.store(normed + i_t * D + o_d, (b_y * b_w.to(tl.float32)).to(
-                normed.dtype.element_ty), mask=m_d)
-        else:
-            tl.store(collapsed + i_t * D + o_d, b_u, mask=m_d)
+        for _ in range(iters - 1):
+            b_c = b_c / (tl.sum(b_c, 1)[:, None] + hc_eps)
+            b_c = b_c / (tl.sum(b_c, 0)[None, :] + hc_eps)
+        tl.store(comb + i_t * N * N + o_ij, b_c)
     else:
-        b_uu = tl.zeros([BD], dtype=tl.float32)
-        for d0 in range(0, D, BD):
-            m_d = d0 + o_d < D
-            b_x = tl.load(p_x + d0 + o_d[None, :], mask=m_d[None, :], other=0.0)
+        b_pre = tl.sigmoid(pick(b_mix, o_m, o_i, 1) * b_r * s0 + base_pre) + hc_eps
+        b_post = 2.0 * tl.sigmoid(pick(b_mix, o_m, N + o_i, 1) * b_r * s1 + base_post)
+        tl.store(post + i_t * N + o_i, b_post)
+        if ONE_PASS:
             b_u = tl.sum(b_pre[:, None] * b_x.to(tl.float32), 0).to(collapsed.dtype.element_ty)
-            tl.store(collapsed + i_t * D + d0 + o_d, b_u, mask=m_d)
-            b_uu += b_u.to(tl.float32) * b_u.to(tl.float32)
-        if NORM:
-            b_n = 1.0 / tl.sqrt(tl.sum(b_uu, 0) / D + norm_eps)
-            tl.debug_barrier()  # the row written above, read back by other threads
+            if NORM:
+                b_uf = b_u.to(tl.float32)
+                b_n = 1.0 / tl.sqrt(tl.sum(b_uf * b_uf, 0) / D + norm_eps)
+                b_y = (b_uf * b_n).to(collapsed.dtype.element_ty).to(tl.float32)
+                tl.store(normed + i_t * D + o_d, (b_y * b_w.to(tl.float32)).to(
+                    normed.dtype.element_ty), mask=m_d)
+            else:
+                tl.store(collapsed + i_t * D + o_d, b_u, mask=m_d)
+        else:
+            b_uu = tl.zeros([BD], dtype=tl.float32)
             for d0 in range(0, D, BD):
                 m_d = d0 + o_d < D
-                b_u = tl.load(collapsed + i_t * D + d0 + o_d, mask=m_d, other=0.0)
-                b_y = (b_u.to(tl.float32) * b_n).to(collapsed.dtype.element_ty).to(tl.float32)
-                b_y = b_y * tl.load(norm_w + d0 + o_d, mask=m_d, other=0.0).to(tl.float32)
-                tl.store(normed + i_t * D + d0 + o_d, b_y.to(normed.dtype.element_ty), mask=m_d)
+                b_x = tl.load(p_x + d0 + o_d[None, :], mask=m_d[None, :], other=0.0)
+                b_u = tl.sum(b_pre[:, None] * b_x.to(tl.float32), 0).to(
+                    collapsed.dtype.element_ty)
+                tl.store(collapsed + i_t * D + d0 + o_d, b_u, mask=m_d)
+                b_uu += b_u.to(tl.float32) * b_u.to(tl.float32)
+            if NORM:
+                b_n = 1.0 / tl.sqrt(tl.sum(b_uu, 0) / D + norm_eps)
+                tl.debug_barrier()  # the row written above, read back by other threads
+                for d0 in range(0, D, BD):
+                    m_d = d0 + o_d < D
+                    b_u = tl.load(collapsed + i_t * D + d0 + o_d, mask=m_d, other=0.0)
+                    b_y = (b_u.to(tl.float32) * b_n).to(collapsed.dtype.element_ty).to(
+                        tl.float32)
+                    b_y = b_y * tl.load(norm_w + d0 + o_d, mask=m_d, other=0.0).to(tl.float32)
+                    tl.store(normed + i_t * D + d0 + o_d, b_y.to(normed.dtype.element_ty),
+                             mask=m_d)
 
 
 def _mix_tile(n_tok: int) -> tuple[int, int, int]:
@@ -246,7 +255,7 @@ def _gates(streams, mix_part, ss_part, base, scale, rms_eps, hc_eps, sinkhorn_it
         bd = min(next_pow2(d), PRE_COLUMNS)
         base32, scale32 = base.float().contiguous(), scale.float().contiguous()
         on = pdl_early(dev, (base, base32), (scale, scale32))
-        hc_pre_kernel[(n_tok,)](streams, mix_part, ss_part, base32, scale32,
+        hc_pre_kernel[(n_tok, 2)](streams, mix_part, ss_part, base32, scale32,
                                 norm_weight if norm else collapsed,
                                 post, comb, collapsed, out, rms_eps, hc_eps, float(norm_eps),
                                 sinkhorn_iters, d, split, N=n, BM=bm, BS=next_pow2(split),
