@@ -89,10 +89,15 @@ def apply_token_bitmask(logits: torch.Tensor, bitmask: np.ndarray) -> torch.Tens
     return logits.masked_fill(~allowed[:, :vocab], float("-inf"))
 
 
-def _device(arrays: list[np.ndarray], dtype: type, device: torch.device) -> list[torch.Tensor]:
-    """Copy same-length arrays to the device as one packed transfer; one tensor per array."""
-    packed = to_device(np.stack(arrays).astype(dtype), device)
-    return list(packed.unbind(0))
+def _device(floats: list[np.ndarray], ints: list[np.ndarray],
+            device: torch.device) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """fp32 copies of `floats` and int64 copies of `ints` (1-D, any lengths) on the device, in
+    one transfer (each copy outside the step's graph is a gap in the device's queue)."""
+    i = np.concatenate([a.astype(np.int64) for a in ints] + [np.zeros(0, np.int64)])
+    f = np.concatenate([a.astype(np.float32) for a in floats] + [np.zeros(0, np.float32)])
+    packed = to_device(np.concatenate([i.view(np.uint8), f.view(np.uint8)]), device)
+    return (list(packed[i.nbytes:].view(torch.float32).split([len(a) for a in floats])),
+            list(packed[:i.nbytes].view(torch.int64).split([len(a) for a in ints])))
 
 
 def gather_logprobs(logprobs: torch.Tensor, ids: torch.Tensor, k: int) -> Logprobs:
@@ -139,22 +144,18 @@ class Sampler:
             logits = apply_token_bitmask(logits, s.token_bitmask)
         if np.any((s.presence_penalty != 0) | (s.frequency_penalty != 0)
                   | (s.repetition_penalty != 1)):
-            parts = [s.prompt_ids, s.prompt_offsets, s.output_ids, s.output_offsets]
-            ragged = to_device(np.concatenate(parts).astype(np.int64), device)
-            prompt_ids, prompt_offsets, output_ids, output_offsets = ragged.split(
-                [len(p) for p in parts])
-            presence, frequency, repetition = _device(
-                [s.presence_penalty, s.frequency_penalty, s.repetition_penalty], np.float32,
-                device)
+            (presence, frequency, repetition), (
+                prompt_ids, prompt_offsets, output_ids, output_offsets) = _device(
+                [s.presence_penalty, s.frequency_penalty, s.repetition_penalty],
+                [s.prompt_ids, s.prompt_offsets, s.output_ids, s.output_offsets], device)
             logits = ops.apply_penalties(logits, presence, frequency, repetition, prompt_ids,
                                          prompt_offsets, output_ids, output_offsets)
         if np.all(s.temperature == 0):
             processed = logits
             ids = logits.argmax(dim=-1) if out is None else torch.argmax(logits, -1, out=out)
         else:
-            temperature, top_p, min_p = _device([s.temperature, s.top_p, s.min_p], np.float32,
-                                                device)
-            top_k, seeds, positions = _device([s.top_k, s.seeds, s.positions], np.int64, device)
+            (temperature, top_p, min_p), (top_k, seeds, positions) = _device(
+                [s.temperature, s.top_p, s.min_p], [s.top_k, s.seeds, s.positions], device)
             processed = ops.process_logits(logits, temperature, top_k, top_p, min_p)
             ids = ops.sample(processed, temperature, seeds, positions)
             if out is not None:
