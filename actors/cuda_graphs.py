@@ -160,6 +160,8 @@ class StaticInputs:
         self.block_size, self.pad_slot, self.device = block_size, pad_slot, device
         pin = device.type == "cuda"
         self.layouts: dict[tuple[int, int], StepLayout] = {}
+        # (mirror, b, w) -> its fields as numpy arrays
+        self.host_fields: dict[tuple[int, int, int], dict[str, np.ndarray]] = {}
         nbytes = self.layout(max_seqs, max_width).nbytes
         # two host mirrors, used in turn: a step is loaded while the one before it may still
         # be copying from its mirror (overlapped execution keeps at most two steps in flight)
@@ -279,8 +281,12 @@ class StaticInputs:
         n = 0 if step is None else len(step.state_ids)
         real = n * w
         host = self.mirrors[self.turn]
+        key = (self.turn, b, w)
+        if key not in self.host_fields:  # numpy views of the mirror, made once
+            self.host_fields[key] = {name: v.numpy()
+                                     for name, v in self._fields(host, b, w).items()}
+        f = self.host_fields[key]
         self.turn ^= 1
-        f = {name: v.numpy() for name, v in self._fields(host, b, w).items()}
         pad_pos = np.tile(np.arange(w, dtype=np.int64), b - n)
         f["token_ids"][real:] = 0
         f["positions"][real:] = pad_pos
