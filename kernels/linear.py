@@ -103,6 +103,14 @@ def linear_gemv_kernel(x, w, out, add, T, N, K, stride_x, stride_o, stride_a, li
     b_w = tl.load(p_w, mask=m_w, other=0.0)
     pdl_wait(PDL)
     b_x = tl.load(p_x, mask=m_x, other=0.0)
+    # what the epilogue adds, read now: its latency hides behind the K loop (ADD never comes
+    # with SWIGLU, so these are the output's rows)
+    if ADD == 1:
+        b_add = tl.load(add + o_t[:, None] * stride_a + o_n[None, :],
+                        mask=m_t[:, None] & m_n[None, :]).to(tl.float32)
+    if ADD == 2:
+        b_add = pair_rows_sum(add, a_ids, a_wts, a_off, a_local, o_t, m_t, o_n, m_n, N, A_K,
+                              A_SPLIT, A_BR, out.dtype.element_ty)
     acc = tl.zeros([BT, BN, BK], dtype=tl.float32)
     for k in range(BK, K, BK):
         # the next step's tiles before this step's products
@@ -124,11 +132,8 @@ def linear_gemv_kernel(x, w, out, add, T, N, K, stride_x, stride_o, stride_a, li
         o_n = i_n * (BN // 2) + tl.arange(0, BN // 2)
         m_n = o_n < N // 2
     m_y = m_t[:, None] & m_n[None, :]
-    if ADD == 1:
-        y += tl.load(add + o_t[:, None] * stride_a + o_n[None, :], mask=m_y).to(tl.float32)
-    if ADD == 2:
-        y += pair_rows_sum(add, a_ids, a_wts, a_off, a_local, o_t, m_t, o_n, m_n, N, A_K,
-                           A_SPLIT, A_BR, out.dtype.element_ty)
+    if ADD != 0:
+        y += b_add
     tl.store(out + o_t[:, None] * stride_o + o_n[None, :], y.to(out.dtype.element_ty), mask=m_y)
 
 
