@@ -10,12 +10,12 @@ The sampled ids of the last step stay on the device: a step scheduled before tha
 reached the engine (overlapped scheduling) names the tokens it needs by their sample rows
 (`StepInput.placeholder_rows` / `placeholder_sources`), and they are copied there on the device,
 after the step's own inputs: by the graph's first nodes from where the sampler wrote them
-(`StaticInputs.samples`), or for an eager step by a gather. A speculative step scheduled so (`previous_seqs`) is settled on the
-host from the last step's output, which acceptance has brought there anyway (overlap.py), except
-for its sequences that verified no drafts: their samples are their tokens, filled like a plain
-step's. A graphed speculative step in which no sequence verifies or proposes a draft (adaptive
-draft length at width 0) is not waited for at all: its MTP cache pass reads the samples on the
-device.
+(`StaticInputs.samples`), or for an eager step by a gather. A speculative step scheduled so
+(`previous_seqs`) is settled on the host from the last step's output, which acceptance has
+brought there anyway (overlap.py), except for its sequences that verified no drafts: their
+samples are their tokens, filled like a plain step's. A graphed speculative step in which no
+sequence verifies or proposes a draft (adaptive draft length at width 0) is not waited for at
+all: its MTP cache pass reads the samples on the device.
 
 `execute` is `launch` then `finish`. An executor that overlaps steps (raycluster's
 StepPipeline) launches step N+1 before it finishes step N, so the device never waits for the
