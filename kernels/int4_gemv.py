@@ -61,7 +61,7 @@ GEMV_MAX_TOKENS = 128
 # block, quartered at 4: registers), words of 8 codes per K step (at most; inside one group),
 # warps
 GEMV_BN13, GEMV_BN2, GEMV_BKW, GEMV_WARPS = 64, 128, 16, 4
-# steps of words loaded ahead of the arithmetic (1 or 2; `gemv_rows`)
+# steps of words loaded ahead of the arithmetic (1 to 4; `gemv_rows`)
 GEMV_AHEAD = 1
 # warps and steps ahead of a one-token launch (the batch-1 decode step): EP rank 0's ~4 live
 # pairs (moe_4bit.py --ep2) took 0.0535 ms with 8 warps and 2 steps ahead against 0.0629 with
@@ -118,13 +118,13 @@ def gemv_rows(p_w, p_s, p_z, p_x0, p_x1, p_x2, p_x3, w0, n_steps, one, GW: tl.co
     over K once at the end. p_w, p_s, p_z: [BN] pointers to each weight row's word w0 (int32, 8
     codes; the row's next BKW words lie WS * BKW words on: WS 1 row-major, TILE_ROWS tiled,
     see `word_rows`) and to its first scale / zero; p_xm: row m's input at column 8 w0. Each
-    step of BKW words lies inside one group (GW words), so a row has one (scale, zero) per step, and
-    x . (code * s + z) = 16 s (x . (1 + code / 16)) + (z - 16 s) sum(x): the codes enter as
+    step of BKW words lies inside one group (GW words), so a row has one (scale, zero) per step,
+    and x . (code * s + z) = 16 s (x . (1 + code / 16)) + (z - 16 s) sum(x): the codes enter as
     `nibble_f32` and are scaled once per step per row; the zero terms need only each step's
     sum(x) (`step_sums`) and are added after the loop, which thus reads no zeros and sums no
-    inputs. The words and scales of the step AHEAD (1 or 2) steps on are loaded
-    before this step's arithmetic (in flight while it runs: two keep twice the weight bytes in
-    flight per program at the cost of one more step of registers)."""
+    inputs. The words and scales of the step AHEAD (1 to 4) steps on are loaded
+    before this step's arithmetic (in flight while it runs: each step ahead keeps one more
+    step of weight bytes in flight per program, for one more step of registers)."""
     c = tl.arange(0, BKW)
     a0 = tl.zeros([BN, BKW], dtype=tl.float32)
     a1 = tl.zeros([BN, BKW], dtype=tl.float32)
@@ -132,11 +132,17 @@ def gemv_rows(p_w, p_s, p_z, p_x0, p_x1, p_x2, p_x3, w0, n_steps, one, GW: tl.co
     a3 = tl.zeros([BN, BKW], dtype=tl.float32)
     w = tl.load(p_w[:, None] + c[None, :])
     s = tl.load(p_s + w0 // GW).to(tl.float32)
-    # the step after this one (unused when AHEAD is 1)
+    # the steps after this one, up to AHEAD - 1 of them (w_1 unused when AHEAD is 1)
     w_1 = tl.load(p_w[:, None] + (WS * BKW + c)[None, :], mask=(n_steps > 1) & (AHEAD > 1),
                   other=0)
     s_1 = tl.load(p_s + (w0 + BKW) // GW, mask=(n_steps > 1) & (AHEAD > 1), other=0.0)
     s_1 = s_1.to(tl.float32)
+    if AHEAD > 2:
+        w_2 = tl.load(p_w[:, None] + (WS * 2 * BKW + c)[None, :], mask=n_steps > 2, other=0)
+        s_2 = tl.load(p_s + (w0 + 2 * BKW) // GW, mask=n_steps > 2, other=0.0).to(tl.float32)
+    if AHEAD > 3:
+        w_3 = tl.load(p_w[:, None] + (WS * 3 * BKW + c)[None, :], mask=n_steps > 3, other=0)
+        s_3 = tl.load(p_s + (w0 + 3 * BKW) // GW, mask=n_steps > 3, other=0.0).to(tl.float32)
     for t in range(n_steps):
         kw = t * BKW
         more = t + AHEAD < n_steps
@@ -163,10 +169,14 @@ def gemv_rows(p_w, p_s, p_z, p_x0, p_x1, p_x2, p_x3, w0, n_steps, one, GW: tl.co
         if BM > 2:
             a2 += s[:, None] * p2
             a3 += s[:, None] * p3
-        if AHEAD > 1:
-            w, s, w_1, s_1 = w_1, s_1, w_nx, s_nx
-        else:
+        if AHEAD == 1:
             w, s = w_nx, s_nx
+        elif AHEAD == 2:
+            w, s, w_1, s_1 = w_1, s_1, w_nx, s_nx
+        elif AHEAD == 3:
+            w, s, w_1, s_1, w_2, s_2 = w_1, s_1, w_2, s_2, w_nx, s_nx
+        else:
+            w, s, w_1, s_1, w_2, s_2, w_3, s_3 = w_1, s_1, w_2, s_2, w_3, s_3, w_nx, s_nx
     # the zero terms: sum over steps t of (z - 16 s)[n, t] sum(x_m over step t)
     o_t = tl.arange(0, NS)
     m_t = (o_t < n_steps)[None, :]

@@ -21,8 +21,9 @@
 #          row-major int4 and tiled int4 (int4t) at 1, 8 and 64 tokens, and int4's dot-free
 #          against its tl.dot variant at 32 and 64 tokens (GEMV_MAX_TOKENS 128 vs 16), and
 #          the one-token launch's warps and steps ahead for 288 experts and for EP rank 0
-# int4one: that last sweep alone (the batch-1 step's expert launch: warps, steps ahead and
-#          GEMV_BN13_MIN, for 288 experts and for EP rank 0)
+# int4one: that last sweep alone (the batch-1 step's expert launch: warps, steps ahead (2-4:
+#          bytes in flight, since the one-token launch is latency-bound) and GEMV_BN13_MIN, for
+#          288 experts and for EP rank 0)
 # gemv:    rank 0's dense projections, cuBLAS vs the Triton GEMV at 1, 2 and 4 rows
 #          (benchmarks/dense_gemv.py), then the GEMV's tile constants swept at one row
 # int4dot: the tl.dot variant's blocks (DOT_BM_MAX 16 or 64, DOT_TILE) and dequantisation
@@ -113,7 +114,7 @@ case $stage in
   int4one)
     for ep in "" --ep2; do
       python benchmarks/moe_4bit.py $ep --formats int4 --tokens 1 --repeats 5 --int4-sweep \
-        --sweep-tokens 1 --sweep GEMV_WARPS_1=4,8 --sweep GEMV_AHEAD_1=1,2 --sweep GEMV_BN13=64 \
+        --sweep-tokens 1 --sweep GEMV_WARPS_1=4,8 --sweep GEMV_AHEAD_1=2,3,4 --sweep GEMV_BN13=64 \
         --sweep GEMV_BN13_MIN=8,16 \
         --sweep GEMV_BN2=128 --sweep GEMV_WARPS=4 --sweep GEMV_PROGRAMS_PER_SM=4 \
         --sweep GEMV_AHEAD=1 --commit "$commit" \

@@ -396,6 +396,8 @@ def _cases(arch: int) -> dict[str, Callable[[], object]]:
             int4, int4_call(200, "decode"), DOT_BM_MAX=16),
         "int4 moe decode 2048 tokens (tl.dot, 64 rows a block)": int4_call(2048, "decode"),
         "int4 moe decode 1 token": int4_call(1, "decode"),
+        "int4 moe decode 1 token, 4 steps ahead": with_constants(
+            int4_gemv, int4_call(1, "decode"), GEMV_AHEAD_1=4),
         "int4 moe decode 64 tokens": int4_call(64, "decode"),
         "int4 moe prefill 8 tokens": int4_call(8, "prefill", e=2),
         "int4 moe decode 1 token, tiled codes": int4_tiled_call(1),

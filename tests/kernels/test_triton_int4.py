@@ -107,13 +107,15 @@ def test_switch_rule_and_bad_path(monkeypatch):
 # variant: (DECODE_GEMV table, GEMV_AHEAD)
 GEMV = {"dot": ((), 1), "gemv1": (((10**9, 1),), 1), "gemv2": (((10**9, 2),), 1),
         "gemv4": (((10**9, 4),), 1), "gemv1-ahead2": (((10**9, 1),), 2),
-        "gemv4-ahead2": (((10**9, 4),), 2)}
+        "gemv4-ahead2": (((10**9, 4),), 2), "gemv1-ahead3": (((10**9, 1),), 3),
+        "gemv2-ahead4": (((10**9, 2),), 4)}
 
 
 @pytest.mark.parametrize("variant", list(GEMV))
 @pytest.mark.parametrize("d,inter,group_size,t,k,n_local,split", [
     (96, 48, 128, 9, 3, 3, None),  # g2 48: 2-word steps; ~4.5 rows per local expert
     (64, 128, 32, 5, 2, 3, 4),     # w2: 4 steps of 4 words in 4 splits (w13: 2 of 4 each)
+    (256, 64, 32, 3, 2, 3, None),  # w13: 8 steps of 4 words (every step-ahead ring turns)
 ])
 def test_decode_variants(monkeypatch, variant, d, inter, group_size, t, k, n_local, split):
     from glm53.kernels import int4, int4_gemv
