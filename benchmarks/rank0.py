@@ -156,7 +156,7 @@ def graph_replay_ms(model, caches, batch: int, context: int, tables,
 def graph_ms_pdl_off(model, caches, batch: int, context: int, tables) -> float:
     """`graph_replay_ms` with every kernel launched without programmatic dependent launch."""
     pdl_on = kernel_utils.PDL
-    kernel_utils.PDL = False
+    kernel_utils.PDL = frozenset()
     try:
         return graph_replay_ms(model, caches, batch, context, tables)[0]
     finally:

@@ -388,7 +388,7 @@ class PairRows(NamedTuple):
             out = torch.empty((n_tok, d), dtype=self.dtype, device=self.partial.device)
         br = next_pow2(self.k * self.split)
         bn = max(16, min(next_pow2(d), GEMV_REDUCE_TILE // br))
-        on = pdl(self.partial.device)
+        on = pdl(self.partial.device, "int4")
         pairs_reduce_kernel[(n_tok, triton.cdiv(d, bn))](
             self.partial, self.ids, self.weights, out, d, self.expert_offset, self.num_local,
             K=self.k, SPLIT=self.split, BR=br, BN=bn, PDL=on, launch_pdl=on,
@@ -452,7 +452,7 @@ def launch(x, w13, w2, g13, g2, bm, blocks, tok32, wts, n_blk, n_hit, limit, out
     ahead = GEMV_AHEAD if ahead is None else ahead
     d, inter = x.shape[1], q13.shape[1] // 2
     n_pairs = n_blk * bm if pairs else tok32.numel()
-    on = pdl(x.device)
+    on = pdl(x.device, "int4")
     act = torch.empty((n_pairs, inter), dtype=torch.float32, device=x.device)
     k, e_off, n_local = pairs or (1, 0, q13.shape[0])
     # words (8 codes) per group; steps of BKW words inside one group

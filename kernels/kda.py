@@ -412,7 +412,7 @@ def gated_rms_norm(
     x2, z2 = x.reshape(-1, dv).contiguous(), gate.reshape(-1, dv).contiguous()
     y = torch.empty_like(x2)
     if x2.shape[0]:
-        on = pdl(x2.device)
+        on = pdl(x2.device, "kda")
         gated_rms_norm_kernel[(x2.shape[0],)](x2, z2, weight, y, eps, dv, BD=next_pow2(dv),
                                               PDL=on, launch_pdl=on)
     return y.view(x.shape)

@@ -162,7 +162,7 @@ def kda_mixer(
     else:  # nothing to replay: the kernel stores none of them (o stands in, same dtype)
         q = k = v = g = beta = o
     if n_seq:
-        on = pdl(pre.device)
+        on = pdl(pre.device, "kda")
         bk, bv = next_pow2(dk), min(next_pow2(dv), 8 if INTERPRET else 16)
         kda_mixer_kernel[(triton.cdiv(dv, bv), heads, n_seq)](
             pre, conv_weight, conv_state, gate_logits, dt_bias, a_log, beta_logits, state, o,

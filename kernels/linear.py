@@ -163,7 +163,7 @@ def _launch(x2, weight, y, add2: torch.Tensor | PairRows | None, limit, swiglu):
         # head weights) the kernel's own load widens it exactly: no cast launch
         x2 = x2.to(weight.dtype)
     bt, bn, bk = gemv_tile(t, n, k, x2.device)
-    on = pdl(x2.device)
+    on = pdl(x2.device, "linear")
     pairs = add2 if isinstance(add2, PairRows) else None
     if pairs is not None:
         add2 = pairs.partial

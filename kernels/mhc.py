@@ -229,7 +229,7 @@ def hc_pre(
     mix_part = torch.empty((n_tok, split, bm), dtype=torch.float32, device=streams.device)
     ss_part = torch.empty((n_tok, split), dtype=torch.float32, device=streams.device)
     fn32 = fn.float().contiguous()
-    on = pdl_early(streams.device, (fn, fn32))
+    on = pdl_early(streams.device, "mhc", (fn, fn32))
     if n_tok:
         hc_mix_kernel[(split, triton.cdiv(n_tok, bt))](
             streams, fn32, mix_part, ss_part, n_tok, nd, split, M=m, BM=bm, BC=bc, BT=bt,
@@ -254,7 +254,7 @@ def _gates(streams, mix_part, ss_part, base, scale, rms_eps, hc_eps, sinkhorn_it
     if n_tok:
         bd = min(next_pow2(d), PRE_COLUMNS)
         base32, scale32 = base.float().contiguous(), scale.float().contiguous()
-        on = pdl_early(dev, (base, base32), (scale, scale32))
+        on = pdl_early(dev, "mhc", (base, base32), (scale, scale32))
         hc_pre_kernel[(n_tok, 2)](streams, mix_part, ss_part, base32, scale32,
                                 norm_weight if norm else collapsed,
                                 post, comb, collapsed, out, rms_eps, hc_eps, float(norm_eps),
@@ -383,7 +383,7 @@ def hc_post_pre(
     mix_part = torch.empty((n_tok, split, bm), dtype=torch.float32, device=streams.device)
     ss_part = torch.empty((n_tok, split), dtype=torch.float32, device=streams.device)
     fn32 = fn.float().contiguous()
-    on = pdl_early(streams.device, (fn, fn32))
+    on = pdl_early(streams.device, "mhc", (fn, fn32))
     if n_tok:
         hc_post_mix_kernel[(split, n_tok)](streams, block_out, post, comb, out,
                                            fn32, mix_part, ss_part, d, n * d,

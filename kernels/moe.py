@@ -57,7 +57,7 @@ def router_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     if n_tok > ROUTER_GEMV_MAX_TOKENS or x.stride(1) != 1:
         return ref_moe.router_logits(x, weight)
     w32 = weight.float().contiguous()
-    on = pdl_early(x.device, (weight, w32))
+    on = pdl_early(x.device, "router", (weight, w32))
     out = torch.empty((n_tok, w32.shape[0]), dtype=torch.float32, device=x.device)
     if n_tok:
         router_logits_kernel[(w32.shape[0],)](x, w32, out, n_tok, w32.shape[0], d, x.stride(0),
@@ -111,7 +111,7 @@ def route_topk(
     weights = torch.empty((n_tok, top_k), dtype=torch.float32, device=router_logits.device)
     ids = torch.empty((n_tok, top_k), dtype=torch.int64, device=router_logits.device)
     bias = correction_bias.contiguous()
-    on = pdl_early(router_logits.device, (correction_bias, bias))
+    on = pdl_early(router_logits.device, "router", (correction_bias, bias))
     if n_tok:
         route_topk_kernel[(n_tok,)](router_logits, bias, weights, ids, n_exp,
                                     router_logits.stride(0), float(scaling), K=top_k,

@@ -17,13 +17,34 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
-# programmatic dependent launch (`pdl`): on with GLM53_PDL=1. On an H100 its gpu tests pass
-# and the 24-layer rank-0 replay took 4.45 ms against 4.56 without at batch 1 (45.95 / 46.07
-# at 64: rank0_l24_h100_int4_pdl_da29b95.json), but with it on, an equality test of the
-# overlapped graph engine against the eager one (test_gpu_cuda_graphs.py, adaptive widths)
-# failed in 1 run of 6 at 1346cd0, its failing assert not captured: off by default until
-# `scripts/gpu_check.sh graphs` says whether PDL is the cause
-PDL = os.environ.get("GLM53_PDL", "0") == "1"
+# the kernel families that may launch with programmatic dependent launch (`pdl`), by module:
+# the dense GEMV, the int4 experts' launches, the mHC sites, the router and its top-k, the
+# KDA mixer and gated norm
+PDL_FAMILIES = ("linear", "int4", "mhc", "router", "kda")
+
+
+def pdl_families(setting: str) -> frozenset[str]:
+    """The families GLM53_PDL turns on: "0" (or empty) none, "1" all, else a comma-separated
+    list of PDL_FAMILIES (to find which family a fault follows)."""
+    setting = setting.strip()
+    if setting in ("", "0"):
+        return frozenset()
+    if setting == "1":
+        return frozenset(PDL_FAMILIES)
+    names = frozenset(name.strip() for name in setting.split(","))
+    if unknown := names - set(PDL_FAMILIES):
+        raise ValueError(f"GLM53_PDL={setting!r}: unknown kernel families {sorted(unknown)}; "
+                         f"give 0, 1 or a comma-separated list of {', '.join(PDL_FAMILIES)}")
+    return names
+
+
+# programmatic dependent launch (`pdl`): on with GLM53_PDL=1 (or for some families). On an
+# H100 its gpu tests pass and the 24-layer rank-0 replay took 4.45 ms against 4.56 without at
+# batch 1 (45.95 / 46.07 at 64: rank0_l24_h100_int4_pdl_da29b95.json), but with it on, an
+# equality test of the overlapped graph engine against the eager one (test_gpu_cuda_graphs.py,
+# adaptive widths) failed in 1 run of 6 at 1346cd0, its failing assert not captured: off by
+# default until `scripts/gpu_check.sh graphs` says whether PDL is the cause, and which family
+PDL = pdl_families(os.environ.get("GLM53_PDL", "0"))
 
 
 @functools.cache
@@ -50,7 +71,7 @@ def is_sm120(device: torch.device) -> bool:
     return not INTERPRET and device_capability(device)[0] == 12
 
 
-def pdl(device: torch.device) -> bool:
+def pdl(device: torch.device, family: str) -> bool:
     """Whether decode kernels on `device` launch with programmatic dependent launch (sm_90+):
     such a kernel is let onto the SMs while the one before it in the stream still runs (every
     one of its programs has called `pdl_start`), and waits in `pdl_wait` for it to finish and
@@ -59,15 +80,18 @@ def pdl(device: torch.device) -> bool:
     overlaps the tail of the last. A kernel launched so must call `pdl_wait` before it reads
     anything an earlier kernel wrote and before it writes anything (an earlier kernel may still
     read it); kernels after it need nothing: they start when it ends, after its wait. Never in
-    the interpreter (inline PTX) or off CUDA, nor unless `PDL` (GLM53_PDL=1)."""
-    return PDL and not INTERPRET and device.type == "cuda" and device_capability(device)[0] >= 9
+    the interpreter (inline PTX) or off CUDA, nor unless `family` (PDL_FAMILIES) is in `PDL`
+    (GLM53_PDL)."""
+    return (family in PDL and not INTERPRET and device.type == "cuda"
+            and device_capability(device)[0] >= 9)
 
 
-def pdl_early(device: torch.device, *operands: tuple[torch.Tensor, torch.Tensor]) -> bool:
-    """`pdl(device)` for a kernel that reads some operands before its wait: each (given, passed)
-    pair must be one tensor, the caller's own (a weight), not a cast copy that the kernel just
-    before has made."""
-    return pdl(device) and all(given is passed for given, passed in operands)
+def pdl_early(device: torch.device, family: str,
+              *operands: tuple[torch.Tensor, torch.Tensor]) -> bool:
+    """`pdl(device, family)` for a kernel that reads some operands before its wait: each
+    (given, passed) pair must be one tensor, the caller's own (a weight), not a cast copy that
+    the kernel just before has made."""
+    return pdl(device, family) and all(given is passed for given, passed in operands)
 
 
 @triton.jit

@@ -39,7 +39,8 @@
 #          64) captured with it and without (rank0.py --graph-only --compare-pdl)
 # graphs:  the graph engine's equality tests (tests/actors/test_gpu_cuda_graphs.py, after the
 #          kernel tests in one process, as the run that saw one fail) GRAPHS_REPEAT (4) times
-#          with GLM53_PDL=1 and as many without: a count of failures each way
+#          with GLM53_PDL=1 and as many without: a count of failures each way (GRAPHS_PDL sets
+#          the settings, e.g. "linear int4 mhc router kda": one kernel family's PDL at a time)
 # serving: benchmarks/vision.py, prefix_cache.py --slice (10-turn chat) and adaptive.py --slice
 # adaptive: adaptive.py --slice alone (ADAPTIVE_ARGS passed on)
 # Results go to $OUT (the device tool's return folder) or ./gpu_out.
@@ -157,13 +158,14 @@ case $stage in
       --json "$out/rank0_l24_${dev}_int4_pdl_$commit.json" 2>&1 | grep "^{'phase'" \
       | cut -c1-300 ;;
   graphs)
-    for pdl in 1 0; do
-      failed=0
+    # GRAPHS_PDL: the GLM53_PDL settings in turn (1, 0, or families to bisect: "int4 mhc")
+    for pdl in ${GRAPHS_PDL:-1 0}; do
+      failed=0 log=$out/graphs_pdl${pdl//,/+}
       for i in $(seq "${GRAPHS_REPEAT:-4}"); do
         GLM53_PDL=$pdl python -m pytest -m gpu -q -p no:cacheprovider \
           tests/kernels/test_gpu_kernels.py tests/actors/test_gpu_cuda_graphs.py \
-          > "$out/graphs_pdl${pdl}_$i.log" 2>&1 || failed=$((failed + 1))
-        grep -E "^E |^FAILED|passed|failed" "$out/graphs_pdl${pdl}_$i.log" | tail -n 12
+          > "${log}_$i.log" 2>&1 || failed=$((failed + 1))
+        grep -E "^E |^FAILED|passed|failed" "${log}_$i.log" | tail -n 12
       done
       echo "GLM53_PDL=$pdl: $failed of ${GRAPHS_REPEAT:-4} runs failed"
     done ;;

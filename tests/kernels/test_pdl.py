@@ -20,19 +20,47 @@ def test_pdl_only_on_a_hopper_or_later_gpu_and_when_asked(monkeypatch):
     from glm53.kernels import utils
 
     cuda = torch.device("cuda", 0)
+    every = utils.pdl_families("1")
     monkeypatch.setattr(utils, "device_capability", lambda device: (9, 0))
     monkeypatch.setattr(utils, "INTERPRET", False)
-    monkeypatch.setattr(utils, "PDL", True)
-    assert utils.pdl(cuda) and not utils.pdl(torch.device("cpu"))
+    monkeypatch.setattr(utils, "PDL", every)
+    assert utils.pdl(cuda, "linear") and not utils.pdl(torch.device("cpu"), "linear")
     monkeypatch.setattr(utils, "device_capability", lambda device: (8, 0))
-    assert not utils.pdl(cuda)
+    assert not utils.pdl(cuda, "linear")
     monkeypatch.setattr(utils, "device_capability", lambda device: (12, 0))
-    assert utils.pdl(cuda)
-    monkeypatch.setattr(utils, "PDL", False)
-    assert not utils.pdl(cuda)
-    monkeypatch.setattr(utils, "PDL", True)
+    assert utils.pdl(cuda, "linear")
+    monkeypatch.setattr(utils, "PDL", utils.pdl_families("0"))
+    assert not utils.pdl(cuda, "linear")
+    monkeypatch.setattr(utils, "PDL", utils.pdl_families("int4, mhc"))
+    assert utils.pdl(cuda, "int4") and utils.pdl(cuda, "mhc") and not utils.pdl(cuda, "linear")
+    monkeypatch.setattr(utils, "PDL", every)
     monkeypatch.setattr(utils, "INTERPRET", True)
-    assert not utils.pdl(cuda)
+    assert not utils.pdl(cuda, "linear")
+
+
+def test_pdl_setting_names_families():
+    """GLM53_PDL: 0 / empty none, 1 all, or a list of families (to bisect a fault); a name
+    that is no family is refused with the list."""
+    from glm53.kernels import utils
+
+    assert utils.pdl_families("") == utils.pdl_families("0") == frozenset()
+    assert utils.pdl_families("1") == frozenset(utils.PDL_FAMILIES)
+    assert utils.pdl_families("router,kda") == {"router", "kda"}
+    with pytest.raises(ValueError, match="unknown kernel families.*gemv"):
+        utils.pdl_families("linear,gemv")
+
+
+def test_every_dependent_launch_names_a_family():
+    """Each `pdl(...)` / `pdl_early(...)` call in kernels/ names one of PDL_FAMILIES, and each
+    family has a launch: GLM53_PDL's lists turn real launches on."""
+    from glm53.kernels import utils
+
+    named = set()
+    for path in KERNELS.glob("*.py"):
+        if path.name == "utils.py":
+            continue
+        named |= set(re.findall(r"\bpdl(?:_early)?\([^,]+, \"(\w+)\"", path.read_text()))
+    assert named == set(utils.PDL_FAMILIES)
 
 
 def _launches(source: str) -> list[str]:
@@ -73,7 +101,7 @@ def test_the_gemv_launches_dependent_when_on(monkeypatch):
     from glm53.kernels import linear
 
     launches = []
-    monkeypatch.setattr(linear, "pdl", lambda device: True)
+    monkeypatch.setattr(linear, "pdl", lambda device, family: True)
     monkeypatch.setattr(linear, "linear_gemv_kernel", _Record(launches))
     linear.linear(torch.randn(1, 64), torch.randn(32, 64))
     assert [(m["PDL"], m["launch_pdl"]) for m in launches] == [(True, True)]
@@ -88,7 +116,7 @@ def test_mhc_launches_dependent_only_on_weights_no_kernel_just_wrote(monkeypatch
     from glm53.kernels import mhc, utils
 
     launches = []
-    monkeypatch.setattr(utils, "pdl", lambda device: True)
+    monkeypatch.setattr(utils, "pdl", lambda device, family: True)
     monkeypatch.setattr(mhc, "hc_mix_kernel", _Record(launches))
     monkeypatch.setattr(mhc, "hc_pre_kernel", _Record(launches))
     n, d = 4, 64
