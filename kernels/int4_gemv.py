@@ -332,31 +332,43 @@ def w2_gemv_kernel(act, q, scale, zero, blocks, sorted_tok, sorted_w, out, D, IN
 
 
 @triton.jit
+def pair_rows_sum(partial, ids, wts, e_off, E, o_t, m_t, o_n, m_n, D, K: tl.constexpr,
+                  SPLIT: tl.constexpr, BR: tl.constexpr):
+    """[BT, BN] fp32: for tokens o_t and columns o_n, the sum over each token's K pairs p and
+    the SPLIT K splits s of w(p) * partial[p SPLIT + s, n] (partial [T K SPLIT, D]), over the
+    pairs whose expert is local (e_off <= id < e_off + E; other ranks' pairs' rows were never
+    written, so they are masked, never read); a token with no local pair gets 0. A token's K
+    SPLIT rows are consecutive: one [BR, BN] tile a token (BR >= K SPLIT), summed by tl.sum in
+    a fixed order (deterministic). ids, wts: the flat top-k ids and routing weights [T K] (any
+    float dtype; fp32 math). Shared by `pairs_reduce_kernel` and the GEMV that takes the sum
+    in its epilogue (`linear.linear_gemv_kernel`)."""
+    o_r = tl.arange(0, BR)
+    p = o_t[:, None] * K + o_r[None, :] // SPLIT  # [BT, BR]: the pair of each row
+    m_p = m_t[:, None] & (o_r < K * SPLIT)[None, :]
+    e = tl.load(ids + p, mask=m_p, other=0).to(tl.int64) - e_off
+    ok = m_p & (e >= 0) & (e < E)
+    b_w = tl.load(wts + p, mask=ok, other=0.0).to(tl.float32)
+    row = o_t[:, None].to(tl.int64) * (K * SPLIT) + o_r[None, :]
+    b_y = tl.load(partial + row[:, :, None] * D + o_n[None, None, :],
+                  mask=ok[:, :, None] & m_n[None, None, :], other=0.0)
+    return tl.sum(b_y * b_w[:, :, None], 1)
+
+
+@triton.jit
 def pairs_reduce_kernel(partial, ids, wts, out, D, e_off, E, K: tl.constexpr,
                         SPLIT: tl.constexpr, BR: tl.constexpr, BN: tl.constexpr,
                         PDL: tl.constexpr):
-    """out[t, n] = sum over token t's K pairs p and the SPLIT K splits s of
-    w(p) * partial[p SPLIT + s, n], over the pairs whose expert is local (e_off <= id < e_off + E;
-    other ranks' pairs' rows were never written, so they are masked, never read), in out's
-    dtype; a token with no local pair gets 0. The token's K SPLIT rows are consecutive: one
-    [BR, BN] tile (BR >= K SPLIT), summed by tl.sum in a fixed order (deterministic). ids, wts:
-    the flat top-k ids and routing weights [T K] (any float dtype; fp32 math). PDL: waits
-    first (`utils.pdl`)."""
+    """out[t, n] in out's dtype: program (t, i_n) writes `pair_rows_sum` of token t's BN
+    columns from i_n BN. PDL: waits first (`utils.pdl`)."""
     pdl_start(PDL)
     pdl_wait(PDL)
     i_t, i_n = tl.program_id(0), tl.program_id(1)
-    o_r = tl.arange(0, BR)
-    m_r = o_r < K * SPLIT
-    p = i_t * K + o_r // SPLIT
-    e = tl.load(ids + p, mask=m_r, other=0).to(tl.int64) - e_off
-    ok = m_r & (e >= 0) & (e < E)
-    b_w = tl.load(wts + p, mask=ok, other=0.0).to(tl.float32)
+    o_t = i_t + tl.arange(0, 1)
     o_n = i_n * BN + tl.arange(0, BN)
     m_n = o_n < D
-    p_y = partial + (i_t.to(tl.int64) * K * SPLIT + o_r)[:, None] * D + o_n[None, :]
-    b_y = tl.load(p_y, mask=ok[:, None] & m_n[None, :], other=0.0)
-    tl.store(out + i_t.to(tl.int64) * D + o_n, tl.sum(b_y * b_w[:, None], 0).to(
-        out.dtype.element_ty), mask=m_n)
+    y = pair_rows_sum(partial, ids, wts, e_off, E, o_t, o_t >= 0, o_n, m_n, D, K, SPLIT, BR)
+    tl.store(out + o_t.to(tl.int64)[:, None] * D + o_n[None, :], y.to(out.dtype.element_ty),
+             mask=m_n[None, :])
 
 
 class PairRows(NamedTuple):

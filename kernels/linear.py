@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 
 from . import moe
-from .int4_gemv import PairRows
+from .int4_gemv import PairRows, pair_rows_sum
 from .ref import linear as ref_linear
 from .utils import INTERPRET, next_pow2, num_sms, pdl, pdl_start, pdl_wait
 
@@ -47,25 +47,6 @@ GEMV_ACC = 4096
 
 
 @triton.jit
-def pair_rows_sum(add, ids, wts, e_off, E, o_t, m_t, o_n, m_n, N, K_TOP: tl.constexpr,
-                  SPLIT: tl.constexpr, BR: tl.constexpr, dtype: tl.constexpr):
-    """[BT, BN] fp32: tokens o_t's columns o_n of a `int4_gemv.PairRows` sum (add: its
-    partial rows [T K_TOP SPLIT, N], ids / wts: its flat top-k ids and weights), as its
-    `reduce` computes them (fp32, rounded to `dtype`): w(p) times each local pair's SPLIT rows,
-    other ranks' pairs masked, never read."""
-    o_r = tl.arange(0, BR)
-    p = o_t[:, None] * K_TOP + o_r[None, :] // SPLIT  # [BT, BR] pair of each row
-    m_p = m_t[:, None] & (o_r < K_TOP * SPLIT)[None, :]
-    e = tl.load(ids + p, mask=m_p, other=0).to(tl.int64) - e_off
-    ok = m_p & (e >= 0) & (e < E)
-    b_w = tl.load(wts + p, mask=ok, other=0.0).to(tl.float32)
-    row = (o_t[:, None] * (K_TOP * SPLIT) + o_r[None, :]).to(tl.int64)
-    b_y = tl.load(add + row[:, :, None] * N + o_n[None, None, :],
-                  mask=ok[:, :, None] & m_n[None, None, :], other=0.0)
-    return tl.sum(b_y * b_w[:, :, None], 1).to(dtype).to(tl.float32)
-
-
-@triton.jit
 def linear_gemv_kernel(x, w, out, add, T, N, K, stride_x, stride_o, stride_a, limit,
                        a_ids, a_wts, a_off, a_local,
                        BT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
@@ -74,8 +55,9 @@ def linear_gemv_kernel(x, w, out, add, T, N, K, stride_x, stride_o, stride_a, li
                        PDL: tl.constexpr):
     """Program i_n: out[t, i_n*BN : +BN] = x[t] . w[rows] (+ add) for the T <= BT token rows:
     ADD 1, add[t, rows]; ADD 2, the sum of the `int4_gemv.PairRows` whose partial rows are
-    add (`pair_rows_sum`: a_ids, a_wts, a_off, a_local and A_K pairs a token, A_SPLIT rows a
-    pair, A_BR >= their product), summed where its `reduce` would have written it. SWIGLU: w
+    add (`int4_gemv.pair_rows_sum`: a_ids, a_wts, a_off, a_local and A_K pairs a token,
+    A_SPLIT rows a pair, A_BR >= their product), summed where its `reduce` would have
+    written it. SWIGLU: w
     is [gate; up] (N rows, N/2 each) and the program takes BN/2 gate rows interleaved with
     their up rows (2j: gate j, 2j+1: up j), writing out[t, i_n*BN/2 : +BN/2] =
     silu(min(gate, limit)) * clamp(up, +-limit) from the fp32 sums. PDL (`utils.pdl`): the
@@ -108,9 +90,9 @@ def linear_gemv_kernel(x, w, out, add, T, N, K, stride_x, stride_o, stride_a, li
     if ADD == 1:
         b_add = tl.load(add + o_t[:, None] * stride_a + o_n[None, :],
                         mask=m_t[:, None] & m_n[None, :]).to(tl.float32)
-    if ADD == 2:
+    if ADD == 2:  # rounded to out's dtype, as the routed output `PairRows.reduce` writes
         b_add = pair_rows_sum(add, a_ids, a_wts, a_off, a_local, o_t, m_t, o_n, m_n, N, A_K,
-                              A_SPLIT, A_BR, out.dtype.element_ty)
+                              A_SPLIT, A_BR).to(out.dtype.element_ty).to(tl.float32)
     acc = tl.zeros([BT, BN, BK], dtype=tl.float32)
     for k in range(BK, K, BK):
         # the next step's tiles before this step's products
