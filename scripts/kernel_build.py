@@ -252,8 +252,7 @@ def _cases(arch: int) -> dict[str, Callable[[], object]]:
                                          planes=3)
 
     def with_constants(module, call, **constants):
-        """call() with constants of `module` (kernels/sparse_mla.py, radix_select.py) overridden
-        (if any)."""
+        """call() with constants of a kernels `module` overridden (if any)."""
         if not constants:
             return call
 
