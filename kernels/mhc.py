@@ -102,6 +102,19 @@ def hc_mix_kernel(streams, fn, mix_part, ss_part, T, ND, SPLIT, M: tl.constexpr,
 
 
 @triton.jit
+def sinkhorn(b_c, iters, eps):
+    """The comb of [N, N] logits b_c: a row softmax (+ eps), then `iters` column and (after
+    the first) row normalisations, as the reference's Sinkhorn."""
+    b_c = tl.exp(b_c - tl.max(b_c, 1)[:, None])
+    b_c = b_c / tl.sum(b_c, 1)[:, None] + eps
+    b_c = b_c / (tl.sum(b_c, 0)[None, :] + eps)
+    for _ in range(iters - 1):
+        b_c = b_c / (tl.sum(b_c, 1)[:, None] + eps)
+        b_c = b_c / (tl.sum(b_c, 0)[None, :] + eps)
+    return b_c
+
+
+@triton.jit
 def pick(v, o_m, idx, RANK: tl.constexpr):
     """v[idx] for every entry of the index tensor idx of RANK dimensions (v: [BM] over o_m), in
     registers: a masked sum over v, exact (one term is not zero)."""
@@ -149,13 +162,7 @@ def hc_pre_kernel(streams, mix_part, ss_part, base, scale, norm_w, post, comb, c
     b_ss, b_mix = tl.sum(b_ss, 0), tl.sum(b_mix, 0)
     b_r = 1.0 / tl.sqrt(b_ss / (N * D) + rms_eps)
     if not gates:
-        b_c = pick(b_mix, o_m, 2 * N + o_ij, 2) * b_r * s2 + base_c
-        b_c = tl.exp(b_c - tl.max(b_c, 1)[:, None])
-        b_c = b_c / tl.sum(b_c, 1)[:, None] + hc_eps
-        b_c = b_c / (tl.sum(b_c, 0)[None, :] + hc_eps)
-        for _ in range(iters - 1):
-            b_c = b_c / (tl.sum(b_c, 1)[:, None] + hc_eps)
-            b_c = b_c / (tl.sum(b_c, 0)[None, :] + hc_eps)
+        b_c = sinkhorn(pick(b_mix, o_m, 2 * N + o_ij, 2) * b_r * s2 + base_c, iters, hc_eps)
         tl.store(comb + i_t * N * N + o_ij, b_c)
     else:
         b_pre = tl.sigmoid(pick(b_mix, o_m, o_i, 1) * b_r * s0 + base_pre) + hc_eps
